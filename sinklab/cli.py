@@ -1,0 +1,43 @@
+"""`sinklab`: measure checkpoints and models, report sweeps, export to transformers, prepare corpora."""
+from __future__ import annotations
+
+import importlib
+import sys
+from typing import Optional, Sequence
+
+COMMANDS = {
+    "measure": ("sinklab.measure", "sink and activation metrics of a checkpoint, run dir or transformers model"),
+    "report": ("sinklab.report", "tables and plots from a (finished or running) sweep dir"),
+    "export-hf": ("sinklab.export_hf", "write a checkpoint as a transformers LlamaForCausalLM directory"),
+    "prepare": ("sinklab.data.prepare", "tokenise a corpus once into sharded memmaps"),
+}
+
+
+def usage() -> str:
+    lines = ["usage: sinklab COMMAND [ARGS...]", "", "commands:"]
+    lines += [f"  {name:<10} {desc}" for name, (_, desc) in COMMANDS.items()]
+    lines += ["", "training is `sinklab-train` (Hydra); `sinklab COMMAND --help` for a command's options"]
+    return "\n".join(lines)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    from sinklab.errors import UserError
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage())
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"sinklab: unknown command {name!r}; allowed: {', '.join(COMMANDS)}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(COMMANDS[name][0])
+    try:
+        return int(module.main(rest) or 0)
+    except UserError as err:
+        print(f"sinklab {name}: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

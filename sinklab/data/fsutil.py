@@ -1,0 +1,90 @@
+"""Filesystem helpers shared by the data package.
+
+Everything the data package leaves on disk (cleaned corpora, tokenizers, token shards, manifests,
+probe sets) is written with `atomic_write_*`: write a temporary file in the same directory, fsync it,
+then `os.replace` it onto the final name. A process killed at any moment therefore leaves either the
+old file or the new one, never half of one. Builders that several processes may run at once (DDP
+ranks, two runs sharing a cache) take `locked(path)`, an OS-level lock released when the process dies.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+from filelock import FileLock
+
+DEFAULT_CACHE_DIR = "~/.cache/sinklab"
+
+
+def resolve_cache_dir(cache_dir: str | os.PathLike | None = None) -> Path:
+    """The cache root: `cache_dir` if given, else $SINKLAB_CACHE, else ~/.cache/sinklab."""
+    chosen = cache_dir or os.environ.get("SINKLAB_CACHE") or DEFAULT_CACHE_DIR
+    path = Path(chosen).expanduser().resolve()
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """Write `data` to `path` so that readers see either the old file or the complete new one."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
+    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+
+def read_json(path: str | os.PathLike) -> Any:
+    """Read a JSON file, naming the file if it is not valid JSON."""
+    path = Path(path)
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON ({e}); delete it to rebuild") from e
+
+
+@contextmanager
+def locked(path: str | os.PathLike) -> Iterator[None]:
+    """Hold an exclusive lock on `<path>.lock` (blocks while another process holds it)."""
+    lock_path = Path(str(path) + ".lock")
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(lock_path)):
+        yield
+
+
+def sha256_file(path: str | os.PathLike, chunk_bytes: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk_bytes):
+            h.update(block)
+    return h.hexdigest()
+
+
+def hash_strings(*parts: str) -> str:
+    """A stable hex digest of a sequence of strings (used to build cache keys)."""
+    h = hashlib.sha256()
+    for part in parts:
+        data = part.encode("utf-8")
+        h.update(len(data).to_bytes(8, "little"))
+        h.update(data)
+    return h.hexdigest()

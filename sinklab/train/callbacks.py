@@ -1,0 +1,148 @@
+"""Callbacks: the sink metric during training, and the run's status file."""
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import lightning as L
+import torch
+
+from sinklab.metrics import activation_stats, attention_scores, flatten_activation_stats, slot_names, summarise
+
+
+class SinkCallback(L.Callback):
+    """Logs Sink_k, alpha_k, Sink*, slot scores (sink/...) and activation statistics (act/...) on the probe set
+    every `every_n_steps` optimizer steps and at the end of training; a layer x head heatmap of alpha_1 at each
+    validation. Runs on rank 0 only; its last measurement survives a resume."""
+
+    def __init__(self, every_n_steps: int = 250, k: int = 4, eps: Sequence[float] = (0.3,),
+                 activations: bool = True, heatmap: bool = True, batch_size: int = 50):
+        self.every_n_steps = every_n_steps
+        self.k, self.eps = k, list(eps)
+        self.activations, self.heatmap = activations, heatmap
+        self.batch_size = batch_size
+        self.last_step = -1
+        self.last: dict[str, float] = {}
+        self.seconds = 0.0  # time spent measuring, for the benchmark
+
+    # ------------------------------------------------------------------ measurement
+    def probe(self, trainer: L.Trainer) -> torch.Tensor:
+        dm = trainer.datamodule
+        if dm is None or not hasattr(dm, "probe_tokens"):
+            raise RuntimeError("SinkCallback needs a datamodule with probe_tokens()")
+        return dm.probe_tokens()
+
+    @torch.no_grad()
+    def measure(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, float]:
+        t0 = time.perf_counter()
+        net = pl_module.net
+        was_training = net.training
+        net.eval()
+        try:
+            tokens = self.probe(trainer).to(pl_module.device)
+            scores = attention_scores(net, tokens, k=self.k, batch_size=self.batch_size)
+            out = {f"sink/{k}": v for k, v in summarise(scores, self.eps, slot_names(net.cfg)).items()}
+            if self.activations:
+                stats = activation_stats(net, tokens, batch_size=self.batch_size)
+                out.update({f"act/{k}": v for k, v in flatten_activation_stats(stats).items()})
+        finally:
+            net.train(was_training)
+        self._alpha1 = scores.alpha[..., 0].mean(0)  # (L, H), for the heatmap
+        self.seconds += time.perf_counter() - t0
+        return out
+
+    def log(self, trainer: L.Trainer, metrics: dict[str, float]) -> None:
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step)
+        self.last, self.last_step = metrics, trainer.global_step
+
+    def run(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.global_step == self.last_step:
+            return
+        metrics = self.measure(trainer, pl_module) if trainer.is_global_zero else {}
+        if trainer.is_global_zero:
+            self.log(trainer, metrics)
+        self.last_step = trainer.global_step
+
+    # ------------------------------------------------------------------ hooks
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self.every_n_steps and trainer.global_step % self.every_n_steps == 0:
+            self.run(trainer, pl_module)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self.run(trainer, pl_module)
+        if trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.save()
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        if not (self.heatmap and trainer.is_global_zero) or trainer.sanity_checking:
+            return
+        if self.last_step != trainer.global_step:
+            self.log(trainer, self.measure(trainer, pl_module))
+        path = save_heatmap(self._alpha1, Path(trainer.default_root_dir) / "sink_heatmaps",
+                            trainer.global_step, self.eps[0])
+        for logger in trainer.loggers:
+            if type(logger).__name__ == "WandbLogger":
+                logger.log_image("sink/alpha1_heatmap", [str(path)], step=trainer.global_step)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"last_step": self.last_step, "last": self.last, "seconds": self.seconds}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.last_step, self.last, self.seconds = state["last_step"], state["last"], state.get("seconds", 0.0)
+
+
+def save_heatmap(alpha1: torch.Tensor, out_dir: Path, step: int, eps: float) -> Path:
+    """alpha1 (L, H) -> PNG with layers as rows and heads as columns, cells above eps outlined."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    a = alpha1.float().cpu().numpy()
+    L_, H = a.shape
+    fig, ax = plt.subplots(figsize=(1.2 + 0.5 * H, 1.0 + 0.4 * L_))
+    im = ax.imshow(a, vmin=0, vmax=1, cmap="viridis", aspect="auto")
+    for (i, j), v in __import__("numpy").ndenumerate(a):
+        ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=7, color="white" if v < 0.6 else "black")
+    ax.set_xlabel("head")
+    ax.set_ylabel("layer")
+    ax.set_xticks(range(H))
+    ax.set_yticks(range(L_))
+    ax.set_title(f"alpha_1 at step {step} (Sink_1 = {100 * (a > eps).mean():.1f}%)", fontsize=9)
+    fig.colorbar(im, ax=ax, label="alpha_1")
+    fig.tight_layout()
+    path = out_dir / f"alpha1_step{step:07d}.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+class StatusFile(L.Callback):
+    """Writes status.json in the run dir: running / completed / failed, with the error and final metrics,
+    so that a sweep report can read the state of every job, even a failed or unfinished one."""
+
+    def __init__(self, path: Optional[str] = None):
+        self.path = path
+
+    def write(self, trainer: Optional[L.Trainer], status: str, error: Optional[str] = None,
+              final: Optional[dict] = None) -> None:
+        if trainer is not None and not trainer.is_global_zero:
+            return
+        path = Path(self.path or (Path(trainer.default_root_dir) / "status.json"))
+        data = {"status": status, "error": error, "step": trainer.global_step if trainer else 0,
+                "final": final or {}, "time": time.time()}
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(data, indent=1))
+        os.replace(tmp, path)
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        self.write(trainer, "running")
+
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        self.write(trainer, "failed", error=f"{type(exception).__name__}: {exception}".splitlines()[0])

@@ -1,0 +1,78 @@
+"""Foundation checks of the default LLaMA2-style model."""
+import math
+
+import pytest
+import torch
+
+from sinklab.model import PRESETS, ConfigError, ModelConfig, Transformer, preset
+
+
+def test_shapes_and_default_architecture(make_model):
+    m = make_model()
+    idx = torch.randint(0, 97, (3, 24))
+    assert m(idx).shape == (3, 24, 97)
+    assert m(idx, return_hidden=True).shape == (3, 24, 32)
+    # LLaMA2 style: RMSNorm, SwiGLU, RoPE, no linear biases, untied head
+    assert type(m.blocks[0].norm1).__name__ == "RMSNorm" and m.blocks[0].norm1.eps == 1e-5
+    assert m.blocks[0].ffn.gated and m.rope is not None
+    assert all(lin.bias is None for lin in m.modules() if isinstance(lin, torch.nn.Linear))
+    assert m.lm_head.weight.data_ptr() != m.tok_emb.weight.data_ptr()
+
+
+def test_init_std_matches_reference():
+    torch.manual_seed(0)
+    m = Transformer(ModelConfig(vocab_size=4000, n_layer=1, n_head=4, d_model=256, d_ff=512))
+    assert abs(m.tok_emb.weight.std().item() - math.sqrt(2 / (5 * 256))) < 2e-3
+    assert abs(m.blocks[0].attn.q_proj.weight.std().item() - math.sqrt(2 / (5 * 256))) < 3e-3
+
+
+def test_causality(make_model):
+    m = make_model()
+    idx = torch.randint(0, 97, (2, 24))
+    ref = m(idx)
+    changed = idx.clone()
+    changed[:, 15] = (changed[:, 15] + 1) % 97
+    out = m(changed)
+    torch.testing.assert_close(out[:, :15], ref[:, :15])
+    assert (out[:, 15:] - ref[:, 15:]).abs().max() > 1e-4
+
+
+def test_fused_and_explicit_paths_agree(make_model):
+    m = make_model()
+    idx = torch.randint(0, 97, (2, 24))
+    fused = m(idx)
+    explicit, probs = m(idx, return_probs=True)
+    torch.testing.assert_close(fused, explicit, atol=1e-5, rtol=1e-5)
+    assert len(probs) == 2 and probs[0].shape == (2, 4, 24, 24)
+    torch.testing.assert_close(probs[0].sum(-1), torch.ones(2, 4, 24))
+
+
+def test_size_presets():
+    assert set(PRESETS) == {"tiny", "14m", "60m", "1b"}
+    cfg = preset("60m", vocab_size=50432)
+    assert (cfg.n_layer, cfg.n_head, cfg.d_model, cfg.d_ff, cfg.block_size) == (10, 8, 768, 1536, 2048)
+    with torch.device("meta"):
+        m = Transformer(cfg)
+    assert 55e6 < m.num_params() < 65e6  # ~60M without embeddings, as in the paper
+    big = preset("1b")
+    assert (big.n_layer, big.n_head, big.d_model, big.d_ff) == (22, 16, 2048, 5632)
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(n_head=5), "n_head=5 does not divide"),
+    (dict(window=100), "window=100 exceeds"),
+    (dict(prefix_len=24), "prefix_len=24 must be smaller"),
+    (dict(pos="rotary"), "model.pos='rotary' is not supported; allowed: nope, sinusoidal"),
+    (dict(n_head=8, d_model=24), "needs an even head size"),
+    (dict(attn_bias_fixed_value_scale=5.0, attn_bias="kv"), "needs model.attn_bias=k"),
+])
+def test_impossible_configs_are_refused(bad, match):
+    from tests.conftest import SMALL
+
+    with pytest.raises(ConfigError, match=match):
+        ModelConfig(**{**SMALL, **bad}).validate()
+
+
+def test_unknown_option_is_named():
+    with pytest.raises(ConfigError, match="unknown model option.*model.n_layers"):
+        ModelConfig.from_dict({"n_layers": 3})

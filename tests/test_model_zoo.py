@@ -1,0 +1,300 @@
+"""One behavioural test per architecture switch (issue: model zoo)."""
+import pytest
+import torch
+
+from sinklab.model import ModelConfig, Transformer
+from sinklab.model.positional import alibi_slopes
+
+V = 97
+
+
+def ids(B=2, T=24, seed=0):
+    return torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(seed))
+
+
+def maps(m, idx):
+    return m(idx, return_probs=True)[1]
+
+
+def test_window_hides_tokens_before_the_window(make_model):
+    m = make_model(window=4, n_layer=1)
+    idx = ids()
+    ref = m(idx)
+    changed = idx.clone()
+    changed[:, 10] = (changed[:, 10] + 3) % V  # with one layer, outputs i >= 14 cannot see position 10
+    out = m(changed)
+    torch.testing.assert_close(out[:, 14:], ref[:, 14:])
+    assert (out[:, 10:14] - ref[:, 10:14]).abs().max() > 1e-5
+    a = maps(m, idx)[0]
+    assert torch.all(a[..., 20, :17] == 0) and torch.all(a[..., 20, 17:21] > 0)
+
+
+def test_prefix_tokens_see_each_other_and_nothing_after(make_model):
+    m = make_model(prefix_len=5)
+    a = maps(m, ids())[0]  # (B, H, T, T)
+    assert torch.all(a[..., :5, :5] > 0)  # prefix rows see every prefix column, also later ones
+    assert torch.all(a[..., :5, 5:] == 0)  # nothing after the prefix
+    assert torch.all(a[..., 10, 11:] == 0)  # causal after the prefix
+
+
+def test_prefix_loss_skips_first_targets():
+    from sinklab.train.module import LitLM
+
+    cfg = dict(vocab_size=V, n_layer=1, n_head=2, d_model=16, d_ff=32, block_size=16, prefix_len=4)
+    lit = LitLM(model=cfg, optim=dict(lr=1e-3, weight_decay=0.0), max_steps=1)
+    batch = torch.randint(0, V, (2, 17))
+    changed = batch.clone()
+    changed[:, 1:4] = (changed[:, 1:4] + 1) % V  # targets 0..2 (the first p-1) change; inputs 1..3 too
+    logits = lit.model(batch[:, :-1])
+    expect = torch.nn.functional.cross_entropy(logits[:, 3:].flatten(0, 1), batch[:, 4:].flatten())
+    torch.testing.assert_close(lit.loss(batch), expect)
+
+
+def test_k_bias_slot_is_seen_by_every_query_and_has_zero_value(make_model):
+    m = make_model(attn_bias="k")
+    a = maps(m, ids())[0]  # (B, H, T, 1 + T)
+    assert a.shape[-1] == 25 and torch.all(a[..., :, 0] > 0)
+    records = []
+    m(ids(), records=records)
+    assert torch.all(records[0]["v"][:, :, 0] == 0)  # the K bias slot's value is zero
+    assert not torch.all(records[0]["k"][:, :, 0] == 0)
+
+
+def test_kv_bias_has_learned_value_and_is_not_rotated(make_model):
+    m = make_model(attn_bias="kv", n_layer=1)
+    records = []
+    m(ids(), records=records)
+    slot_k = records[0]["k"][:, :, 0]
+    torch.testing.assert_close(slot_k[0], m.blocks[0].attn.k_bias.detach())  # not rotated by RoPE
+    torch.testing.assert_close(records[0]["v"][0, :, 0], m.blocks[0].attn.v_bias.detach())
+
+
+def test_shared_bias_has_one_vector_for_all_heads(make_model):
+    assert make_model(attn_bias="kv", attn_bias_shared=True).blocks[0].attn.k_bias.shape == (1, 8)
+    assert make_model(attn_bias="kv").blocks[0].attn.k_bias.shape == (4, 8)
+
+
+def test_fixed_value_bias_has_the_requested_norm(make_model):
+    m = make_model(attn_bias="k", attn_bias_fixed_value_scale=5.0)
+    records = []
+    m(ids(), records=records)
+    torch.testing.assert_close(records[0]["v"][:, :, 0].norm(dim=-1), torch.full((2, 4), 5.0))
+    assert "v_fixed" not in dict(m.named_parameters())
+
+
+def test_v_bias_is_added_to_the_attention_output(make_model):
+    m = make_model(attn_bias="v", n_layer=1)
+    attn = m.blocks[0].attn
+    x = torch.randn(1, 6, 32)
+    layout = m.layout(6, x.device)
+    with torch.no_grad():
+        out = attn(x, layout, m.rope)
+        attn.v_out_bias.zero_()
+        no_bias = attn(x, layout, m.rope)
+    # the bias adds a constant o_proj(v_bias) to every position
+    diff = out - no_bias
+    torch.testing.assert_close(diff, diff[:, :1].expand_as(diff))
+    assert diff.abs().max() > 1e-6
+
+
+def test_sink_tokens_are_prepended_and_never_predicted(make_model):
+    m = make_model(n_sink_tokens=2)
+    idx = ids()
+    logits, probs = m(idx, return_probs=True)
+    assert logits.shape == (2, 24, V)  # only the real tokens are predicted
+    assert probs[0].shape[-1] == 26 and torch.all(probs[0][..., 2:, 0] > 0)
+    assert m.sink_tokens.requires_grad and m.sink_tokens.shape == (2, 32)
+
+
+def test_nope_has_no_position_parameter_and_is_permutation_equivariant(make_model):
+    m = make_model(pos="nope")
+    assert m.rope is None and m.abs_pos is None and m.pos_bias is None
+    assert not any("pos" in n for n, _ in m.named_parameters())
+    # without the causal mask, permuting the input permutes the output
+    layout = m.layout(24, torch.device("cpu"))
+    layout.prefix_len = 24  # every token sees every token
+    x = m.embed(ids(B=1))
+    perm = torch.randperm(24)
+    block = m.blocks[0]
+    with torch.no_grad():
+        out, _ = block(x, layout)
+        out_p, _ = block(x[:, perm], layout)
+    torch.testing.assert_close(out_p, out[:, perm], atol=1e-5, rtol=1e-5)
+
+
+def test_alibi_slopes_match_the_geometric_sequence():
+    torch.testing.assert_close(alibi_slopes(8), torch.tensor([2 ** -(i + 1) for i in range(8)]))
+    torch.testing.assert_close(alibi_slopes(4), torch.tensor([2 ** (-2 * (i + 1)) for i in range(4)]))
+    assert len(alibi_slopes(6)) == 6
+
+
+def test_alibi_bias_decays_with_distance(make_model):
+    m = make_model(pos="alibi")
+    layout = m.layout(8, torch.device("cpu"))
+    b = layout.bias(torch.arange(8))
+    torch.testing.assert_close(b[0, 7, 7 - 3], -3 * alibi_slopes(4)[0])
+
+
+def test_relative_bias_uses_t5_buckets(make_model):
+    m = make_model(pos="relative")
+    rel = torch.arange(-200, 1)
+    buckets = m.pos_bias.bucket(rel)
+    assert buckets.max() == 31 and buckets[-1] == 0  # 32 buckets, distance 0 in bucket 0
+    assert buckets[0] == buckets[-129]  # beyond max distance 128 all share the last bucket
+
+
+@pytest.mark.parametrize("pos", ["sinusoidal", "learnable"])
+def test_absolute_positions_are_added_to_embeddings(make_model, pos):
+    m = make_model(pos=pos)
+    x = m.embed(torch.zeros(1, 5, dtype=torch.long))
+    assert not torch.allclose(x[0, 0], x[0, 1])  # same token, different positions
+    assert (pos == "learnable") == any("abs_pos" in n for n, _ in m.named_parameters())
+
+
+def test_post_norm_puts_a_norm_after_each_residual_add(make_model):
+    m = make_model(norm_position="post")
+    assert isinstance(m.norm, torch.nn.Identity)  # no final norm, as in the reference
+    calls = []
+    for name, mod in m.named_modules():
+        if name.endswith(("norm1", "norm2")):
+            mod.register_forward_hook(lambda mod, inp, out, name=name: calls.append((name, out)))
+    m(ids())
+    assert [c[0] for c in calls[:2]] == ["blocks.0.norm1", "blocks.0.norm2"]
+    # the block output is the output of its second norm: unit RMS
+    records = []
+    m(ids(), records=records)
+    rms = records[0]["h"].pow(2).mean(-1).sqrt()
+    torch.testing.assert_close(rms, torch.ones_like(rms), atol=1e-3, rtol=1e-3)
+
+
+def test_layernorm_switch(make_model):
+    assert isinstance(make_model(norm="layer").blocks[0].norm1, torch.nn.LayerNorm)
+
+
+@pytest.mark.parametrize("ffn,gated", [("relu", False), ("gelu", False), ("swish", False),
+                                       ("reglu", True), ("geglu", True), ("swiglu", True)])
+def test_ffn_types(ffn, gated):
+    from sinklab.model.layers import FeedForward
+
+    f = FeedForward(ffn, 8, 16)
+    assert f.gated == gated and (f.w3 is not None) == gated
+    x = torch.randn(3, 8)
+    h = f.act(f.w1(x))
+    expect = f.w2(h * f.w3(x)) if gated else f.w2(h)
+    torch.testing.assert_close(f(x), expect)
+
+
+def test_heads_independent_of_width_and_gqa(make_model):
+    m = make_model(n_head=2, head_dim=24)
+    assert m.blocks[0].attn.q_proj.weight.shape == (48, 32)
+    g = make_model(n_head=4, n_kv_head=2)
+    assert g.blocks[0].attn.k_proj.weight.shape == (16, 32)
+    records = []
+    g(ids(), records=records)
+    k = records[0]["k"]
+    torch.testing.assert_close(k[:, 0], k[:, 1])  # heads 0 and 1 share a kv head
+
+
+def test_softmax_scale_sharpens(make_model):
+    a1 = maps(make_model(softmax_scale=1.0), ids())[0]
+    a4 = maps(make_model(softmax_scale=4.0), ids())[0]
+    ent = lambda a: -(a.clamp_min(1e-12).log() * a).sum(-1).mean()  # noqa: E731
+    assert ent(a4) < ent(a1)
+
+
+def test_sigmoid_rows_do_not_sum_to_one_unless_normalised(make_model):
+    a = maps(make_model(attn_op="sigmoid"), ids())[0]
+    assert (a.sum(-1) - 1).abs().max() > 0.1
+    assert torch.all(a.triu(1) == 0)  # still causal
+    an = maps(make_model(attn_op="sigmoid", attn_normalize=True), ids())[0]
+    torch.testing.assert_close(an.sum(-1), torch.ones_like(an.sum(-1)))
+
+
+def test_sigmoid_bias_shifts_scores(make_model):
+    a0 = maps(make_model(attn_op="sigmoid"), ids())[0]
+    ab = maps(make_model(attn_op="sigmoid", sigmoid_bias=-3.0), ids())[0]
+    assert ab.sum() < a0.sum()
+
+
+def test_elu_plus_one_is_positive_and_unnormalised(make_model):
+    a = maps(make_model(attn_op="elu"), ids())[0]
+    causal = torch.ones(24, 24).tril().bool()
+    assert torch.all(a[..., causal] > 0) and (a.sum(-1) - 1).abs().max() > 0.1
+
+
+@pytest.mark.parametrize("kmap", ["identity", "elu", "mlp"])
+def test_kernel_attention_normalisation(make_model, kmap):
+    m = make_model(attn_op="kernel", kernel_map=kmap, attn_normalize=True)
+    a = maps(m, ids())[0]
+    s = a.sum(-1)
+    if kmap == "elu":
+        torch.testing.assert_close(s, torch.ones_like(s))
+    else:  # divided by max(|row sum|, 1)
+        assert s.abs().max() <= 1 + 1e-5
+    assert (kmap == "mlp") == hasattr(m.blocks[0].attn, "phi")
+
+
+def test_kernel_identity_can_be_negative(make_model):
+    a = maps(make_model(attn_op="kernel", kernel_map="identity"), ids())[0]
+    assert (a < 0).any()
+
+
+def test_gated_attention(make_model):
+    import dataclasses
+
+    for gate, out in (("headwise", 4), ("elementwise", 32)):
+        m = make_model(gate=gate)
+        attn = m.blocks[0].attn
+        assert attn.gate_proj.out_features == out
+        x = torch.randn(2, 6, 32)
+        layout = m.layout(6, x.device)
+        with torch.no_grad():
+            attn.gate_proj.weight.zero_()  # gate = sigmoid(0) = 1/2 everywhere
+            gated = attn(x, layout, m.rope)
+            attn.cfg = dataclasses.replace(attn.cfg, gate="none")
+            plain = attn(x, layout, m.rope)
+        torch.testing.assert_close(gated, 0.5 * plain)
+
+
+@pytest.mark.parametrize("kind", ["learned", "zero"])
+def test_sink_logit_absorbs_mass(make_model, kind):
+    m = make_model(sink_logit=kind)
+    a = maps(m, ids())[0]
+    assert torch.all(a.sum(-1) < 1) and torch.all(a.sum(-1) > 0)
+    assert (kind == "learned") == hasattr(m.blocks[0].attn, "sink_logit")
+    if kind == "zero":  # softmax-off-by-one: row sum = sum e^s / (1 + sum e^s)
+        records = []
+        m(ids(), records=records)
+        q, k = records[0]["q"], records[0]["k"]
+        s = (q @ k.transpose(-1, -2)) / (8 ** 0.5)
+        s = s.masked_fill(~torch.ones(24, 24).tril().bool(), float("-inf"))
+        e = s.exp().sum(-1)
+        torch.testing.assert_close(a.sum(-1), e / (1 + e), atol=1e-5, rtol=1e-5)
+
+
+def test_softpick_rectifies_and_excludes_masked_positions(make_model):
+    a = maps(make_model(attn_op="softpick"), ids())[0]
+    assert (a == 0).float()[..., torch.ones(24, 24).tril().bool()].mean() > 0.05  # some visible keys get exactly 0
+    assert torch.all(a.triu(1) == 0) and torch.all(a.sum(-1) <= 1 + 1e-5)
+
+
+SWITCHES = [dict(pos=p) for p in ("nope", "sinusoidal", "learnable", "alibi", "relative")] + [
+    dict(window=5), dict(prefix_len=4), dict(window=5, pos="alibi"), dict(prefix_len=4, pos="relative"),
+    dict(window=6, pos="learnable"), dict(attn_bias="kv"), dict(attn_bias="k", window=5), dict(n_sink_tokens=2),
+    dict(n_sink_tokens=1, window=4), dict(attn_bias="v"), dict(gate="headwise"), dict(n_kv_head=2),
+    dict(norm_position="post"), dict(softmax_scale=2.0), dict(prefix_len=3, attn_bias="kv", pos="alibi"),
+]
+
+
+@pytest.mark.parametrize("sw", SWITCHES, ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()))
+def test_fused_and_explicit_agree_for_every_switch(make_model, sw):
+    m = make_model(**sw)
+    idx = ids()
+    torch.testing.assert_close(m(idx), m(idx, return_probs=True)[0], atol=2e-5, rtol=1e-5)
+
+
+def test_fused_path_is_used_only_where_sdpa_applies():
+    assert ModelConfig(attn_op="softmax").can_fuse
+    assert not ModelConfig(attn_op="sigmoid").can_fuse
+    assert not ModelConfig(sink_logit="zero").can_fuse
+    assert not ModelConfig(attn_op="softpick").can_fuse
