@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import numpy as np
 import yaml
@@ -33,14 +33,16 @@ PAPER_CITE = "Gu et al., ICLR 2025 (60M LLaMA-style model, 20k steps of ~1M toke
 STALE_MINUTES = 10.0
 STATUS_ORDER = ("completed", "running", "failed", "stalled", "killed", "unknown", "pending")
 # Final metrics reported per job: (column in report.csv, column in metrics.csv, label). sink1 and val_loss are
-# always reported; the others only when some job logged them. Slot scores (sink/slot, sink/slot_<name>) are
-# added dynamically.
-METRICS = (
+# always reported; the others only when some job logged them. Slot scores (sink/slot, sink/slot_<name>) go
+# between the two groups.
+SINK_METRICS = (
     ("sink1", "sink/sink1", "Sink_1 (%)"),
     ("sink2", "sink/sink2", "Sink_2 (%)"),
     ("sink3", "sink/sink3", "Sink_3 (%)"),
     ("sink4", "sink/sink4", "Sink_4 (%)"),
     ("sink1_star", "sink/sink1_star", "Sink*_1 (%)"),
+)
+LOSS_METRICS = (
     ("val_loss", "val/loss", "val loss (nats)"),
     ("train_loss", "train/loss", "train loss (nats)"),
 )
@@ -118,9 +120,9 @@ def read_status(job_dir: Path, now: float, stale_s: float) -> tuple[str, str, Op
         if status == "running" and not fresh:
             status = "stalled"
         error = " ".join(str(data.get("error") or "").split())
-        step = data.get("step")
+        step = _to_float(data.get("step"))
         final = data.get("final") if isinstance(data.get("final"), dict) else {}
-        return status, error, int(step) if isinstance(step, (int, float)) and not isinstance(step, bool) else None, final
+        return status, error, int(step) if step is not None and math.isfinite(step) else None, final
     if metrics_path.is_file():
         return ("running" if fresh else "killed"), "", None, {}
     return "unknown", "", None, {}
@@ -206,12 +208,16 @@ def _job_sort_key(name: str) -> tuple:
     return (0, int(name), "") if name.isdigit() else (1, 0, name)
 
 
+def _new_job(name: str, path: Optional[Path], override_lines: Sequence[str], cfg: Any = None) -> Job:
+    parsed = _parse_overrides(override_lines)
+    return Job(name, path, {k: v for k, v, _, _ in parsed}, {k: t for k, _, t, _ in parsed}, cfg)
+
+
 def load_job(path: Path, now: float, stale_s: float) -> Job:
     hydra_dir = path / ".hydra"
     lines = _load_yaml(hydra_dir / "overrides.yaml") if (hydra_dir / "overrides.yaml").is_file() else None
-    parsed = _parse_overrides(OmegaConf.to_container(lines) if OmegaConf.is_list(lines) else [])
     cfg = _load_yaml(hydra_dir / "config.yaml") if (hydra_dir / "config.yaml").is_file() else None
-    job = Job(path.name, path, {k: v for k, v, _, _ in parsed}, {k: t for k, _, t, _ in parsed}, cfg)
+    job = _new_job(path.name, path, OmegaConf.to_container(lines) if OmegaConf.is_list(lines) else [], cfg)
     job.status, job.error, status_step, status_final = read_status(path, now, stale_s)
     job.metrics = read_metrics(path / "metrics.csv")
     steps = [s for s in (job.metrics.max_step, status_step) if s is not None]
@@ -255,17 +261,14 @@ def _expected_jobs(mr: Any, lines: list[str]) -> Optional[list[list[str]]]:
         return None
 
 
-def load_sweep(sweep_dir: Path, now: Optional[float] = None, stale_minutes: float = STALE_MINUTES,
-               exclude: Iterable[Path] = ()) -> Sweep:
+def load_sweep(sweep_dir: Path, now: Optional[float] = None, stale_minutes: float = STALE_MINUTES) -> Sweep:
     sweep_dir = Path(sweep_dir)
     if not sweep_dir.is_dir():
         raise FileNotFoundError(f"no such sweep dir: {sweep_dir}")
     now = time.time() if now is None else now
     stale_s = 60.0 * stale_minutes
-    excluded = {Path(p).resolve() for p in exclude}
     mr = _load_yaml(sweep_dir / "multirun.yaml") if (sweep_dir / "multirun.yaml").is_file() else None
-    dirs = [p for p in sweep_dir.iterdir()
-            if not p.name.startswith(".") and p.resolve() not in excluded and _is_job_dir(p)]
+    dirs = [p for p in sweep_dir.iterdir() if not p.name.startswith(".") and _is_job_dir(p)]
     if not dirs and mr is None and (sweep_dir / ".hydra").is_dir():
         dirs = [sweep_dir]  # a single (non-multirun) run dir
     jobs = [load_job(p, now, stale_s) for p in sorted(dirs, key=lambda p: _job_sort_key(p.name))]
@@ -280,8 +283,7 @@ def load_sweep(sweep_dir: Path, now: Optional[float] = None, stale_minutes: floa
         have = {j.name for j in jobs}
         for i, lines in enumerate(expected):
             if str(i) not in have:
-                parsed = _parse_overrides(lines)
-                jobs.append(Job(str(i), None, {k: v for k, v, _, _ in parsed}, {k: t for k, _, t, _ in parsed}))
+                jobs.append(_new_job(str(i), None, lines))
         jobs.sort(key=lambda j: _job_sort_key(j.name))
     # keys whose override differs between jobs are swept too (other sweepers, or no multirun.yaml)
     for job in jobs:
@@ -371,7 +373,7 @@ def paper_values(row: Optional[dict]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     sinks = row.get("sink") if isinstance(row.get("sink"), list) else []
     for k, v in enumerate(sinks, start=1):
-        out[f"paper_sink{k}"] = v
+        out[f"paper_sink{k}"] = _to_float(v)
     for f in PAPER_FIELDS:
         if f in row and _to_float(row[f]) is not None:
             out[f"paper_{f}"] = float(row[f])
@@ -389,13 +391,10 @@ def experiment_info(cfg: Any) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------- the tables
 def _metric_columns(jobs: list[Job]) -> list[tuple[str, str, str]]:
     present = set().union(*(j.final for j in jobs)) if jobs else set()
-    cols = [m for m in METRICS if m[0] in ALWAYS or m[1] in present]
-    slots = sorted({c for c in present if SLOT_RE.match(c)})
-    for c in slots:
-        name = SLOT_RE.match(c).group(1)
-        cols.insert(len(cols) - sum(1 for m in cols if m[0] in ("val_loss", "train_loss")),
-                    (name, c, f"{name.replace('_', ' ')} score (%)"))
-    return cols
+    slots = [SLOT_RE.match(c) for c in sorted(present)]
+    slot_cols = [(m.group(1), m.group(0), f"{m.group(1).replace('_', ' ')} score (%)") for m in slots if m]
+    return [m for m in SINK_METRICS if m[0] in ALWAYS or m[1] in present] + slot_cols + \
+        [m for m in LOSS_METRICS if m[0] in ALWAYS or m[1] in present]
 
 
 def build_rows(sweep: Sweep, tables: dict) -> tuple[list[dict], list[str], list[tuple[str, str, str]]]:
@@ -416,16 +415,12 @@ def build_rows(sweep: Sweep, tables: dict) -> tuple[list[dict], list[str], list[
         row["error"] = job.error
         row["dir"] = str(job.path) if job.path else ""
         rows.append(row)
-    paper_cols = [c for c in [f"paper_{f}" for f in PAPER_FIELDS] + ["paper_note"] if any(c in r for r in rows)]
+    wanted = {c for r in rows for c in r if c.startswith("paper_")}
     if sweep_exp["paper_table"] and isinstance(tables.get(sweep_exp["paper_table"]), list):
-        paper_cols = sorted(set(paper_cols) | {"paper_sink1", "paper_loss"}, key=_paper_col_order)
+        wanted |= {"paper_sink1", "paper_loss"}  # shown even where no row matched
+    paper_cols = [c for c in [f"paper_{f}" for f in PAPER_FIELDS] + ["paper_note"] if c in wanted]
     columns = ["job", *sweep.swept, "status", "steps", *[c for c, _, _ in mcols], *paper_cols, "error", "dir"]
     return [{c: r.get(c) for c in columns} for r in rows], columns, mcols
-
-
-def _paper_col_order(c: str) -> int:
-    order = [f"paper_{f}" for f in PAPER_FIELDS] + ["paper_note"]
-    return order.index(c)
 
 
 def aggregate_rows(rows: list[dict], swept: list[str], value_cols: list[str]) -> Optional[list[dict]]:
@@ -467,9 +462,11 @@ def _fmt(v: Any, col: str = "") -> str:
     if isinstance(v, float):
         if math.isnan(v):
             return "nan"
-        if col in ("val_loss", "train_loss", "paper_loss") or col.endswith("loss_mean") or col.endswith("loss_std"):
+        if col.startswith("paper_"):
+            return f"{v:.2f}"  # the paper's precision
+        if col.endswith(("loss", "loss_mean", "loss_std")):
             return f"{v:.3f}"
-        if col.startswith(("sink", "paper_sink", "slot")):
+        if col.startswith(("sink", "slot")):
             return f"{v:.2f}"
         return f"{v:g}"
     return str(v)
@@ -512,6 +509,13 @@ def _short_keys(keys: list[str]) -> dict[str, str]:
     return {k: (s if last.count(s) == 1 else k) for k, s in zip(keys, last)}
 
 
+def status_counts(rows: list[dict]) -> str:
+    """'completed 2, running 1, failed 1' in STATUS_ORDER, other statuses after."""
+    found = [r["status"] for r in rows]
+    order = [s for s in STATUS_ORDER if s in found] + sorted(set(found) - set(STATUS_ORDER))
+    return ", ".join(f"{s} {found.count(s)}" for s in order)
+
+
 def safe_name(key: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", key).strip("_") or "value"
 
@@ -519,9 +523,6 @@ def safe_name(key: str) -> str:
 def write_markdown(path: Path, sweep: Sweep, rows: list[dict], columns: list[str], mcols, agg: Optional[list[dict]],
                    agg_cols: list[str], plots: list[Path], out_dir: Path, tables: dict) -> None:
     exp = experiment_info(sweep.cfg)
-    counts = {s: sum(r["status"] == s for r in rows) for s in STATUS_ORDER}
-    others = sorted({r["status"] for r in rows} - set(STATUS_ORDER))
-    counts.update({s: sum(r["status"] == s for r in rows) for s in others})
     title = exp["name"] or sweep.dir.name
     lines = [f"# Sweep report: {title}", ""]
     lines.append(f"- Sweep dir: `{sweep.dir}`")
@@ -537,7 +538,7 @@ def write_markdown(path: Path, sweep: Sweep, rows: list[dict], columns: list[str
             lines.append(f"- Paper table: `{exp['paper_table']}`" + (f", matched on {how}" if how else "")
                          + f"; {PAPER_CITE}. Reference points, not targets at this scale.")
     lines.append(f"- Swept: {', '.join(f'`{k}`' for k in sweep.swept) or 'nothing (single setting)'}")
-    lines.append(f"- Jobs: {len(rows)} (" + ", ".join(f"{s} {n}" for s, n in counts.items() if n) + ")")
+    lines.append(f"- Jobs: {len(rows)} ({status_counts(rows)})")
     lines.append(f"- Generated: {datetime.now().strftime('%Y-%m-%d %H:%M:%S')}")
     regen = f"sinklab report {sweep.dir} --out {out_dir}"
     lines.append(f"- Regenerate: `{regen}` (or `python -m sinklab.report {sweep.dir} --out {out_dir}`)")
@@ -608,9 +609,9 @@ def plot_vs_key(path: Path, rows: list[dict], key: str, swept: list[str], col: s
     killed or stalled jobs), the mean over completed seeds as a line, one series per setting of the other swept
     keys, and the paper's values as stars. False (nothing written) when no job has a value."""
     import matplotlib
+    import matplotlib.ticker
 
     have = [r for r in rows if r.get(col) is not None and r.get(key) is not None and math.isfinite(r[col])]
-    paper = [r for r in rows if r.get(paper_col) is not None and r.get(key) is not None]
     if not have:
         return False
     others = [k for k in swept if k != key and not is_seed_key(k)]
@@ -631,6 +632,7 @@ def plot_vs_key(path: Path, rows: list[dict], key: str, swept: list[str], col: s
         ax = fig.add_subplot()
         colors = matplotlib.colormaps["tab10"]
         handles_status = set()
+        paper_drawn = False
         n_series = len(series)
         for si, (skey, members) in enumerate(series.items()):
             color = colors(si % 10)
@@ -655,17 +657,20 @@ def plot_vs_key(path: Path, rows: list[dict], key: str, swept: list[str], col: s
                 means = [float(np.mean(done[x])) for x in xs]
                 stds = [float(np.std(done[x], ddof=1)) if len(done[x]) > 1 else 0.0 for x in xs]
                 seeds = any(len(v) > 1 for v in done.values())
-                ax.errorbar(xs, means, yerr=stds if seeds else None, color=color, marker="o", ms=7, lw=1.6,
+                ax.errorbar(xs, means, yerr=stds if seeds else None, color=color, marker="o", ms=7,
+                            lw=1.6 if numeric else 0,  # no line between categories
                             capsize=3, label=label or ("ours, mean ± std over seeds" if seeds else "ours"), zorder=3)
-        if paper:
-            pts = {}
-            for r in paper:
-                pts.setdefault(to_x(r[key]), r[paper_col])
-            ax.plot(list(pts), list(pts.values()), "*", color="black", ms=13, mfc="gold", ls="none",
-                    label="paper (Gu et al.)", zorder=5)
+            pts = sorted({(to_x(r[key]) + jitter, r[paper_col]) for r in members if r.get(paper_col) is not None})
+            if pts:  # the paper's value for each setting of this series
+                ax.plot(*zip(*pts), "*", ms=13, mfc="gold", mec="black" if n_series == 1 else color, mew=1.2,
+                        ls="none", zorder=5)
+                paper_drawn = True
         from matplotlib.lines import Line2D
 
         extra = []
+        if paper_drawn:
+            extra.append(Line2D([], [], marker="*", ls="none", ms=13, mfc="gold", mec="black",
+                                label="paper (Gu et al.)"))
         if "running" in handles_status:
             extra.append(Line2D([], [], marker="o", ls="none", mfc="white", mec="gray", mew=1.5, label="running"))
         if "failed" in handles_status:
@@ -673,18 +678,22 @@ def plot_vs_key(path: Path, rows: list[dict], key: str, swept: list[str], col: s
         h, lab = ax.get_legend_handles_labels()
         if h or extra:
             ax.legend(handles=h + extra, loc="best", framealpha=0.85)
+        scale, kw = x_scale(xs_all) if numeric else ("linear", {})
         if numeric:
-            scale, kw = x_scale(xs_all)
             ax.set_xscale(scale, **kw)
-            if scale == "log":
-                ax.margins(x=0.08)
+            ticks = sorted({float(v) for v in xs_all})
+            if len(ticks) <= 12:  # label the swept values themselves
+                ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
+                ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+            ax.margins(x=0.06)
         else:
             ax.set_xticks(range(len(cats)), cats, rotation=30 if max(len(c) for c in cats) > 6 else 0,
                           ha="right" if max(len(c) for c in cats) > 6 else "center")
             ax.set_xlim(-0.5, len(cats) - 0.5)
-        ax.set_xlabel(key + (" (log scale)" if numeric and x_scale(xs_all)[0] == "log" else
-                             " (symlog scale)" if numeric and x_scale(xs_all)[0] == "symlog" else ""))
+        ax.set_xlabel(key + {"log": " (log scale)", "symlog": " (log scale, linear around 0)"}.get(scale, ""))
         ax.set_ylabel(ylabel)
+        if col.startswith("sink") and ax.get_ylim()[0] > 0:
+            ax.set_ylim(bottom=0)  # a rate in %: show it from 0
         ax.set_title(title)
         fig.savefig(path)
     return True
@@ -711,8 +720,8 @@ def plot_over_steps(path: Path, jobs: list[Job], rows: list[dict], swept: list[s
             failed = row["status"] in FAIL_STATUSES
             if row["status"] != "completed":
                 label += f" ({row['status']})"
-            ax.plot(steps, vals, ls="--" if failed else "-", color=color, lw=1.6, marker="." if len(steps) < 30 else None,
-                    label=label)
+            ax.plot(steps, vals, ls="--" if failed else "-", color=color, lw=1.6,
+                    marker="." if len(steps) < 30 else None, label=label)
             if failed:
                 ax.plot([steps[-1]], [vals[-1]], "x", color="tab:red", ms=10, mew=2.2, zorder=4)
         ax.set_xlabel("training step")
@@ -731,7 +740,7 @@ def make_plots(out_dir: Path, sweep: Sweep, rows: list[dict]) -> list[Path]:
     for key in sweep.swept:
         if is_seed_key(key):
             continue
-        for col, ylabel, paper_col, what in (("sink1", "Sink$_1$ (%), ε = 0.3", "paper_sink1", "Sink$_1$"),
+        for col, ylabel, paper_col, what in (("sink1", "Sink$_1$ (%)", "paper_sink1", "Sink$_1$"),
                                               ("val_loss", "validation loss (nats)", "paper_loss", "validation loss")):
             p = out_dir / f"{col}_vs_{safe_name(key)}.png"
             if plot_vs_key(p, rows, key, sweep.swept, col, ylabel, paper_col, f"{name}: final {what} vs {key}"):
@@ -753,7 +762,7 @@ def build_report(sweep_dir, out_dir=None, *, paper_tables: Optional[Path] = None
     """
     sweep_dir = Path(sweep_dir)
     out_dir = Path(out_dir) if out_dir is not None else sweep_dir / "report"
-    sweep = load_sweep(sweep_dir, now=now, stale_minutes=stale_minutes, exclude=[out_dir])
+    sweep = load_sweep(sweep_dir, now=now, stale_minutes=stale_minutes)
     tables = load_paper_tables(paper_tables)
     rows, columns, mcols = build_rows(sweep, tables)
     value_cols = [c for c, _, _ in mcols]
@@ -786,10 +795,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except FileNotFoundError as e:
         print(f"sinklab report: {e}", file=sys.stderr)
         return 1
-    counts: dict[str, int] = {}
-    for r in res["rows"]:
-        counts[r["status"]] = counts.get(r["status"], 0) + 1
-    print(f"{len(res['rows'])} jobs (" + ", ".join(f"{s} {n}" for s, n in counts.items()) + ")")
+    print(f"{len(res['rows'])} jobs ({status_counts(res['rows'])})")
     for p in [res["md"], res["csv"], res["aggregate_csv"], *res["plots"]]:
         if p is not None:
             print(p)

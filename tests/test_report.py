@@ -77,7 +77,8 @@ def make_sweep(root: Path) -> Path:
     OmegaConf.save(OmegaConf.create(mr), sweep / "multirun.yaml")
     for i, wd in enumerate(WDS[:4]):
         d = sweep / str(i)
-        write_hydra(d, base_config(wd), ["experiment=weight_decay", f"optim.weight_decay={wd}", "trainer.max_steps=300"])
+        overrides = ["experiment=weight_decay", f"optim.weight_decay={wd}", "trainer.max_steps=300"]
+        write_hydra(d, base_config(wd), overrides)
     # 0 and 1 completed
     for i, final_sink in ((0, 12.5), (1, 37.25)):
         write_metrics(sweep / str(i) / "metrics.csv", 300, lambda s, f=final_sink: f * s / 300,
@@ -212,6 +213,10 @@ def test_cli(tmp_path):
     assert (sweep / "report" / "report.csv").is_file()
     assert len(report.build_report(sweep)["rows"]) == 5
     assert report.main([str(tmp_path / "nowhere")]) == 1
+    tables = tmp_path / "tables.yaml"
+    tables.write_text("weight_decay:\n  - {wd: 0.1, sink1: 99.5, loss: 3.0}\n")
+    assert report.main([str(sweep), "--out", str(out), "--paper-tables", str(tables)]) == 0
+    assert [r["paper_sink1"] for r in read_csv(out / "report.csv")] == ["", "99.5", "", "", ""]
 
 
 def test_read_metrics_sparse_rows(tmp_path):
@@ -244,7 +249,8 @@ def test_paper_matching_on_the_packaged_tables():
     assert row("attention_operation", op, {"model": {"attn_op": "softmax", "attn_normalize": True}})["loss"] == 3.73
     failed = row("attention_operation", op, {"model": {"attn_op": "elu_plus_one", "attn_normalize": True}})
     assert report.paper_values(failed) == {"paper_note": "training failed in the paper"}
-    pos = row("fixed_token_position", {"position": "data.fixed_token.position"}, {"data": {"fixed_token": {"position": 2}}})
+    pos = row("fixed_token_position", {"position": "data.fixed_token.position"},
+              {"data": {"fixed_token": {"position": 2}}})
     assert report.paper_values(pos) == {"paper_sink1": 0.0, "paper_sink2": 69.03, "paper_sink3": 0.0,
                                         "paper_sink4": 0.01}
     batch = {"batch": "data.batch_tokens"}
@@ -315,3 +321,39 @@ def test_real_hydra_multirun_is_read(tmp_path):
     assert got == [(0.0, 0, 0.0, 15.2), (0.0, 1, 1.0, 15.2), (0.5, 0, 50.0, 41.08), (0.5, 1, 51.0, 41.08)]
     assert [a["sink1_mean"] for a in res["aggregate"]] == [0.5, 50.5]
     assert all(math.isclose(a["sink1_std"], math.sqrt(0.5)) for a in res["aggregate"])
+
+
+def test_two_swept_keys_match_the_paper_on_both(tmp_path):
+    sweep = tmp_path / "sweep"
+    sweep.mkdir()
+    settings = [(lr, steps) for lr in (1e-4, 2e-4, 4e-4, 8e-4) for steps in (10000, 20000)]
+    for i, (lr, steps) in enumerate(settings):
+        cfg = base_config(lr=lr)
+        cfg["trainer"]["max_steps"] = steps
+        cfg["experiment"] = {"name": "learning_rate", "paper_table": "learning_rate",
+                             "paper_match": {"lr": "optim.lr", "steps": "trainer.max_steps"}}
+        write_hydra(sweep / str(i), cfg, [f"optim.lr={lr}", f"trainer.max_steps={steps}"])
+        write_metrics(sweep / str(i) / "metrics.csv", 100, lambda s, i=i: 2.0 * i, lambda s, i=i: 4.5 - i / 20)
+        (sweep / str(i) / "status.json").write_text(json.dumps({"status": "completed", "step": steps}))
+    res = report.build_report(sweep, tmp_path / "out")
+    assert res["swept"] == ["optim.lr", "trainer.max_steps"]
+    paper = {(r["optim.lr"], r["trainer.max_steps"]): r.get("paper_sink1") for r in res["rows"]}
+    assert paper == {(1e-4, 10000): None, (1e-4, 20000): 2.90, (2e-4, 10000): None, (2e-4, 20000): 11.21,
+                     (4e-4, 10000): None, (4e-4, 20000): 18.18, (8e-4, 10000): 23.44, (8e-4, 20000): 32.23}
+    assert [r["steps"] for r in res["rows"]] == [s for _, s in settings]  # status.json's step beats the last log
+    names = {p.name for p in res["plots"]}
+    assert {"sink1_vs_optim.lr.png", "sink1_vs_trainer.max_steps.png", "val_loss_vs_optim.lr.png"} <= names
+
+
+def test_single_run_dir(tmp_path):
+    run = tmp_path / "runs" / "2025-01-01_00-00-00"
+    write_hydra(run, base_config(), ["optim.weight_decay=0.1"])
+    write_metrics(run / "metrics.csv", 100, lambda s: 9.0, lambda s: 4.4)
+    (run / "status.json").write_text(json.dumps({"status": "completed", "error": None, "step": 100}))
+    res = report.build_report(run)
+    assert res["out_dir"] == run / "report" and res["swept"] == []
+    assert [(r["job"], r["status"], r["sink1"], r["paper_sink1"]) for r in res["rows"]] == [
+        (run.name, "completed", 9.0, 18.18)]
+    assert [p.name for p in res["plots"]] == ["sink1_over_steps.png"]
+    assert "nothing (single setting)" in res["md"].read_text()
+    assert len(report.build_report(run)["rows"]) == 1  # its own report/ dir is not taken for a job

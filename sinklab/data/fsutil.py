@@ -19,6 +19,8 @@ from typing import Any, Iterator
 
 from filelock import FileLock
 
+from .errors import UserError
+
 DEFAULT_CACHE_DIR = "~/.cache/sinklab"
 
 
@@ -60,7 +62,7 @@ def read_json(path: str | os.PathLike) -> Any:
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
-        raise ValueError(f"{path} is not valid JSON ({e}); delete it to rebuild") from e
+        raise UserError(f"{path} is not valid JSON ({e}); delete it to rebuild") from e
 
 
 @contextmanager

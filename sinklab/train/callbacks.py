@@ -54,7 +54,7 @@ class SinkCallback(L.Callback):
         self.seconds += time.perf_counter() - t0
         return out
 
-    def log(self, trainer: L.Trainer, metrics: dict[str, float]) -> None:
+    def _emit(self, trainer: L.Trainer, metrics: dict[str, float]) -> None:
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.global_step)
         self.last, self.last_step = metrics, trainer.global_step
@@ -64,7 +64,7 @@ class SinkCallback(L.Callback):
             return
         metrics = self.measure(trainer, pl_module) if trainer.is_global_zero else {}
         if trainer.is_global_zero:
-            self.log(trainer, metrics)
+            self._emit(trainer, metrics)
         self.last_step = trainer.global_step
 
     # ------------------------------------------------------------------ hooks
@@ -82,7 +82,7 @@ class SinkCallback(L.Callback):
         if not (self.heatmap and trainer.is_global_zero) or trainer.sanity_checking:
             return
         if self.last_step != trainer.global_step:
-            self.log(trainer, self.measure(trainer, pl_module))
+            self._emit(trainer, self.measure(trainer, pl_module))
         path = save_heatmap(self._alpha1, Path(trainer.default_root_dir) / "sink_heatmaps",
                             trainer.global_step, self.eps[0])
         for logger in trainer.loggers:

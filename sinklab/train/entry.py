@@ -67,6 +67,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     from sinklab.train.callbacks import StatusFile
     from sinklab.train.module import LitLM
 
+    for name in ("lightning.pytorch", "lightning.fabric"):  # Lightning prints to the console itself
+        logging.getLogger(name).propagate = False
     out = output_dir_of(cfg)
     out.mkdir(parents=True, exist_ok=True)
     OmegaConf.update(cfg, "paths.output_dir", str(out), force_add=True)

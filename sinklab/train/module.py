@@ -61,7 +61,6 @@ class LitLM(L.LightningModule):
                 f"non-finite training loss ({loss.item()}) at step {self.global_step}; "
                 "the last good checkpoint is kept in checkpoints/last.ckpt")
         self.log("train/loss", loss, prog_bar=True)
-        self.log("lr", self.optimizers().param_groups[0]["lr"])
         now = time.perf_counter()
         if self._t_last is not None:
             world = self.trainer.world_size if self._trainer is not None else 1

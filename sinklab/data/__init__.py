@@ -1,0 +1,37 @@
+"""Data for sinklab: corpora, tokenizers, token stores, training blocks and the LMDataModule.
+
+corpus.py     where text comes from (Shakespeare by default, local files, hub data sets), train/val split
+tokenizer.py  byte-level BPE trained on the corpus, or a tokenizer.json / hub tokenizer
+cache.py      token stores: sharded uint16/uint32 memmaps + manifest, resumable builds
+controls.py   issue-5 block controls: random positions, fixed token, BOS
+blocks.py     deterministic training blocks, validation blocks, the probe set
+datamodule.py LMDataModule (Lightning), what the training entry point instantiates from conf/data/*.yaml
+prepare.py    `sinklab prepare` / scripts/prepare_data.py: tokenise a corpus once into a prepared directory
+
+Names are imported lazily, so `sinklab prepare` does not pay for importing Lightning.
+"""
+
+import importlib
+
+_EXPORTS = {
+    "LMDataModule": "datamodule",
+    "BlockControls": "controls",
+    "Corpus": "corpus", "open_corpus": "corpus",
+    "TokenStore": "cache", "build_store": "cache", "open_store": "cache",
+    "StepBatchSampler": "blocks", "TrainBlocks": "blocks", "ValBlocks": "blocks", "probe_set": "blocks",
+    "sample_rng": "blocks",
+    "load_tokenizer": "tokenizer", "padded_vocab_size": "tokenizer", "tokenizer_fingerprint": "tokenizer",
+    "train_bpe": "tokenizer",
+    "DataFileNotFoundError": "errors", "StoreDamagedError": "errors", "StoreMismatchError": "errors",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return __all__

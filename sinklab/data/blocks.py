@@ -1,0 +1,111 @@
+"""Fixed-length token blocks for training, validation and the probe set.
+
+Training (TrainBlocks + StepBatchSampler)
+    Sample index i is a (block_size + 1)-token block read at a random offset of the training split,
+    with no BOS by default (as in the reference). Everything random about sample i (its offset, and
+    the tokens of `random_positions`) comes from the counter-based generator
+    `numpy.random.default_rng([seed, i])`, so a sample depends on (seed, i) only: not on the worker
+    that loads it, the world size, or what was loaded before. Micro-batch step m of rank r in a world
+    of W ranks is the indices m*B*W + r*B + j, j < B: ranks are disjoint, and a run resumed at
+    optimizer step s (micro-step s * accumulate) sees exactly the batches an uninterrupted run sees.
+    With `unique_tokens = N` offsets are drawn from [0, N - (block_size + 1)], so training only ever
+    reads the first N tokens of the split.
+
+Validation (ValBlocks): `num_blocks` blocks at evenly spaced offsets of the validation split.
+
+Probe (probe_offsets): `num_seqs` sequences at evenly spaced offsets of the validation split; no seed,
+so every run on the same data probes the same held-out text.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset, Sampler
+
+from .cache import TokenStore
+from .controls import BlockControls
+from .errors import UserError
+
+
+def sample_rng(seed: int, index: int) -> np.random.Generator:
+    """The generator of training sample `index`: a pure function of (seed, index)."""
+    return np.random.default_rng([seed, index])
+
+
+def evenly_spaced(n_tokens: int, length: int, count: int) -> np.ndarray:
+    """`count` start offsets of `length`-token windows spread evenly over [0, n_tokens)."""
+    if n_tokens < length:
+        raise UserError(f"need at least {length} tokens, have {n_tokens}")
+    return np.linspace(0, n_tokens - length, count).round().astype(np.int64)  # (count,)
+
+
+class TrainBlocks(Dataset):
+    """Map-style: item i is training sample i, a LongTensor (block_size + 1,)."""
+
+    def __init__(self, store: TokenStore, block_size: int, seed: int, unique_tokens: int | None = None,
+                 controls: BlockControls = BlockControls()):
+        self.store = store
+        self.block_size = block_size
+        self.seed = seed
+        self.controls = controls
+        self.limit = len(store) if unique_tokens is None else int(unique_tokens)  # blocks read tokens [0, limit)
+        self.span = block_size + 1 - controls.natural_length_offset           # natural tokens per block
+        if self.limit > len(store):
+            raise UserError(f"data.max_unique_tokens={self.limit} exceeds the {len(store)} tokens of the training split")
+        if self.limit < self.span:
+            what = "data.max_unique_tokens" if unique_tokens is not None else "the training split"
+            raise UserError(f"{what} has {self.limit} tokens, fewer than one block of block_size + 1 = "
+                             f"{block_size + 1}; use a larger corpus or a smaller block_size")
+
+    def offset(self, index: int) -> int:
+        """Start of sample `index` in the training split (uniform over [0, limit - span])."""
+        return int(sample_rng(self.seed, index).integers(self.limit - self.span + 1))
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        rng = sample_rng(self.seed, index)
+        start = int(rng.integers(self.limit - self.span + 1))
+        block = self.controls.apply(self.store.read(start, self.span), rng)  # (block_size + 1,)
+        return torch.from_numpy(block)
+
+
+class StepBatchSampler(Sampler):
+    """Endless batches of sample indices: micro-step m on rank r is [m*B*W + r*B + j for j < B]."""
+
+    def __init__(self, batch_size: int, start_step: int = 0, rank: int = 0, world_size: int = 1):
+        if not 0 <= rank < world_size:
+            raise UserError(f"rank {rank} is outside a world of {world_size}")
+        self.batch_size, self.start_step, self.rank, self.world_size = batch_size, start_step, rank, world_size
+
+    def __iter__(self):
+        step, B = self.start_step, self.batch_size
+        while True:
+            first = step * B * self.world_size + self.rank * B
+            yield list(range(first, first + B))
+            step += 1
+
+
+class ValBlocks(Dataset):
+    """`num_blocks` fixed (block_size + 1)-token blocks of the validation split; rank r takes r::world."""
+
+    def __init__(self, store: TokenStore, block_size: int, num_blocks: int, rank: int = 0, world_size: int = 1):
+        if len(store) < block_size + 1:
+            raise UserError(f"the validation split has {len(store)} tokens, fewer than one block of block_size + 1 = "
+                             f"{block_size + 1}; raise data.val_fraction or lower block_size")
+        usable = num_blocks - num_blocks % world_size  # every rank gets the same number of blocks
+        self.store, self.length = store, block_size + 1
+        self.offsets = evenly_spaced(len(store), self.length, num_blocks)[:usable][rank::world_size]
+
+    def __len__(self) -> int:
+        return len(self.offsets)
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return torch.from_numpy(self.store.read(int(self.offsets[index]), self.length))  # (block_size + 1,)
+
+
+def probe_set(store: TokenStore, num_seqs: int, seq_len: int) -> np.ndarray:
+    """int64 (num_seqs, seq_len): natural held-out text at evenly spaced offsets of the validation split."""
+    if len(store) < seq_len:
+        raise UserError(f"the validation split has {len(store)} tokens, fewer than data.probe_seq_len={seq_len}")
+    offsets = evenly_spaced(len(store), seq_len, num_seqs)
+    return np.stack([store.read(int(o), seq_len) for o in offsets])

@@ -1,0 +1,267 @@
+"""sinklab export-hf: a sinklab checkpoint -> a Hugging Face `LlamaForCausalLM` directory.
+
+    sinklab export-hf CKPT_OR_RUN_DIR OUT_DIR [--dtype float32] [--no-check] [--tokenizer PATH | --no-tokenizer]
+    python -m sinklab.export_hf ...                                                          (the same)
+
+Every config that LLaMA can represent (`ModelConfig.llama_compatible`: RoPE, pre-RMSNorm, SwiGLU, softmax, causal,
+no biases, sinks or gates; grouped-query attention is fine) is written with `save_pretrained` (config.json +
+model.safetensors) and, unless --no-check, loaded back with transformers and compared with the sinklab model on
+random tokens (max |logit difference| <= 1e-4 in fp32). Other configs are refused with one line listing the
+keys LLaMA cannot represent, exit code 2.
+
+Both implementations use RoPE over the whole head in the rotate-half convention (inv_freq = base^(-2i/d),
+cos/sin of cat(freqs, freqs), rotate_half(x) = cat(-x2, x1)) and share grouped kv heads as repeat_interleave,
+so the weights map one to one:
+
+    tok_emb                 -> model.embed_tokens          blocks.i.attn.{q,k,v,o}_proj -> ...self_attn.{q,k,v,o}_proj
+    blocks.i.norm1 / norm2  -> ...input_layernorm / ...post_attention_layernorm
+    blocks.i.ffn.w1/w3/w2   -> ...mlp.gate_proj / up_proj / down_proj
+    norm                    -> model.norm                  lm_head                      -> lm_head
+
+The tokenizer is exported too when one is found (--tokenizer, tokenizer.json in the run dir, the run's data config
+`data.tokenizer` path, or the run's data module); otherwise it is skipped with a note.
+"""
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+
+from sinklab.errors import UserError
+from sinklab.model import ModelConfig, Transformer
+
+PROG = "sinklab export-hf"
+TOLERANCE = 1e-4
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>")
+
+
+class ParityError(RuntimeError):
+    """The exported model's logits differ from the checkpoint's beyond the tolerance."""
+
+
+def unrepresentable(cfg: ModelConfig) -> list[str]:
+    """The config keys LLaMA cannot represent, as 'model.key=value (LLaMA needs ...)'; empty when exportable."""
+    hd_default = cfg.d_model // cfg.n_head
+    checks = (
+        ("pos", cfg.pos == "rope", "rope"),
+        ("norm", cfg.norm == "rms", "rms"),
+        ("norm_position", cfg.norm_position == "pre", "pre"),
+        ("ffn", cfg.ffn == "swiglu", "swiglu"),
+        ("attn_op", cfg.attn_op == "softmax", "softmax"),
+        ("softmax_scale", cfg.softmax_scale == 1.0, "1.0"),
+        ("attn_bias", cfg.attn_bias == "none", "none"),
+        ("n_sink_tokens", cfg.n_sink_tokens == 0, "0"),
+        ("sink_logit", cfg.sink_logit == "none", "none"),
+        ("gate", cfg.gate == "none", "none"),
+        ("prefix_len", cfg.prefix_len == 0, "0 (causal)"),
+        ("window", cfg.window is None, "null (full causal attention)"),
+        ("head_dim", cfg.head_dim in (None, hd_default), f"null or d_model / n_head = {hd_default}"),
+    )
+    bad = [f"model.{key}={getattr(cfg, key)} (LLaMA needs {need})" for key, ok, need in checks if not ok]
+    if not bad and not cfg.llama_compatible:  # keep in step with ModelConfig.llama_compatible
+        bad.append("the config (ModelConfig.llama_compatible is false)")
+    return bad
+
+
+def llama_state_dict(state: dict[str, torch.Tensor], n_layer: int) -> dict[str, torch.Tensor]:
+    """sinklab Transformer state dict -> LlamaForCausalLM state dict; unknown or missing keys are errors."""
+    fixed = {"tok_emb.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
+             "lm_head.weight": "lm_head.weight"}
+    per_layer = {"norm1.weight": "input_layernorm.weight", "norm2.weight": "post_attention_layernorm.weight",
+                 "attn.q_proj.weight": "self_attn.q_proj.weight", "attn.k_proj.weight": "self_attn.k_proj.weight",
+                 "attn.v_proj.weight": "self_attn.v_proj.weight", "attn.o_proj.weight": "self_attn.o_proj.weight",
+                 "ffn.w1.weight": "mlp.gate_proj.weight", "ffn.w3.weight": "mlp.up_proj.weight",
+                 "ffn.w2.weight": "mlp.down_proj.weight"}
+    out, unknown = {}, []
+    pattern = re.compile(r"^blocks\.(\d+)\.(.+)$")
+    for key, value in state.items():
+        m = pattern.match(key)
+        if key in fixed:
+            out[fixed[key]] = value
+        elif m and m.group(2) in per_layer and int(m.group(1)) < n_layer:
+            out[f"model.layers.{m.group(1)}.{per_layer[m.group(2)]}"] = value
+        else:
+            unknown.append(key)
+    if unknown:
+        raise UserError(f"the checkpoint has weights LLaMA cannot hold: {', '.join(sorted(unknown)[:8])}"
+                        + (" ..." if len(unknown) > 8 else ""))
+    expected = len(fixed) + len(per_layer) * n_layer
+    if len(out) != expected:
+        raise UserError(f"the checkpoint holds {len(out)} of the {expected} weights of a {n_layer}-layer model")
+    return out
+
+
+def llama_config(cfg: ModelConfig, transformers, dtype: torch.dtype, eos_id: Optional[int] = None):
+    import inspect
+
+    rope = ({"rope_parameters": {"rope_type": "default", "rope_theta": float(cfg.rope_base)}}
+            if "rope_parameters" in inspect.signature(transformers.LlamaConfig.__init__).parameters
+            else {"rope_theta": float(cfg.rope_base)})
+    hf_cfg = transformers.LlamaConfig(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.d_ff,
+        num_hidden_layers=cfg.n_layer, num_attention_heads=cfg.n_head, num_key_value_heads=cfg.kv_heads,
+        head_dim=cfg.hd, hidden_act="silu", max_position_embeddings=cfg.block_size, rms_norm_eps=cfg.norm_eps,
+        tie_word_embeddings=False, attention_bias=False, mlp_bias=False, attention_dropout=0.0,
+        bos_token_id=None, eos_token_id=eos_id, pad_token_id=None, **rope)
+    hf_cfg.architectures = ["LlamaForCausalLM"]
+    return hf_cfg
+
+
+# ------------------------------------------------------------------------------------------------ tokenizer
+def find_tokenizer(ckpt: Path, explicit: Optional[str]):
+    """(tokenizers.Tokenizer, where) or (None, why not)."""
+    from tokenizers import Tokenizer
+
+    def from_path(p: Path):
+        f = p / "tokenizer.json" if p.is_dir() else p
+        return (Tokenizer.from_file(str(f)), str(f)) if f.is_file() else (None, None)
+
+    if explicit is not None:
+        tok, where = from_path(Path(explicit))
+        if tok is None:
+            raise UserError(f"--tokenizer {explicit}: no tokenizer.json there")
+        return tok, where
+    run_dir = next((d for d in (ckpt.parent, ckpt.parent.parent) if (d / ".hydra" / "config.yaml").is_file()), None)
+    for d in (ckpt.parent, ckpt.parent.parent):
+        for p in (d / "tokenizer.json", d / "tokenizer" / "tokenizer.json"):
+            if p.is_file():
+                return from_path(p)
+    if run_dir is None:
+        return None, "no run config next to the checkpoint"
+    from omegaconf import OmegaConf
+
+    try:
+        data = OmegaConf.to_container(OmegaConf.load(run_dir / ".hydra" / "config.yaml"), resolve=True).get("data")
+    except Exception as err:  # an interpolation that does not resolve outside the run
+        return None, f"the run config does not resolve ({type(err).__name__})"
+    if not data:
+        return None, "the run config has no data section"
+    name = data.get("tokenizer")
+    if isinstance(name, str) and name != "bpe" and Path(name).exists():
+        tok, where = from_path(Path(name))
+        if tok is not None:
+            return tok, where
+    try:  # the data module knows where its (trained, cached) tokenizer lives
+        from hydra.utils import instantiate
+
+        dm = instantiate(OmegaConf.create(data), _recursive_=False)
+        dm.prepare()
+        tok = getattr(dm, "tokenizer", None)
+        if tok is not None and hasattr(tok, "to_str"):
+            return tok, "the run's data module"
+    except Exception as err:
+        return None, f"the run's data module could not provide it ({type(err).__name__})"
+    return None, "the run's data module has no tokenizer"
+
+
+def save_tokenizer(tok, out_dir: Path, transformers) -> Optional[int]:
+    """Write tokenizer.json + tokenizer_config.json via PreTrainedTokenizerFast; the EOS id if there is one."""
+    eos = next((t for t in EOS_CANDIDATES if tok.token_to_id(t) is not None), None)
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos)
+    fast.save_pretrained(str(out_dir))
+    return tok.token_to_id(eos) if eos is not None else None
+
+
+# ------------------------------------------------------------------------------------------------ export
+def export(ckpt_path: str, out_dir: str, dtype: str = "float32", check: bool = True,
+           tokenizer: Optional[str] = None, with_tokenizer: bool = True, log=print) -> dict:
+    """Write OUT_DIR; returns {"out_dir", "max_abs_diff" (None without check), "tokenizer"}."""
+    from sinklab.checkpoint import find_checkpoint, read_checkpoint
+
+    if not Path(ckpt_path).exists():
+        raise UserError(f"CKPT {ckpt_path}: no such checkpoint or run dir")
+    ckpt_file = find_checkpoint(ckpt_path)
+    ckpt = read_checkpoint(ckpt_file)
+    cfg = ModelConfig.from_dict(dict(ckpt["hyper_parameters"]["model"]))
+    bad = unrepresentable(cfg)
+    if bad:
+        raise UserError(f"{ckpt_file} cannot be exported as LLaMA: {'; '.join(bad)}")
+    if dtype not in DTYPES:
+        raise UserError(f"--dtype {dtype}: allowed: {', '.join(DTYPES)}")
+    out = Path(out_dir)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise UserError(f"OUT_DIR {out_dir}: exists and is not an empty directory; choose a new one")
+
+    from sinklab.hf import dtype_kwargs, require_transformers
+
+    transformers = require_transformers()
+    state = {}
+    for k, v in ckpt["state_dict"].items():
+        if k.startswith("model."):
+            state[k[len("model."):].replace("_orig_mod.", "")] = v
+    torch_dtype = DTYPES[dtype]
+    hf_state = {k: v.to(torch_dtype) for k, v in llama_state_dict(state, cfg.n_layer).items()}
+
+    tok, where = (find_tokenizer(ckpt_file, tokenizer) if with_tokenizer or tokenizer else (None, "--no-tokenizer"))
+    out.mkdir(parents=True, exist_ok=True)
+    eos_id = save_tokenizer(tok, out, transformers) if tok is not None else None
+    hf_cfg = llama_config(cfg, transformers, torch_dtype, eos_id)
+    model = transformers.LlamaForCausalLM(hf_cfg).to(torch_dtype)
+    result = model.load_state_dict(hf_state, strict=True)
+    if getattr(result, "missing_keys", None) or getattr(result, "unexpected_keys", None):
+        raise UserError(f"weights do not fit LlamaForCausalLM: {result}")
+    model.save_pretrained(str(out))
+    log(f"wrote {out} (LlamaForCausalLM, {cfg.n_layer} layers, {cfg.n_head} heads / {cfg.kv_heads} kv heads, "
+        f"{dtype})")
+    log(f"tokenizer: {'from ' + where if tok is not None else 'skipped: ' + where}")
+    diff = None
+    if check:
+        diff = parity(state, cfg, out, torch_dtype, transformers, dtype_kwargs)
+        log(f"check: max |logit difference| vs the sinklab model = {diff:.3g} (tolerance {TOLERANCE:g})")
+        if not diff <= TOLERANCE:
+            raise ParityError(f"exported model disagrees with the checkpoint: max |logit difference| {diff:.3g} "
+                               f"> {TOLERANCE:g}")
+    return {"out_dir": str(out), "max_abs_diff": diff, "tokenizer": where if tok is not None else None}
+
+
+@torch.no_grad()
+def parity(state: dict, cfg: ModelConfig, out: Path, torch_dtype, transformers, dtype_kwargs) -> float:
+    """Load OUT_DIR back with transformers in fp32 and compare logits with the sinklab model (its weights rounded
+    to the saved dtype) on random tokens."""
+    ours = Transformer(cfg)
+    ours.load_state_dict({k: v.to(torch_dtype).float() for k, v in state.items()})
+    ours.eval()
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(str(out), local_files_only=True,
+                                                               **dtype_kwargs(transformers, torch.float32)).eval()
+    g = torch.Generator().manual_seed(0)
+    idx = torch.randint(0, cfg.vocab_size, (2, min(cfg.block_size, 128)), generator=g)
+    a = ours(idx)
+    b = theirs(input_ids=idx, use_cache=False).logits
+    return (a - b).abs().max().item()
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    ap = _Parser(prog=PROG, description="Export a LLaMA-compatible sinklab checkpoint as a Hugging Face "
+                                        "LlamaForCausalLM directory (config.json + model.safetensors).")
+    ap.add_argument("ckpt", metavar="CKPT", help="a sinklab .ckpt or a run dir (its checkpoints/last.ckpt)")
+    ap.add_argument("out_dir", metavar="OUT_DIR", help="new (or empty) output directory")
+    ap.add_argument("--dtype", choices=tuple(DTYPES), default="float32", help="weights dtype (default float32)")
+    ap.add_argument("--no-check", action="store_true",
+                    help="skip loading the export back and comparing logits with the sinklab model")
+    ap.add_argument("--tokenizer", default=None, help="a tokenizer.json (or a dir holding one) to export with it")
+    ap.add_argument("--no-tokenizer", action="store_true", help="do not look for the run's tokenizer")
+    args = ap.parse_args(argv)
+    try:
+        export(args.ckpt, args.out_dir, dtype=args.dtype, check=not args.no_check, tokenizer=args.tokenizer,
+               with_tokenizer=not args.no_tokenizer)
+    except UserError as err:
+        print(f"{PROG}: error: {err}", file=sys.stderr)
+        return 2
+    except ParityError as err:
+        print(f"{PROG}: error: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

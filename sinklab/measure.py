@@ -1,0 +1,410 @@
+"""sinklab measure: the attention-sink metric (Gu et al., ICLR 2025) and activation statistics of one model.
+
+    sinklab measure RUN_DIR_OR_CKPT [--tokens FILE.npy | --input natural|random|repeat] [--json]
+    sinklab measure --hf-model DIR (--tokens FILE.npy | --input random|repeat) [--json]
+    python -m sinklab.measure ...                                       (the same)
+
+Inputs: ``natural`` (default for a training run) is the run's probe set, read through the data config saved in
+``RUN_DIR/.hydra/config.yaml``; ``random`` draws uniform token ids (seeded); ``repeat`` repeats one random token
+T times per sequence (the paper's Table 1); ``--tokens`` measures exactly the sequences of an int .npy (N, T).
+
+sinklab checkpoints use the exact query-chunked metric (`attention_scores`, memory linear in T) and
+`activation_stats`; Hugging Face models materialise the eager attention maps per batch (`sinklab.hf`).
+User errors are one line on stderr and exit code 2.
+
+--json prints one object (sink values in percent, alpha in [0, 1] for row-normalised ops):
+    target, source ("sinklab" | "hf"), input ("natural" | "random" | "repeat" | "tokens"), tokens_file (with
+    --tokens), seed, seq_len, num_seqs, model {...}, eps [e1, ...], k, row_normalised, seconds,
+    sink {"1": Sink_1 at e1, ..., "k": ...}, sink_by_eps {"<e>": {"1": ...}} for every eps,
+    sink_star, sink_star_by_eps, alpha_star        (only when rows do not sum to one: the metric on |A| / sum |A|)
+    alpha [[alpha_1 per head] per layer] (mean over sequences), alpha_mean {"1": mean alpha_1, ...},
+    sink1_by_layer [Sink_1 per layer at e1],
+    slot {"bias" | "token0" ...: rate at e1}, slot_by_eps, slot_alpha {name: [[score per head] per layer]}
+        (the K/KV bias slot and learned sink tokens, scored apart from token 1; slot_star* when not normalised),
+    massive {top, median, ratio, token, channel: per-layer lists}, norms {h1_norm_ratio, and for sinklab
+        models k1_norm_ratio, v1_norm_ratio, cos_q_k1, cos_q_kj: per-layer lists}.
+Non-finite values (a norm ratio with T = 1) are null.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import numpy as np
+import torch
+
+from sinklab.errors import UserError
+
+PROG = "sinklab measure"
+DEFAULT_SEQ_LEN = 64
+DEFAULT_NUM_SEQS = 100
+INPUTS = ("natural", "random", "repeat")
+MASSIVE_KEYS = ("massive_top", "massive_median", "massive_ratio", "massive_token", "massive_channel")
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse whose usage errors are one line (and exit code 2, as argparse's own)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = _Parser(prog=PROG, description="Attention-sink metric (Sink_k, alpha_k, bias-slot / sink-token scores) "
+                                        "and massive-activation statistics of a sinklab checkpoint or a local "
+                                        "Hugging Face causal LM.")
+    ap.add_argument("target", nargs="?", default=None,
+                    help="a sinklab .ckpt or a run dir (uses its checkpoints/last.ckpt and its probe set)")
+    ap.add_argument("--hf-model", metavar="DIR", default=None,
+                    help="measure a local transformers causal-LM dir instead (LLaMA, Mistral, GPT-2, GPT-NeoX, ...)")
+    src = ap.add_mutually_exclusive_group()
+    src.add_argument("--tokens", metavar="FILE.npy", default=None,
+                     help="measure exactly these sequences: an integer .npy of shape (N, T)")
+    src.add_argument("--input", choices=INPUTS, default=None,
+                     help="natural: the run's probe set (default for runs); random: uniform token ids; "
+                          "repeat: one random token repeated T times per sequence")
+    ap.add_argument("--seq-len", type=int, default=None,
+                    help=f"tokens per sequence T (default {DEFAULT_SEQ_LEN}, at most the model context)")
+    ap.add_argument("--num-seqs", type=int, default=None, help=f"number of sequences N (default {DEFAULT_NUM_SEQS})")
+    ap.add_argument("--eps", type=float, nargs="+", default=[0.3],
+                    help="sink thresholds: head h of layer l is a sink on token k when alpha_k > eps (default 0.3); "
+                         "several as --eps 0.3 0.5 (after TARGET)")
+    ap.add_argument("--k", type=int, default=4, help="score the first k tokens (default 4)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the random / repeat inputs (default 0)")
+    ap.add_argument("--batch-size", type=int, default=25, help="sequences per forward (default 25)")
+    ap.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:1, ...")
+    ap.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    return ap
+
+
+# ----------------------------------------------------------------------------------------------------- inputs
+def make_tokens(kind: str, num_seqs: int, seq_len: int, vocab_size: int, seed: int = 0) -> torch.Tensor:
+    """random: uniform ids in [0, vocab); repeat: one uniform id per sequence repeated seq_len times. (N, T) long."""
+    g = torch.Generator().manual_seed(seed)
+    if kind == "random":
+        return torch.randint(0, vocab_size, (num_seqs, seq_len), generator=g)
+    if kind == "repeat":
+        return torch.randint(0, vocab_size, (num_seqs, 1), generator=g).expand(num_seqs, seq_len).contiguous()
+    raise ValueError(f"unknown input kind {kind!r}")
+
+
+def load_tokens(path: str, vocab_size: int) -> torch.Tensor:
+    """An integer .npy of shape (N, T) with ids in [0, vocab_size) -> LongTensor; one-line errors otherwise."""
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"--tokens {path}: no such file")
+    try:
+        arr = np.load(p, allow_pickle=False)
+    except Exception as err:
+        raise UserError(f"--tokens {path}: not a readable .npy file ({type(err).__name__})") from None
+    if not isinstance(arr, np.ndarray):
+        raise UserError(f"--tokens {path}: holds an archive, not one array; save one (N, T) array with np.save")
+    if arr.dtype.kind not in "iu":
+        raise UserError(f"--tokens {path}: dtype {arr.dtype} is not an integer type; save token ids as int64")
+    if arr.ndim != 2 or arr.shape[0] < 1 or arr.shape[1] < 1:
+        raise UserError(f"--tokens {path}: shape {tuple(arr.shape)} is not (N, T) with N, T >= 1")
+    lo, hi = int(arr.min()), int(arr.max())
+    if lo < 0 or hi >= vocab_size:
+        raise UserError(f"--tokens {path}: token ids span [{lo}, {hi}], the model's vocabulary is "
+                        f"[0, {vocab_size - 1}]")
+    return torch.from_numpy(arr.astype(np.int64))
+
+
+def run_dir_of(ckpt: Path) -> Optional[Path]:
+    """The training run dir (holding .hydra/config.yaml) of a checkpoint, if there is one."""
+    for d in (ckpt.parent, ckpt.parent.parent):
+        if (d / ".hydra" / "config.yaml").is_file():
+            return d
+    return None
+
+
+def probe_tokens(run_dir: Path, num_seqs: Optional[int], seq_len: Optional[int]) -> torch.Tensor:
+    """The run's probe set through its data config: instantiate(cfg.data).prepare().probe_tokens().
+
+    --num-seqs / --seq-len set the data module's own probe size (data.probe_num_seqs / data.probe_seq_len), so a
+    different size is still the data module's probe set (evenly spaced held-out windows), not a slice of it."""
+    from omegaconf import OmegaConf
+
+    cfg_path = run_dir / ".hydra" / "config.yaml"
+    cfg = OmegaConf.load(cfg_path)
+    if "data" not in cfg or cfg.data is None:
+        raise UserError(f"--input natural: {cfg_path} has no data section; pass --tokens or --input random|repeat")
+    try:
+        from sinklab.data import LMDataModule  # noqa: F401
+    except ImportError as err:
+        raise UserError(f"--input natural: the data module is not available ({err}); "
+                        "pass --tokens or --input random|repeat") from None
+    from hydra.utils import instantiate
+
+    data = cfg.data
+    for key, value in (("probe_num_seqs", num_seqs), ("probe_seq_len", seq_len)):
+        if value is not None:
+            OmegaConf.update(data, key, value, force_add=True)
+    try:
+        dm = instantiate(data, _recursive_=False)
+        dm.prepare()
+        tokens = torch.as_tensor(dm.probe_tokens()).long()
+    except Exception as err:
+        first = (str(err).strip().splitlines() or [""])[0][:200]
+        raise UserError(f"--input natural: cannot read the probe set of {run_dir} ({type(err).__name__}: {first}); "
+                        "pass --tokens or --input random|repeat") from None
+    if tokens.ndim != 2 or (num_seqs is not None and tokens.shape[0] != num_seqs) or \
+            (seq_len is not None and tokens.shape[1] != seq_len):
+        raise UserError(f"--input natural: the data module returned a probe set of shape {tuple(tokens.shape)}, "
+                        f"asked for ({num_seqs}, {seq_len})")
+    return tokens
+
+
+def positive(name: str, value: Optional[int]) -> None:
+    if value is not None and value < 1:
+        raise UserError(f"{name} {value} must be a positive integer")
+
+
+def choose_tokens(args, vocab_size: int, context: Optional[int], run_dir: Optional[Path]) -> tuple[torch.Tensor, str]:
+    """The (N, T) tokens to measure and the input's name."""
+    if args.tokens is not None:
+        for flag, value in (("--seq-len", args.seq_len), ("--num-seqs", args.num_seqs)):
+            if value is not None:
+                raise UserError(f"{flag} does not apply with --tokens (the file's shape (N, T) is measured as is)")
+        tokens, kind = load_tokens(args.tokens, vocab_size), "tokens"
+        if context is not None and tokens.shape[1] > context:
+            raise UserError(f"--tokens {args.tokens}: sequence length {tokens.shape[1]} exceeds the model context "
+                            f"{context}")
+        return tokens, kind
+    if context is not None and args.seq_len is not None and args.seq_len > context:
+        raise UserError(f"--seq-len {args.seq_len} exceeds the model context {context}")
+    kind = args.input
+    if kind is None:
+        if run_dir is None:
+            where = "an HF model has no probe set" if args.hf_model else \
+                f"{args.target} has no run config (.hydra/config.yaml) to read the probe set from"
+            raise UserError(f"choose the input: {where}; pass --tokens FILE.npy or --input random|repeat")
+        kind = "natural"
+    if kind == "natural":
+        if run_dir is None:
+            where = "an HF model has no probe set" if args.hf_model else \
+                f"{args.target} has no run config (.hydra/config.yaml)"
+            raise UserError(f"--input natural: {where}; pass --tokens FILE.npy or --input random|repeat")
+        tokens = probe_tokens(run_dir, args.num_seqs, args.seq_len)
+        if context is not None and tokens.shape[1] > context:
+            raise UserError(f"--seq-len {tokens.shape[1]} (the probe set's) exceeds the model context {context}")
+        if int(tokens.max()) >= vocab_size:
+            raise UserError(f"--input natural: the probe set has token id {int(tokens.max())}, the model's "
+                            f"vocabulary is [0, {vocab_size - 1}] (was the model trained on this data?)")
+        return tokens, kind
+    seq_len = args.seq_len if args.seq_len is not None else \
+        (min(DEFAULT_SEQ_LEN, context) if context is not None else DEFAULT_SEQ_LEN)
+    num_seqs = args.num_seqs if args.num_seqs is not None else DEFAULT_NUM_SEQS
+    return make_tokens(kind, num_seqs, seq_len, vocab_size, args.seed), kind
+
+
+# ----------------------------------------------------------------------------------------------------- results
+def rates(alpha: torch.Tensor, eps: float) -> dict[str, float]:
+    """alpha (N, L, H, K) -> {"1": Sink_1, ...} in percent (per sequence over heads, then mean)."""
+    from sinklab.metrics.sink import sink_rate
+
+    return {str(j + 1): v for j, v in enumerate(sink_rate(alpha, eps).tolist())}
+
+
+def build_result(scores, eps: Sequence[float], slot_names: list[str], row_normalised: bool, stats: dict,
+                 meta: dict) -> dict:
+    """The JSON object (see the module docstring of sinklab.measure and `main`)."""
+    res: dict[str, Any] = dict(meta)
+    K = scores.alpha.shape[-1]
+    res["eps"] = [float(e) for e in eps]
+    res["k"] = K
+    res["row_normalised"] = row_normalised
+    res["sink"] = rates(scores.alpha, eps[0])
+    res["sink_by_eps"] = {f"{e:g}": rates(scores.alpha, e) for e in eps}
+    if not row_normalised and scores.alpha_star is not None:
+        res["sink_star"] = rates(scores.alpha_star, eps[0])
+        res["sink_star_by_eps"] = {f"{e:g}": rates(scores.alpha_star, e) for e in eps}
+    res["alpha"] = scores.alpha[..., 0].mean(0).tolist()  # (L, H): alpha_1 mean over sequences
+    res["alpha_mean"] = {str(j + 1): scores.alpha[..., j].mean().item() for j in range(K)}
+    res["sink1_by_layer"] = (100.0 * (scores.alpha[..., 0] > eps[0]).float().mean(dim=(0, 2))).tolist()
+    if not row_normalised and scores.alpha_star is not None:
+        res["alpha_star"] = scores.alpha_star[..., 0].mean(0).tolist()
+    for name, slot in (("slot", scores.slot), ("slot_star", scores.slot_star if not row_normalised else None)):
+        if slot is None:
+            continue
+
+        def slot_rates(e: float, slot=slot) -> dict[str, float]:
+            r = 100.0 * (slot > e).float().mean(dim=(1, 2)).mean(0)  # (n_extra,)
+            return {n: v for n, v in zip(slot_names, r.tolist())}
+
+        res[name] = slot_rates(eps[0])
+        res[f"{name}_by_eps"] = {f"{e:g}": slot_rates(e) for e in eps}
+        res[f"{name}_alpha"] = {n: slot[..., i].mean(0).tolist() for i, n in enumerate(slot_names)}  # (L, H)
+    res["massive"] = {key.removeprefix("massive_"): stats[key] for key in MASSIVE_KEYS if key in stats}
+    res["norms"] = {key: v for key, v in stats.items() if key not in MASSIVE_KEYS}
+    return res
+
+
+def measure_checkpoint(args, device: torch.device) -> dict:
+    from sinklab.checkpoint import find_checkpoint, load_model
+    from sinklab.metrics import activation_stats, attention_scores, slot_names
+
+    target = Path(args.target)
+    if not target.exists():
+        raise UserError(f"TARGET {args.target}: no such checkpoint or run dir")
+    ckpt = find_checkpoint(target)
+    run_dir = target if target.is_dir() and (target / ".hydra" / "config.yaml").is_file() else run_dir_of(ckpt)
+    model = load_model(ckpt).to(device)
+    cfg = model.cfg
+    tokens, kind = choose_tokens(args, cfg.vocab_size, cfg.block_size, run_dir)
+    check_k(args.k, tokens.shape[1])
+    tokens = tokens.to(device)
+    scores = attention_scores(model, tokens, k=args.k, batch_size=args.batch_size)
+    stats = activation_stats(model, tokens, batch_size=args.batch_size)
+    meta = {"target": str(ckpt), "source": "sinklab", "input": kind, "seed": args.seed,
+            "seq_len": int(tokens.shape[1]), "num_seqs": int(tokens.shape[0]),
+            "model": {"n_layer": cfg.n_layer, "n_head": cfg.n_head, "attn_op": cfg.attn_op, "pos": cfg.pos,
+                      "attn_bias": cfg.attn_bias, "n_sink_tokens": cfg.n_sink_tokens}}
+    if args.tokens is not None:
+        meta["tokens_file"] = str(args.tokens)
+    return build_result(scores, args.eps, slot_names(cfg), cfg.row_normalised, stats, meta)
+
+
+def measure_hf(args, device: torch.device) -> dict:
+    from sinklab import hf
+
+    model = hf.load_hf_model(args.hf_model, device)
+    tokens, kind = choose_tokens(args, hf.vocab_size(model), hf.context_length(model), None)
+    check_k(args.k, tokens.shape[1])
+    scores, row_normalised, stats = hf.hf_scores(model, tokens, k=args.k, batch_size=args.batch_size)
+    tcfg = hf.text_config(model)
+    meta = {"target": str(args.hf_model), "source": "hf", "input": kind, "seed": args.seed,
+            "seq_len": int(tokens.shape[1]), "num_seqs": int(tokens.shape[0]),
+            "model": {"model_type": getattr(tcfg, "model_type", None), "n_layer": scores.alpha.shape[1],
+                      "n_head": scores.alpha.shape[2]}}
+    if args.tokens is not None:
+        meta["tokens_file"] = str(args.tokens)
+    return build_result(scores, args.eps, [], row_normalised, stats, meta)
+
+
+def check_k(k: int, T: int) -> None:
+    if k < 1:
+        raise UserError(f"--k {k} must be a positive integer")
+    if k > T:
+        raise UserError(f"--k {k} exceeds the sequence length T={T}; use --k <= {T}")
+
+
+# ----------------------------------------------------------------------------------------------------- tables
+def _fmt(x: float, width: int = 7, prec: int = 2) -> str:
+    return f"{x:{width}.{prec}f}" if isinstance(x, (int, float)) and math.isfinite(x) else f"{'-':>{width}}"
+
+
+def format_tables(res: dict, max_heads: int = 16) -> str:
+    K = res["k"]
+    lines = [f"{res['source']} model {res['target']}",
+             f"input {res['input']}: {res['num_seqs']} sequences x {res['seq_len']} tokens; "
+             f"{'rows sum to 1' if res['row_normalised'] else 'rows do not sum to 1 (Sink* on |A| / sum |A|)'}",
+             ""]
+    head = f"{'':<14}" + "".join(f"{'k=' + str(j + 1):>9}" for j in range(K))
+    lines += ["Sink_k (%): heads with alpha_k > eps, per sequence, averaged", head]
+    for e, r in res["sink_by_eps"].items():
+        lines.append(f"{'eps=' + e:<14}" + "".join(f"{r[str(j + 1)]:9.2f}" for j in range(K)))
+    for e, r in res.get("sink_star_by_eps", {}).items():
+        lines.append(f"{'Sink* eps=' + e:<14}" + "".join(f"{r[str(j + 1)]:9.2f}" for j in range(K)))
+    lines.append(f"{'mean alpha_k':<14}" + "".join(f"{res['alpha_mean'][str(j + 1)]:9.4f}" for j in range(K)))
+    for name in ("slot", "slot_star"):
+        if f"{name}_by_eps" not in res:
+            continue
+        lines += ["", f"{'bias slot / sink tokens' if name == 'slot' else 'slots, renormalised (Sink*)'} (%):"]
+        for e, r in res[f"{name}_by_eps"].items():
+            lines.append(f"{'eps=' + e:<14}" + "".join(f"{n}={v:.2f}  " for n, v in r.items()))
+        lines.append(f"{'mean score':<14}" + "".join(f"{n}={float(np.mean(grid)):.4f}  "
+                                                     for n, grid in res[f"{name}_alpha"].items()))
+    alpha = res["alpha"]
+    L, H = len(alpha), len(alpha[0]) if alpha else 0
+    shown = min(H, max_heads)
+    which = "" if shown == H else f"; first {shown} of {H} heads"
+    lines += ["", f"alpha_1 per layer and head (mean over sequences{which})",
+              f"{'layer':>5} {'mean':>7} {'Sink_1%':>7} |" + "".join(f"{'h' + str(h):>6}" for h in range(shown))]
+    for layer, row in enumerate(alpha):
+        lines.append(f"{layer:>5} {float(np.mean(row)):7.3f} {res['sink1_by_layer'][layer]:7.1f} |"
+                     + "".join(f"{a:6.2f}" for a in row[:shown]))
+    m, n = res["massive"], res["norms"]
+    if m:
+        lines += ["", "massive activations per layer (residual stream of the real tokens; token 1-indexed)",
+                  f"{'layer':>5} {'top |h|':>10} {'median':>9} {'ratio':>9} {'token':>6} {'channel':>8} "
+                  f"{'||h1||/mean':>11}"]
+        for layer in range(len(m["top"])):
+            h1 = n.get("h1_norm_ratio", [float("nan")] * len(m["top"]))[layer]
+            lines.append(f"{layer:>5} {m['top'][layer]:10.3f} {m['median'][layer]:9.4f} {m['ratio'][layer]:9.1f} "
+                         f"{m['token'][layer]:>6} {m['channel'][layer]:>8} {_fmt(h1, 11, 3)}")
+    extra = [key for key in ("k1_norm_ratio", "v1_norm_ratio", "cos_q_k1", "cos_q_kj") if key in n]
+    if extra:
+        lines += ["", "first-token keys and values (mean over layers): "
+                  + ", ".join(f"{key} {float(np.mean(n[key])):.3f}" for key in extra)]
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------------- main
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(name)
+    except RuntimeError:
+        raise UserError(f"--device {name}: not a device; allowed: auto, cpu, cuda, cuda:N") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"--device {name}: CUDA is not available on this machine; use --device cpu")
+    return dev
+
+
+def run(args) -> dict:
+    if (args.target is None) == (args.hf_model is None):
+        raise UserError("pass either TARGET (a sinklab checkpoint or run dir) or --hf-model DIR, not "
+                        + ("both" if args.target else "neither"))
+    for name, value in (("--seq-len", args.seq_len), ("--num-seqs", args.num_seqs),
+                        ("--batch-size", args.batch_size)):
+        positive(name, value)
+    for e in args.eps:
+        if not math.isfinite(e) or e < 0:
+            raise UserError(f"--eps {e:g} must be a finite threshold >= 0")
+    if args.k < 1:
+        raise UserError(f"--k {args.k} must be a positive integer")
+    device = pick_device(args.device)
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        res = measure_hf(args, device) if args.hf_model is not None else measure_checkpoint(args, device)
+    res["seconds"] = round(time.perf_counter() - t0, 3)
+    return res
+
+
+def finite(obj: Any) -> Any:
+    """NaN / inf (e.g. a norm ratio with T = 1) -> null, so the output is strict JSON."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite(v) for v in obj]
+    return obj
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        # in JSON mode stdout carries exactly one object: anything printed while measuring goes to stderr
+        with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
+            res = run(args)
+    except UserError as err:
+        print(f"{PROG}: error: {err}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(finite(res), allow_nan=False))
+    else:
+        print(format_tables(res))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

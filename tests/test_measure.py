@@ -1,0 +1,331 @@
+"""sinklab measure: JSON against direct computations, planted sinks, bias slot / sink tokens, HF models, errors."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from sinklab.measure import main, make_tokens
+from sinklab.metrics import activation_stats, attention_scores, brute_force_alpha, sink_rate
+from sinklab.model import ModelConfig, Transformer
+
+REPO = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "offline",
+       "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+PLANT_LAYER, PLANT_HEAD = 0, 2
+
+
+# ------------------------------------------------------------------------------------------------ helpers
+def cli(*args: str, env: dict = ENV) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "sinklab.measure", *args], capture_output=True, text=True,
+                          env=env, cwd=REPO, timeout=120)
+
+
+def run_main(capsys, *args: str) -> tuple[int, str, str]:
+    rc = main(list(args))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def save_ckpt(model: Transformer, path: Path) -> Path:
+    torch.save({"state_dict": {"model." + k: v for k, v in model.state_dict().items()},
+                "hyper_parameters": {"model": model.cfg.to_dict(), "optim": {"lr": 1e-3, "weight_decay": 0.1},
+                                     "max_steps": 1}}, path)
+    return path
+
+
+def planted(where: str = "token1", **overrides) -> Transformer:
+    """Every head attends uniformly (q = 0) except head PLANT_HEAD of layer PLANT_LAYER, which puts all its
+    attention on token 1 (id 0 carries a marker channel), on the K/V bias slot, or on the learned sink token.
+
+    Channel 1 is constant over tokens, so the planted query is the same for every position; the marker sits
+    in the lowest RoPE frequency (dim hd/2 - 1) so that rotation barely moves it over 32 positions."""
+    cfg = ModelConfig(vocab_size=64, n_layer=2, n_head=4, d_model=32, d_ff=64, block_size=32, **overrides).validate()
+    torch.manual_seed(0)
+    m = Transformer(cfg).eval()
+    hd, h = cfg.hd, PLANT_HEAD
+    r = h * hd + hd // 2 - 1
+    with torch.no_grad():
+        for b in m.blocks:
+            b.attn.q_proj.weight.zero_()
+        emb = m.tok_emb.weight
+        emb[:, 0] = 0.0
+        emb[:, 1] = 1.0
+        attn = m.blocks[PLANT_LAYER].attn
+        attn.q_proj.weight[r, 1] = 30.0
+        if where == "token1":
+            emb[0, 0] = 10.0
+            attn.k_proj.weight[r, 0] = 30.0
+        elif where == "bias":
+            attn.k_bias[h].zero_()
+            attn.k_bias[h, hd // 2 - 1] = 60.0
+        elif where == "sink":
+            m.sink_tokens.zero_()
+            m.sink_tokens[0, 0], m.sink_tokens[0, 1] = 10.0, 1.0
+            attn.k_proj.weight[r, 0] = 30.0
+    return m
+
+
+def bos_tokens(n: int = 6, T: int = 32, vocab: int = 64) -> np.ndarray:
+    rng = np.random.default_rng(0)
+    tok = rng.integers(1, vocab, (n, T))
+    tok[:, 0] = 0
+    return tok
+
+
+@pytest.fixture(scope="module")
+def planted_ckpt(tmp_path_factory):
+    d = tmp_path_factory.mktemp("planted")
+    model = planted("token1")
+    np.save(d / "tokens.npy", bos_tokens())
+    return model, save_ckpt(model, d / "model.ckpt"), d / "tokens.npy"
+
+
+# ------------------------------------------------------------------------------------------------ sinklab checkpoints
+def test_planted_sink_found_through_cli(planted_ckpt):
+    model, ckpt, tokens = planted_ckpt
+    proc = cli(str(ckpt), "--tokens", str(tokens), "--json", "--eps", "0.3", "0.1")
+    assert proc.returncode == 0, proc.stderr
+    res = json.loads(proc.stdout)
+    alpha = np.array(res["alpha"])
+    assert alpha.shape == (2, 4)
+    sink_heads = {tuple(ix) for ix in np.argwhere(alpha > 0.3)}
+    assert sink_heads == {(PLANT_LAYER, PLANT_HEAD)}
+    assert alpha[PLANT_LAYER, PLANT_HEAD] > 0.99
+    assert res["sink"]["1"] == pytest.approx(100.0 / 8)  # exactly one head of 2 x 4 in every sequence
+    assert res["sink"]["2"] == 0.0
+    assert set(res["sink_by_eps"]) == {"0.3", "0.1"} and res["sink_by_eps"]["0.3"] == res["sink"]
+    assert res["sink_by_eps"]["0.1"]["1"] == 100.0  # uniform heads: alpha_1 = H_32 / 32 = 0.127 > 0.1
+    assert "sink_star" not in res and "slot" not in res  # softmax rows sum to one; no slots
+    assert (res["seq_len"], res["num_seqs"], res["input"], res["eps"]) == (32, 6, "tokens", [0.3, 0.1])
+
+    # the JSON equals a direct computation of the efficient metric and of the brute-force one
+    tok = torch.from_numpy(np.load(tokens))
+    direct = attention_scores(model, tok, k=4)
+    np.testing.assert_allclose(alpha, direct.alpha[..., 0].mean(0).numpy(), atol=1e-6)
+    assert [res["sink"][str(j + 1)] for j in range(4)] == pytest.approx(sink_rate(direct.alpha, 0.3).tolist())
+    brute = brute_force_alpha(model, tok, k=4)
+    np.testing.assert_allclose(alpha, brute.alpha[..., 0].mean(0).detach().numpy(), atol=1e-5)
+    stats = activation_stats(model, tok)
+    assert res["massive"]["top"] == pytest.approx(stats["massive_top"])
+    assert res["massive"]["token"] == stats["massive_token"]
+    assert res["norms"]["h1_norm_ratio"] == pytest.approx(stats["h1_norm_ratio"])
+    assert res["norms"]["cos_q_k1"] == pytest.approx(stats["cos_q_k1"])
+
+
+@pytest.mark.parametrize("where,overrides,slot", [("bias", {"attn_bias": "kv"}, "bias"),
+                                                  ("sink", {"n_sink_tokens": 1}, "token0")])
+def test_bias_slot_and_sink_token_scored_apart(capsys, tmp_path, where, overrides, slot):
+    model = planted(where, **overrides)
+    ckpt = save_ckpt(model, tmp_path / "m.ckpt")
+    np.save(tmp_path / "t.npy", bos_tokens())
+    rc, out, err = run_main(capsys, str(ckpt), "--tokens", str(tmp_path / "t.npy"), "--json")
+    assert rc == 0, err
+    res = json.loads(out)
+    # the planted head attends to the slot, not to token 1: counted under "slot", never under "sink"
+    assert res["slot"] == {slot: pytest.approx(100.0 / 8)}
+    assert res["sink"]["1"] == 0.0
+    slot_alpha = np.array(res["slot_alpha"][slot])
+    assert slot_alpha[PLANT_LAYER, PLANT_HEAD] > 0.99
+    assert np.array(res["alpha"])[PLANT_LAYER, PLANT_HEAD] < 1e-3
+    direct = attention_scores(model, torch.from_numpy(np.load(tmp_path / "t.npy")), k=4)
+    np.testing.assert_allclose(slot_alpha, direct.slot[..., 0].mean(0).numpy(), atol=1e-6)
+    np.testing.assert_allclose(res["alpha"], direct.alpha[..., 0].mean(0).numpy(), atol=1e-6)
+
+
+def test_not_row_normalised_reports_sink_star(capsys, tmp_path):
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(vocab_size=64, n_layer=2, n_head=4, d_model=32, d_ff=64, block_size=32,
+                                    attn_op="sigmoid", sigmoid_bias=-2.0)).eval()
+    ckpt = save_ckpt(model, tmp_path / "sig.ckpt")
+    rc, out, err = run_main(capsys, str(ckpt), "--input", "random", "--num-seqs", "3", "--seq-len", "16", "--json")
+    assert rc == 0, err
+    res = json.loads(out)
+    assert res["row_normalised"] is False and "sink_star" in res and "alpha_star" in res
+    direct = attention_scores(model, make_tokens("random", 3, 16, 64, 0), k=4)
+    np.testing.assert_allclose(res["alpha_star"], direct.alpha_star[..., 0].mean(0).numpy(), atol=1e-6)
+    assert [res["sink_star"][str(j + 1)] for j in range(4)] == pytest.approx(
+        sink_rate(direct.alpha_star, 0.3).tolist())
+
+
+def test_random_and_repeat_inputs_and_table(capsys, planted_ckpt):
+    _, ckpt, _ = planted_ckpt
+    rep = make_tokens("repeat", 5, 12, 64, seed=3)
+    assert rep.shape == (5, 12) and bool((rep == rep[:, :1]).all()) and rep.max() < 64
+    rnd = make_tokens("random", 5, 12, 64, seed=3)
+    assert torch.equal(rnd, make_tokens("random", 5, 12, 64, seed=3)) and not bool((rnd == rnd[:, :1]).all())
+    rc, out, err = run_main(capsys, str(ckpt), "--input", "repeat", "--num-seqs", "5", "--seq-len", "12",
+                            "--k", "2", "--json")
+    assert rc == 0, err
+    res = json.loads(out)
+    assert (res["input"], res["num_seqs"], res["seq_len"], sorted(res["sink"])) == ("repeat", 5, 12, ["1", "2"])
+    # the readable form: the Sink_k table, the layer x head grid and the massive-activation summary
+    rc, out, err = run_main(capsys, str(ckpt), "--input", "random", "--num-seqs", "4", "--eps", "0.3", "0.5")
+    assert rc == 0, err
+    assert "Sink_k (%)" in out and "eps=0.3" in out and "eps=0.5" in out
+    assert "alpha_1 per layer and head" in out and "massive activations" in out
+    assert len([line for line in out.splitlines() if line.strip().startswith("0 ") and "|" in line]) == 1
+
+
+def natural_run(base: Path, name: str = "run") -> tuple[Path, object]:
+    """A training-run dir whose .hydra/config.yaml has a data section (a small local corpus, BPE of 300)."""
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+
+    corpus = base / "corpus"
+    if not corpus.exists():
+        corpus.mkdir(parents=True)
+        rng = np.random.default_rng(0)
+        words = ("the quick brown fox jumps over a lazy dog while seven wise kings sing of silver rivers and "
+                 "golden hills").split()
+        for i in range(20):
+            (corpus / f"doc{i}.txt").write_text("\n".join(" ".join(rng.choice(words, 12)) for _ in range(60)))
+    data = {"_target_": "sinklab.data.LMDataModule", "corpus": "local",
+            "files": [str(p) for p in sorted(corpus.glob("*.txt"))], "tokenizer": "bpe", "vocab_size": 300,
+            "cache_dir": str(base / "cache"), "block_size": 32, "batch_size": 4, "val_num_blocks": 2,
+            "probe_num_seqs": 10, "probe_seq_len": 16}
+    run = base / name
+    (run / ".hydra").mkdir(parents=True)
+    (run / "checkpoints").mkdir()
+    OmegaConf.save(OmegaConf.create({"data": data, "seed": 0}), run / ".hydra" / "config.yaml")
+    dm = instantiate(OmegaConf.create(data), _recursive_=False)
+    dm.prepare()
+    return run, dm
+
+
+def test_natural_probe_set_from_run_dir(tmp_path, capsys):
+    """The default input for a run dir is the probe set of its data module (sinklab.data.LMDataModule)."""
+    try:
+        from sinklab.data import LMDataModule  # noqa: F401
+    except ImportError as err:
+        pytest.skip(f"sinklab.data.LMDataModule is not available ({err}): the natural-input path cannot run")
+    run, dm = natural_run(tmp_path)
+    probe = dm.probe_tokens()
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(vocab_size=dm.vocab_size, n_layer=2, n_head=4, d_model=32, d_ff=64,
+                                    block_size=32)).eval()
+    save_ckpt(model, run / "checkpoints" / "last.ckpt")
+    rc, out, err = run_main(capsys, str(run), "--json")
+    assert rc == 0, err
+    res = json.loads(out)
+    assert res["input"] == "natural" and (res["num_seqs"], res["seq_len"]) == tuple(probe.shape) == (10, 16)
+    direct = attention_scores(model, probe, k=4)
+    np.testing.assert_allclose(res["alpha"], direct.alpha[..., 0].mean(0).numpy(), atol=1e-6)
+    # another probe size is the data module's probe set at that size; the checkpoint path works as well
+    rc, out, err = run_main(capsys, str(run / "checkpoints" / "last.ckpt"), "--json", "--seq-len", "24",
+                            "--num-seqs", "3")
+    assert rc == 0, err
+    assert (json.loads(out)["num_seqs"], json.loads(out)["seq_len"]) == (3, 24)
+
+
+# ------------------------------------------------------------------------------------------------ errors
+def test_user_errors_are_one_line_exit_2(capsys, tmp_path, planted_ckpt):
+    _, ckpt, tokens = planted_ckpt
+    np.save(tmp_path / "float.npy", np.zeros((2, 8), dtype=np.float32))
+    np.save(tmp_path / "flat.npy", np.zeros(8, dtype=np.int64))
+    np.save(tmp_path / "big.npy", np.full((2, 8), 64, dtype=np.int64))
+    cases = [
+        ((str(tmp_path / "missing.ckpt"), "--input", "random"), "TARGET"),
+        ((str(ckpt), "--tokens", str(tmp_path / "float.npy")), "--tokens"),
+        ((str(ckpt), "--tokens", str(tmp_path / "flat.npy")), "--tokens"),
+        ((str(ckpt), "--tokens", str(tmp_path / "big.npy")), "--tokens"),
+        ((str(ckpt), "--input", "random", "--seq-len", "33"), "--seq-len"),
+        ((str(ckpt), "--input", "random", "--seq-len", "4", "--k", "5"), "--k"),
+        ((str(ckpt),), "--input random"),  # a bare .ckpt has no probe set
+        ((str(ckpt), "--input", "natural"), "--input natural"),
+        ((str(ckpt), "--tokens", str(tokens), "--seq-len", "8"), "--seq-len"),
+        (("--hf-model", str(tmp_path / "no_such_dir"), "--input", "random"), "--hf-model"),
+        (("--input", "random"), "TARGET"),
+    ]
+    for args, named in cases:
+        rc, out, err = run_main(capsys, *args)
+        assert rc == 2, (args, out, err)
+        assert out == "" and err.count("\n") == 1 and named in err and "Traceback" not in err, (args, err)
+
+
+def test_hf_model_without_transformers_says_how_to_install(tmp_path):
+    code = ("import sys; sys.modules['transformers'] = None; from sinklab.measure import main; "
+            f"sys.exit(main(['--hf-model', {str(tmp_path)!r}, '--input', 'random']))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV, cwd=REPO,
+                          timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == ["sinklab measure: error: --hf-model needs transformers, an optional "
+                                                "extra: pip install 'sinklab[hf]'"]
+
+
+# ------------------------------------------------------------------------------------------------ HF models
+def tiny_hf(kind: str, path: Path) -> Path:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    if kind == "llama":
+        cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+        model = transformers.LlamaForCausalLM(cfg)
+        attn = model.model.layers[0].self_attn
+        with torch.no_grad():  # sharper, head-dependent maps than the near-uniform random init
+            attn.q_proj.weight.mul_(8.0)
+            attn.k_proj.weight.mul_(8.0)
+    else:
+        cfg = transformers.GPT2Config(vocab_size=128, n_embd=32, n_layer=2, n_head=4, n_positions=64,
+                                      bos_token_id=0, eos_token_id=0)
+        model = transformers.GPT2LMHeadModel(cfg)
+        with torch.no_grad():
+            model.transformer.h[0].attn.c_attn.weight[:, :64].mul_(8.0)  # q and k columns of layer 0
+    model.save_pretrained(str(path))
+    return path
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_hf_model_json_matches_output_attentions(tmp_path, kind):
+    transformers = pytest.importorskip("transformers")
+    d = tiny_hf(kind, tmp_path / kind)
+    proc = cli("--hf-model", str(d), "--json", "--input", "random", "--num-seqs", "4", "--seq-len", "24",
+               "--batch-size", "3")
+    assert proc.returncode == 0, proc.stderr
+    res = json.loads(proc.stdout)
+    assert (res["source"], res["num_seqs"], res["seq_len"], res["row_normalised"]) == ("hf", 4, 24, True)
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(d), attn_implementation="eager").eval()
+    tok = make_tokens("random", 4, 24, 128, seed=0)
+    with torch.no_grad():
+        out = model(input_ids=tok, output_attentions=True, output_hidden_states=True)
+    maps = torch.stack(out.attentions, 1)  # (N, L, H, T, T)
+    alpha = torch.stack([maps[..., j:, j].mean(-1) for j in range(4)], -1)  # (N, L, H, K)
+    np.testing.assert_allclose(res["alpha"], alpha[..., 0].mean(0).numpy(), atol=1e-5)
+    assert np.ptp(np.array(res["alpha"])[0]) > 0.01  # layer 0's heads differ: a meaningful comparison
+    for j in range(4):
+        assert res["alpha_mean"][str(j + 1)] == pytest.approx(alpha[..., j].mean().item(), abs=1e-5)
+        assert res["sink"][str(j + 1)] == pytest.approx(100.0 * (alpha[..., j] > 0.3).float().mean().item())
+    # residual stream of layer 0 (HF's hidden_states[1]; the last entry is after the final norm)
+    h = out.hidden_states[1]
+    norms = h.norm(dim=-1)
+    assert res["norms"]["h1_norm_ratio"][0] == pytest.approx((norms[:, 0] / norms[:, 1:].mean(-1)).mean().item(),
+                                                             rel=1e-5)
+    assert res["massive"]["top"][0] == pytest.approx(h.abs().max().item(), rel=1e-6)
+    assert len(res["massive"]["top"]) == 2
+
+
+def test_hf_tokens_and_repeat(capsys, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    d = tiny_hf("llama", tmp_path / "llama")
+    tok = make_tokens("random", 3, 20, 128, seed=5).numpy().astype(np.int32)
+    np.save(tmp_path / "t.npy", tok)
+    rc, out, err = run_main(capsys, "--hf-model", str(d), "--tokens", str(tmp_path / "t.npy"), "--json")
+    assert rc == 0, err
+    res = json.loads(out)
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(d), attn_implementation="eager").eval()
+    with torch.no_grad():
+        maps = torch.stack(model(input_ids=torch.from_numpy(tok).long(), output_attentions=True).attentions, 1)
+    np.testing.assert_allclose(res["alpha"], maps[..., :, 0].mean(-1).mean(0).numpy(), atol=1e-5)
+    rc, out, err = run_main(capsys, "--hf-model", str(d), "--input", "repeat", "--num-seqs", "2", "--json")
+    assert rc == 0, err
+    res = json.loads(out)
+    assert (res["input"], res["seq_len"]) == ("repeat", 64)  # default T = min(64, context)
+    rc, out, err = run_main(capsys, "--hf-model", str(d), "--input", "random", "--seq-len", "65")
+    assert rc == 2 and "--seq-len" in err and err.count("\n") == 1
