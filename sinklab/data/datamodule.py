@@ -169,7 +169,12 @@ class LMDataModule(L.LightningDataModule):
             tok = resolve_tokenizer(hp.tokenizer, vocab_size=hp.vocab_size, corpus=corpus, cache_dir=cache,
                                     eos_token=hp.eos_token)
             fingerprint = tokenizer_fingerprint(tok)
-            label = f"bpe{hp.vocab_size}" if hp.tokenizer == BPE else re.sub(r"[^A-Za-z0-9_.-]+", "_", hp.tokenizer)[-40:]
+            if hp.tokenizer == BPE:
+                label = f"bpe{hp.vocab_size}"
+            elif Path(hp.tokenizer).expanduser().exists():
+                label = "tokenizer"
+            else:  # a hub id
+                label = re.sub(r"[^A-Za-z0-9_.-]+", "_", hp.tokenizer)[:40]
             root = cache / "tokens" / f"{corpus.name}-{corpus.fingerprint[:12]}" / f"{label}-{fingerprint[:12]}"
             if hp.rebuild_cache and root.exists():
                 log.warning("data.rebuild_cache=true: deleting %s", root)

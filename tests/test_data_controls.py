@@ -1,0 +1,192 @@
+"""Issue-5 controls on training blocks: unique-token cap, random positions, fixed token, BOS.
+
+They must change training blocks exactly as specified and leave validation blocks and the probe set alone.
+"""
+
+import logging
+import random
+from pathlib import Path
+from types import SimpleNamespace
+
+import lightning as L
+import numpy as np
+import pytest
+import torch
+
+from sinklab.data import LMDataModule
+from sinklab.data.tokenizer import train_bpe
+from sinklab.errors import UserError
+
+WORDS = ["".join(random.Random(i).choice("etaoinshrdlucmfwypvbgk") for _ in range(1 + i % 8)) for i in range(300)]
+
+
+def fake_text(seed: int, n_words: int) -> str:
+    rng = random.Random(seed)
+    lines, line = [], []
+    for _ in range(n_words):
+        line.append(WORDS[min(int(rng.paretovariate(1.0)) - 1, len(WORDS) - 1)] if rng.random() < 0.7
+                    else rng.choice(WORDS))
+        if rng.random() < 0.12:
+            lines.append(" ".join(line).capitalize() + ".")
+            line = []
+    return "\n".join(lines) + "\n"
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    root = tmp_path_factory.mktemp("controls")
+    files = []
+    for i in range(10):
+        path = root / f"doc{i}.txt"
+        path.write_text(fake_text(1000 + i, 1500))
+        files.append(str(path))
+    tok = train_bpe([Path(f).read_text() for f in files], 300)
+    tok.save(str(root / "tok.json"))
+    return SimpleNamespace(files=files, tok=str(root / "tok.json"), cache=str(root / "cache"))
+
+
+def make_dm(env, **kw) -> LMDataModule:
+    args = dict(corpus="local", files=env.files, tokenizer=env.tok, cache_dir=env.cache, block_size=32,
+                batch_size=8, val_num_blocks=8, probe_num_seqs=10, probe_seq_len=16, seed=0)
+    args.update(kw)
+    return LMDataModule(**args).prepare()
+
+
+def natural(dm, i, length=33):
+    """The corpus tokens sample i is read from."""
+    return dm._stores["train"].read(dm.train_blocks.offset(i), length)
+
+
+def chi_square_uniform(values: np.ndarray, k: int) -> float:
+    counts = np.bincount(values, minlength=k)
+    expected = len(values) / k
+    return float(((counts - expected) ** 2 / expected).sum())
+
+
+# ---------------------------------------------------------------------------------------------- unique-token cap
+
+
+def test_unique_token_cap_bounds_what_training_reads(env):
+    N = 3000
+    dm = make_dm(env, max_unique_tokens=N)
+    blocks = dm.train_blocks
+    offsets = np.array([blocks.offset(i) for i in range(4000)])
+    assert offsets.max() < N - 32 and offsets.min() >= 0
+    assert len(np.unique(offsets)) > 0.6 * (N - 32)  # the whole capped range is used, and repeated
+    head = dm._stores["train"].read(0, N)
+    for i in range(0, 4000, 97):
+        assert torch.equal(blocks[i], torch.from_numpy(head[offsets[i]:offsets[i] + 33]))
+    uncapped = make_dm(env).train_blocks
+    assert max(uncapped.offset(i) for i in range(4000)) > 5 * N  # without the cap blocks come from everywhere
+    # batch size and steps are unchanged: the cap only restricts where blocks are read
+    assert next(iter(dm.make_train_loader(step=5))).shape == (8, 33)
+
+
+def test_epochs_over_unique_data_is_reported(env, caplog):
+    dm = make_dm(env, max_unique_tokens=4096)
+    assert dm.epochs_over_unique(max_steps=100, global_batch=8) == pytest.approx(100 * 8 * 32 / 4096)
+    assert dm.describe()["unique_tokens"] == 4096
+    trainer = L.Trainer(max_steps=100, accelerator="cpu", logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    dm.trainer = trainer
+    with caplog.at_level(logging.INFO):
+        dm.train_dataloader()
+    line = next(r.getMessage() for r in caplog.records if "epochs over" in r.getMessage())
+    assert "100 steps x 8 blocks x 32 tokens = 25,600 tokens = 6.25 epochs over 4,096 unique" in line
+    assert dm.describe()["epochs_over_unique"] == 6.25
+    dm.trainer = None
+
+
+def test_unique_token_cap_larger_than_the_data_is_an_error(env):
+    with pytest.raises(UserError, match="max_unique_tokens=100000000 exceeds the"):
+        make_dm(env, max_unique_tokens=100_000_000)
+    with pytest.raises(UserError, match="max_unique_tokens has 20 tokens, fewer than one block"):
+        make_dm(env, max_unique_tokens=20)
+
+
+# ---------------------------------------------------------------------------------------------- random positions
+
+
+@pytest.mark.parametrize("positions", [[1], [1, 2], [2]])
+def test_random_positions_are_uniform_and_the_rest_is_untouched(env, positions):
+    dm = make_dm(env, random_positions=positions)
+    V = dm.tokenizer.get_vocab_size()
+    n = 6000
+    blocks = torch.stack([dm.train_blocks[i] for i in range(n)]).numpy()  # (n, 33)
+    nat = np.stack([natural(dm, i) for i in range(n)])
+    limit = (V - 1) + 6 * np.sqrt(2 * (V - 1))  # chi-square with V-1 dof: mean V-1, sd sqrt(2(V-1))
+    for p in positions:
+        assert blocks[:, p - 1].max() < V
+        assert chi_square_uniform(blocks[:, p - 1], V) < limit
+    for p in {1, 2, 3} - set(positions):  # the same statistic flags natural text, so the check has power
+        assert chi_square_uniform(blocks[:, p - 1], V) > 3 * limit
+    keep = [c for c in range(33) if c + 1 not in positions]
+    assert np.array_equal(blocks[:, keep], nat[:, keep])
+    assert (blocks[:, positions[0] - 1] != nat[:, positions[0] - 1]).mean() > 0.9
+    again = make_dm(env, random_positions=positions).train_blocks  # resampled tokens are deterministic too
+    assert all(torch.equal(again[i], dm.train_blocks[i]) for i in (0, 17, 5000))
+
+
+# ---------------------------------------------------------------------------------------------- fixed token, BOS
+
+
+def test_fixed_new_token_at_position(env):
+    dm = make_dm(env, fixed_token={"position": 2, "token_id": None})
+    V = dm.tokenizer.get_vocab_size()
+    assert dm.vocab_size == 320 and dm.describe()["fixed_token"] == {"position": 2, "token_id": V}
+    batch = next(iter(dm.make_train_loader()))
+    assert (batch[:, 1] == V).all() and (batch[:, [0] + list(range(2, 33))] < V).all()
+    for j in range(8):
+        expect = torch.from_numpy(natural(dm, j))
+        expect[1] = V
+        assert torch.equal(batch[j], expect)
+
+
+def test_fixed_existing_token_keeps_the_vocabulary(env):
+    dm = make_dm(env, fixed_token={"position": 1, "token_id": 7}, pad_vocab_to_multiple_of=1)
+    assert dm.vocab_size == 300
+    blocks = torch.stack([dm.train_blocks[i] for i in range(50)])
+    assert (blocks[:, 0] == 7).all()
+    with pytest.raises(UserError, match="token_id=300 is outside the tokenizer's ids 0..299"):
+        make_dm(env, fixed_token={"position": 1, "token_id": 300})
+
+
+def test_new_token_grows_the_padded_vocabulary(env):
+    assert make_dm(env, pad_vocab_to_multiple_of=1, fixed_token={"position": 1, "token_id": None}).vocab_size == 301
+    assert make_dm(env, pad_vocab_to_multiple_of=1).vocab_size == 300
+
+
+def test_bos_is_prepended_to_training_blocks(env):
+    dm = make_dm(env, bos=True)
+    for i in (0, 1, 99):
+        block = dm.train_blocks[i]
+        assert block[0] == dm.eos_id and block.shape == (33,)
+        assert torch.equal(block[1:], torch.from_numpy(natural(dm, i, length=32)))  # shifted, not overwritten
+
+
+def test_controls_leave_validation_and_probe_natural(env):
+    plain = make_dm(env)
+    for kw in (dict(random_positions=[1, 2]), dict(fixed_token={"position": 1, "token_id": None}), dict(bos=True),
+               dict(max_unique_tokens=2000)):
+        dm = make_dm(env, **kw)
+        assert torch.equal(torch.cat(list(dm.val_dataloader())), torch.cat(list(plain.val_dataloader())))
+        assert torch.equal(dm.probe_tokens(), plain.probe_tokens())
+    probe_bos = make_dm(env, probe_bos=True).probe_tokens()
+    assert (probe_bos[:, 0] == plain.eos_id).all() and torch.equal(probe_bos[:, 1:], plain.probe_tokens()[:, :-1])
+
+
+def test_invalid_controls_are_refused_before_loading(env):
+    cases = [
+        (dict(random_positions=[0]), "position 0 is outside 1..block_size=32"),
+        (dict(random_positions=[33]), "position 33 is outside"),
+        (dict(random_positions=[2, 2]), "repeats a position"),
+        (dict(random_positions="1"), "must be a list"),
+        (dict(fixed_token={"position": 40}), "fixed_token.position=40 is outside"),
+        (dict(fixed_token={"pos": 1}), r"unknown key\(s\) \['pos'\]"),
+        (dict(fixed_token={"position": 2}, random_positions=[2]), "also in data.random_positions"),
+        (dict(bos=True, random_positions=[1]), "bos=true puts BOS at position 1"),
+        (dict(bos=True, fixed_token={"position": 1}), "bos=true puts BOS at position 1"),
+    ]
+    for kwargs, message in cases:
+        with pytest.raises(UserError, match=message):
+            LMDataModule(block_size=32, **kwargs)  # the default corpus: nothing is fetched by the constructor
