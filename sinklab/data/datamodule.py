@@ -19,14 +19,13 @@ from __future__ import annotations
 import io
 import logging
 import re
-import shutil
 from pathlib import Path
 
 import lightning as L
 import numpy as np
 import torch
 import torch.distributed as dist
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from tokenizers import Tokenizer
 from torch.utils.data import DataLoader
@@ -40,7 +39,12 @@ from .fsutil import atomic_write_bytes, resolve_cache_dir
 from .tokenizer import (BPE, EOS_TOKEN, MIN_BPE_VOCAB, eos_token_id, load_tokenizer, padded_vocab_size,
                         resolve_tokenizer, tokenizer_fingerprint, tokenizer_size)
 
-log = logging.getLogger(__name__)
+log = logging.getLogger(__name__)  # sinklab.data.datamodule: shown by the training entry point (Hydra logging)
+
+
+def _info(message: str) -> None:
+    if rank_zero_only.rank == 0:
+        log.info(message)
 
 
 def _plain(value):
@@ -106,11 +110,11 @@ class LMDataModule(L.LightningDataModule):
         # --- validate everything that needs no data ---
         check_choice("corpus", corpus, CORPORA)
         check_choice("encoding_errors", encoding_errors, ENCODING_ERRORS)
-        for key, value, minimum in [("block_size", block_size, 1), ("batch_size", batch_size, 1),
-                                    ("num_workers", num_workers, 0), ("seed", seed, 0),
-                                    ("val_num_blocks", val_num_blocks, 1), ("probe_num_seqs", probe_num_seqs, 1),
-                                    ("probe_seq_len", probe_seq_len, 1), ("docs_per_shard", docs_per_shard, 1),
-                                    ("num_proc", num_proc, 1), ("pad_vocab_to_multiple_of", pad_vocab_to_multiple_of, 1)]:
+        minimums = {"block_size": (block_size, 1), "batch_size": (batch_size, 1), "num_workers": (num_workers, 0),
+                    "seed": (seed, 0), "val_num_blocks": (val_num_blocks, 1), "probe_num_seqs": (probe_num_seqs, 1),
+                    "probe_seq_len": (probe_seq_len, 1), "docs_per_shard": (docs_per_shard, 1),
+                    "num_proc": (num_proc, 1), "pad_vocab_to_multiple_of": (pad_vocab_to_multiple_of, 1)}
+        for key, (value, minimum) in minimums.items():
             _check_int(key, value, minimum)
         _check_int("max_unique_tokens", max_unique_tokens, 1, optional=True)
         _check_int("max_train_tokens", max_train_tokens, 1, optional=True)
@@ -118,7 +122,7 @@ class LMDataModule(L.LightningDataModule):
             raise UserError(f"data.tokenizer={tokenizer!r} must be 'bpe', a path to a tokenizer.json, or a hub id")
         if tokenizer == BPE and not prepared_dir:
             _check_int("vocab_size", vocab_size, MIN_BPE_VOCAB)
-        if not 0.0 < float(val_fraction) <= 0.5:
+        if isinstance(val_fraction, bool) or not isinstance(val_fraction, (int, float)) or not 0 < val_fraction <= 0.5:
             raise UserError(f"data.val_fraction={val_fraction!r} must be in (0, 0.5]")
         if prepared_dir is None:
             if corpus == "local" and not files:
@@ -158,7 +162,7 @@ class LMDataModule(L.LightningDataModule):
             if hp.tokenizer == BPE and not stored.is_file():
                 open_store(root)  # the clearer error if root is no token store at all
                 raise DataFileNotFoundError(f"{stored} not found; set data.tokenizer to the tokenizer {root} was "
-                                        f"prepared with")
+                                            f"prepared with")
             tok = load_tokenizer(str(stored) if hp.tokenizer == BPE else hp.tokenizer)
             manifest, stores = open_store(root, tokenizer_fingerprint(tok))
         else:
@@ -176,16 +180,14 @@ class LMDataModule(L.LightningDataModule):
             else:  # a hub id
                 label = re.sub(r"[^A-Za-z0-9_.-]+", "_", hp.tokenizer)[:40]
             root = cache / "tokens" / f"{corpus.name}-{corpus.fingerprint[:12]}" / f"{label}-{fingerprint[:12]}"
-            if hp.rebuild_cache and root.exists():
-                log.warning("data.rebuild_cache=true: deleting %s", root)
-                shutil.rmtree(root)
             build_store(corpus, tok, root, eos_id=eos_token_id(tok, hp.eos_token, hp.tokenizer),
-                        docs_per_shard=hp.docs_per_shard, num_proc=hp.num_proc, max_train_tokens=hp.max_train_tokens)
+                        docs_per_shard=hp.docs_per_shard, num_proc=hp.num_proc, max_train_tokens=hp.max_train_tokens,
+                        rebuild=hp.rebuild_cache and rank_zero_only.rank == 0)
             manifest, stores = open_store(root, fingerprint)
         eos = eos_token_id(tok, hp.eos_token, hp.tokenizer)
         if eos != manifest["eos_id"]:
             raise UserError(f"{root / 'manifest.json'} separates documents with id {manifest['eos_id']}, but "
-                             f"data.eos_token={hp.eos_token!r} is id {eos}; set data.eos_token to match")
+                            f"data.eos_token={hp.eos_token!r} is id {eos}; set data.eos_token to match")
 
         tok_vocab = tokenizer_size(tok)
         controls = self._controls.resolve(tok_vocab, eos)
@@ -196,7 +198,6 @@ class LMDataModule(L.LightningDataModule):
         self._tokenizer, self._manifest, self._stores, self._probe = tok, manifest, stores, probe
         self._controls, self._train_blocks, self.store_dir = controls, train_blocks, root
         self._vocab_size = padded_vocab_size(tok_vocab + controls.extra_ids, hp.pad_vocab_to_multiple_of)
-        rank_zero_info(f"data: {self.describe()}")
         return self
 
     @staticmethod
@@ -279,12 +280,12 @@ class LMDataModule(L.LightningDataModule):
         global_batch = self.batch_size * world * accumulate
         if trainer is not None and trainer.max_steps and trainer.max_steps > 0:
             seen = trainer.max_steps * global_batch * self.block_size
-            rank_zero_info(f"data: {trainer.max_steps} steps x {global_batch} blocks x {self.block_size} tokens = "
+            _info(f"data: {trainer.max_steps} steps x {global_batch} blocks x {self.block_size} tokens = "
                            f"{seen:,} tokens = {self.epochs_over_unique(trainer.max_steps, global_batch):.2f} epochs "
                            f"over {self.unique_tokens:,} unique training tokens"
                            + (" (max_unique_tokens)" if self.max_unique_tokens else ""))
         if step:
-            rank_zero_info(f"data: train loader starts at step {step} (sample {step * global_batch})")
+            _info(f"data: train loader starts at step {step} (sample {step * global_batch})")
         return self.make_train_loader(step, rank, world, accumulate)
 
     def val_dataloader(self) -> DataLoader:
@@ -305,11 +306,11 @@ class LMDataModule(L.LightningDataModule):
     def describe(self) -> dict:
         """Short summary for logging."""
         self._prepared()
-        m = self._manifest
+        m, hp = self._manifest, self.hparams
         out = {
             "source": m["corpus"]["source"],
             "corpus": m["corpus"]["name"],
-            "tokenizer": self.hparams.tokenizer if not self.hparams.prepared_dir else str(self.store_dir / "tokenizer.json"),
+            "tokenizer": str(self.store_dir / "tokenizer.json") if hp.prepared_dir else hp.tokenizer,
             "tokenizer_vocab": m["tokenizer"]["vocab_size"],
             "vocab_size": self._vocab_size,
             "tokens": dict(m["tokens"]),

@@ -22,6 +22,8 @@ from filelock import FileLock
 from .errors import UserError
 
 DEFAULT_CACHE_DIR = "~/.cache/sinklab"
+_UMASK = os.umask(0)
+os.umask(_UMASK)
 
 
 def resolve_cache_dir(cache_dir: str | os.PathLike | None = None) -> Path:
@@ -42,6 +44,7 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
+        os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp makes 0600 files; caches may be shared
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

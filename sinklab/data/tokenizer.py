@@ -59,7 +59,7 @@ def check_tokenizer(tok: Tokenizer, where: str) -> Tokenizer:
     n = tokenizer_size(tok)
     if n == 0 or not tok.encode("The quick brown fox.").ids:
         raise UserError(f"tokenizer {where} is empty (vocab size {n}); offline loaders can return an empty "
-                         f"tokenizer: point data.tokenizer at a real tokenizer.json")
+                        f"tokenizer: point data.tokenizer at a real tokenizer.json")
     return tok
 
 
@@ -74,7 +74,7 @@ def eos_token_id(tok: Tokenizer, eos_token: str, where: str) -> int:
     idx = tok.token_to_id(eos_token)
     if idx is None:
         raise UserError(f"tokenizer {where} has no token {eos_token!r}; set data.eos_token to its "
-                         f"end-of-text / separator token (e.g. '</s>')")
+                        f"end-of-text / separator token (e.g. '</s>')")
     return idx
 
 
