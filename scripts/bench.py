@@ -29,15 +29,15 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "scripts"))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
-# batch size per config: the data default (32) where a CPU step takes < ~10 s, smaller for the 2048 context
-DEFAULT_BATCH = {"tiny": 32, "14m": 32, "60m": 2}
-SECTIONS = ("peak", "train", "compile", "callback", "metric", "data")
+# sequences per step: 2048 tokens in every config (tiny: the data default of 32 blocks), so that a CPU step takes
+# seconds, not minutes; --batch 32 gives the data default for 14m / 60m too
+DEFAULT_BATCH = {"tiny": 32, "14m": 8, "60m": 1}
+SECTIONS = ("peak", "callback", "data", "lightning", "compile", "metric")  # --skip; the training loop always runs
 
 
 # ====================================================================== the plain reference (LLaMA, ~60 lines)
@@ -150,6 +150,16 @@ def spread(xs) -> str:
     return f"{q[0]:.3f}..{q[2]:.3f}"
 
 
+def median_ci(xs) -> str:
+    """Distribution-free ~95% confidence interval of the median (order statistics, normal approximation)."""
+    n = len(xs)
+    k = int(math.floor(n / 2 - 0.98 * math.sqrt(n)))  # 0-based index of the lower bound
+    if k < 0:
+        return "n/a (too few rounds)"
+    v = sorted(xs)
+    return f"{v[k]:.3f}..{v[n - 1 - k]:.3f}"
+
+
 def emit(name: str, value: str, detail: str = "") -> None:
     print(f"{name}: {value}" + (f"  ({detail})" if detail else ""), flush=True)
 
@@ -163,7 +173,7 @@ def autocast(device: torch.device, dtype: torch.dtype):
 
 # ====================================================================== figures
 def matmul_probe(n: int, device: torch.device, dtype: torch.dtype) -> Callable[[], float]:
-    """A callable that times one (n x n) @ (n x n) product and returns its FLOP/s."""
+    """A callable that times (n x n) @ (n x n) products (>= ~0.1 s of work) and returns their FLOP/s."""
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
     timer = Timer(device)
@@ -178,7 +188,7 @@ def matmul_probe(n: int, device: torch.device, dtype: torch.dtype) -> Callable[[
 
 def pick_peak_size(device, dtype, quick: bool) -> tuple[int, dict]:
     """The matmul size with the highest FLOP/s (median of a few repeats each)."""
-    sizes = ([1024, 2048] if quick else [1024, 2048, 4096]) if device.type == "cpu" else [4096, 8192]
+    sizes = [1024, 2048] if device.type == "cpu" else [4096, 8192]  # a probe runs in every round: keep it short
     found = {}
     for n in sizes:
         probe = matmul_probe(n, device, dtype)
@@ -210,9 +220,9 @@ class Run:
         return self.timer(self.step)
 
 
-def alternate(runs: list[Run], steps: int, warmup: int, extra: Optional[Callable[[], None]] = None):
+def alternate(runs: list[Run], steps: int, warmup: int, extra: Optional[Callable[[int], None]] = None):
     """Time single steps of each run alternately (ABBA order, so drift in the machine's load hits all alike).
-    Returns {name: [seconds per step]}; `extra` (e.g. a matmul probe) runs once per round too."""
+    Returns {name: [seconds per step]}; `extra(round)` (e.g. a matmul probe) runs once per round too."""
     for r in runs:
         for _ in range(warmup):
             r.step()
@@ -221,10 +231,384 @@ def alternate(runs: list[Run], steps: int, warmup: int, extra: Optional[Callable
         for r in (runs if i % 2 == 0 else runs[::-1]):
             times[r.name].append(r.timed())
         if extra is not None:
-            extra()
+            extra(i)
     return times
 
 
 def ratios(a: list[float], b: list[float]) -> list[float]:
     """Per-round a / b."""
     return [x / y for x, y in zip(a, b)]
+
+
+# ====================================================================== setup
+def compose_cfg(config: str, batch: int, device: torch.device):
+    from sinklab.config import compose
+
+    return compose([f"model={config}", f"data.batch_size={batch}",
+                    "trainer.accelerator=" + ("gpu" if device.type == "cuda" else "cpu")])
+
+
+def build_datamodule(cfg):
+    """The real LMDataModule of the default config (Shakespeare, cached); None if it cannot be prepared."""
+    from hydra.utils import instantiate
+
+    try:
+        dm = instantiate(cfg.data, _recursive_=False)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dm.prepare()
+        return dm
+    except Exception as err:  # e.g. an offline machine without the corpus in the cache
+        emit("data", "unavailable", f"{type(err).__name__}: {str(err).splitlines()[0][:120]}; random tokens used")
+        return None
+
+
+def make_runs(cfg, dm, B: int, device, dtype, peak_flops=None):
+    from omegaconf import OmegaConf
+
+    from sinklab.train.module import LitLM
+
+    mc = OmegaConf.to_container(cfg.model, resolve=True)
+    if dm is not None:
+        mc["vocab_size"] = dm.vocab_size
+    optim = OmegaConf.to_container(cfg.optim, resolve=True)
+    torch.manual_seed(0)
+    lit = LitLM(model={**mc, "compile": False}, optim=optim, max_steps=cfg.trainer.max_steps,
+                peak_flops=peak_flops).to(device)
+    ref = ref_from_sinklab(lit.net).to(device)
+    T = lit.cfg.block_size
+    if dm is not None:
+        it = iter(dm.make_train_loader())
+        batches = [next(it).to(device) for _ in range(4)]
+    else:
+        batches = [torch.randint(0, mc["vocab_size"], (B, T + 1), device=device) for _ in range(4)]
+    with torch.no_grad(), autocast(device, dtype):
+        diff = (lit.loss(batches[0]).float() - ref_loss(ref, batches[0]).float()).abs().item()
+    sched_opt = lit.configure_optimizers()
+    sink = Run("sinklab", lit.loss, lit.parameters(), sched_opt["optimizer"],
+               sched_opt["lr_scheduler"]["scheduler"], batches, device, dtype)
+    o = optim
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=o["lr"], betas=tuple(o["betas"]), eps=o["eps"],
+                                weight_decay=o["weight_decay"])
+    plain = Run("reference", lambda b: ref_loss(ref, b), ref.parameters(), ref_opt, None, batches, device, dtype)
+    return lit, ref, sink, plain, batches, mc, optim, diff
+
+
+# ====================================================================== main
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", default="tiny", choices=sorted(DEFAULT_BATCH))
+    ap.add_argument("--steps", type=int, default=None,
+                    help="timed steps per model (default: tiny 40, 14m 16, 60m 6; a quarter with --quick)")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    ap.add_argument("--batch", type=int, default=None, help=f"sequences per step (default: {DEFAULT_BATCH})")
+    ap.add_argument("--compile", action="store_true", help="also time torch.compile of sinklab's model vs eager")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    ap.add_argument("--quick", action="store_true", help="fewer repeats and metric lengths: a smoke check")
+    ap.add_argument("--skip", nargs="*", default=[], choices=SECTIONS, help="sections to leave out")
+    ap.add_argument("--metric-T", type=int, nargs="+", default=None,
+                    help="metric lengths (default 64 1024 4096 8192; 64 1024 with --quick)")
+    args = ap.parse_args(argv)
+
+    t_start = time.perf_counter()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("error: --device cuda, but torch sees no CUDA device", file=sys.stderr)
+        return 2
+    if args.dtype == "bf16" and args.device == "cpu":
+        print("error: --dtype bf16 is for --device cuda (bf16 on this CPU is far slower than fp32)", file=sys.stderr)
+        return 2
+    threads = args.threads or os.cpu_count() or 1
+    torch.set_num_threads(threads)
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    B = args.batch or DEFAULT_BATCH[args.config]
+    steps = max(2, args.steps or {"tiny": 40, "14m": 16, "60m": 6}[args.config] // (4 if args.quick else 1))
+    skip = set(args.skip)
+    warnings.filterwarnings("ignore", ".*does not have many workers.*")
+    warnings.filterwarnings("ignore", ".*LeafSpec.*")
+    load0 = os.getloadavg()[0]
+
+    cfg = compose_cfg(args.config, B, device)
+    dm = build_datamodule(cfg)
+    lit, ref, sink, plain, batches, mc, optim, diff = make_runs(cfg, dm, B, device, dtype)
+    T = lit.cfg.block_size
+    tokens = B * T
+    fpt = lit.net.flops_per_token(T)
+    dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name()
+    emit("setup", f"config={args.config} B={B} T={T} ({tokens} tokens/step) {args.dtype} on {args.device}",
+         f"{dev_name}; {threads} threads of {os.cpu_count()} cores; torch {torch.__version__}; "
+         f"{lit.net.num_params() / 1e6:.2f}M non-embedding params; vocab {lit.cfg.vocab_size}; "
+         f"{fpt / 1e6:.1f} MFLOP/token (6N + 12 L H hd T); "
+         f"{'Shakespeare train loader batches' if dm is not None else 'random tokens'}")
+    emit("reference check", f"|loss difference| {diff:.1e}", "same weights copied into the plain reference")
+    if device.type == "cpu" and load0 >= 1.0:
+        emit("warning", f"load average {load0:.2f} on {os.cpu_count()} cores before the benchmark",
+             "other processes may compete for the cores: absolute figures are low and noisy; read the ratios "
+             "(timed alternately), and compare with --threads 1, which suffers less from a busy core")
+
+    # ---- one alternating loop: sinklab step, reference step, then the cheap probes of this round (matmul peak,
+    # a train-loader batch, on some rounds a sink measurement), so that every ratio compares times taken together
+    size, found = pick_peak_size(device, dtype, args.quick) if "peak" not in skip else (0, {})
+    probe = matmul_probe(size, device, dtype) if size else None
+    loader = iter(dm.make_train_loader(step=10_000)) if dm is not None and "data" not in skip else None
+    if loader is not None:
+        next(loader)
+    meter = SinkMeter(cfg, dm, lit) if "callback" not in skip else None
+    n_cb = 3 if args.quick else 6
+    cb_rounds = {round(1 + i * (steps - 2) / max(1, n_cb - 1)) for i in range(n_cb)} if meter else set()
+    peaks, data_t, cb_t = {}, {}, {}
+
+    def extras(i: int) -> None:
+        if probe is not None:
+            peaks[i] = probe()
+        if loader is not None:
+            t0 = time.perf_counter()
+            next(loader)
+            data_t[i] = time.perf_counter() - t0
+        if i in cb_rounds:
+            cb_t[i] = meter.measure()
+
+    times = alternate([sink, plain], steps, warmup=2, extra=extras)
+    ts, tr = times["sinklab"], times["reference"]
+    share = ratios(tr, ts)  # reference time / sinklab time: sinklab's speed as a share of the reference's
+    emit("train tokens/s sinklab", f"{tokens / med(ts):,.0f}", f"median of {len(ts)} steps, {med(ts) * 1e3:.0f} ms/step")
+    emit("train tokens/s reference", f"{tokens / med(tr):,.0f}", f"median of {len(tr)} steps, {med(tr) * 1e3:.0f} ms/step")
+    emit("sinklab / reference speed", f"{med(share):.3f}x",
+         f"median of {len(share)} per-round ratios (reference step time / sinklab step time), 95% CI "
+         f"{median_ci(share)}, IQR {spread(share)}; ratio of median steps {med(tr) / med(ts):.3f}x, of fastest "
+         f"steps {min(tr) / min(ts):.3f}x; target >= 0.95")
+    peak = med(list(peaks.values())) if peaks else None
+    if peaks:
+        mfu = [fpt * tokens / ts[i] / p for i, p in peaks.items()]
+        mfu_ref = [fpt * tokens / tr[i] / p for i, p in peaks.items()]
+        emit(f"matmul peak {args.dtype}", f"{peak / 1e9:,.1f} GFLOP/s",
+             f"{size}x{size} @ {size}x{size}, {threads} threads, median of {len(peaks)} probes between steps; at start "
+             + ", ".join(f"{n}: {v / 1e9:.1f}" for n, v in found.items()) + " GFLOP/s")
+        c = lit.cfg
+        causal = 1 - 6 * c.n_layer * c.n_head * c.hd * T / fpt  # causal SDPA skips about half the attention square
+        emit("MFU sinklab", f"{100 * med(mfu):.1f}% of the measured peak",
+             f"per round: model FLOP/s / that round's matmul probe, IQR {spread(mfu)}; reference "
+             f"{100 * med(mfu_ref):.1f}%; counting half the attention square (what causal attention computes): "
+             f"{100 * causal * med(mfu):.1f}%; train with peak_flops={peak:.3g} to log perf/mfu")
+    if meter is not None:
+        meter.report({i: t / ts[i] for i, t in cb_t.items()}, med(ts))
+    if data_t:
+        dshare = [d / (d + ts[i]) for i, d in data_t.items()]
+        emit("data loading share of step time", f"{100 * med(dshare):.2f}%",
+             f"next(train loader) {med(list(data_t.values())) * 1e3:.2f} ms vs step {med(ts) * 1e3:.0f} ms; "
+             f"real LMDataModule loader, num_workers={dm.num_workers} (loads in the training process)")
+
+    # ---- the whole sinklab training step under Lightning (loop, logging, clipping, scheduler, data loading)
+    if "lightning" not in skip and dm is not None:
+        lightning_section(cfg, dm, mc, optim, plain, max(4, steps // 2) if args.quick else steps,
+                          device, dtype, peak, tokens)
+
+    if args.compile and "compile" not in skip:
+        compile_section(lit, mc, optim, cfg, sink, steps, device, dtype, tokens)
+
+    if "metric" not in skip:
+        metric_section(args.metric_T or ([64, 1024] if args.quick else [64, 1024, 4096, 8192]), device)
+
+    emit("total", f"{time.perf_counter() - t_start:.0f} s",
+         f"load average {load0:.2f} at start, {os.getloadavg()[0]:.2f} at the end")
+    return 0
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or "cpu"
+
+
+class SinkMeter:
+    """SinkCallback as configured (conf/callbacks/default.yaml): `measure()` times one measurement (attention_scores
+    + activation_stats on the probe set, through the callback's own measure and its `.seconds`); the heatmap it
+    draws at each validation (also every 250 steps by default) is timed in `report`.
+    Share of training time = (measurement + heatmap) / (every_n_steps x step time)."""
+
+    def __init__(self, cfg, dm, lit):
+        from types import SimpleNamespace
+
+        from hydra.utils import instantiate
+        from omegaconf import OmegaConf
+
+        self.cb = instantiate(OmegaConf.to_container(cfg.callbacks.sink, resolve=True))
+        self.val_every = cfg.trainer.val_check_interval
+        if dm is None:
+            probe = torch.randint(0, lit.cfg.vocab_size, (100, 64))
+            dm = SimpleNamespace(probe_tokens=lambda: probe)
+        self.trainer, self.lit = SimpleNamespace(datamodule=dm), lit
+        self.probe_shape = tuple(dm.probe_tokens().shape)
+        self.cold = self.measure()  # the first call also warms up
+
+    def measure(self) -> float:
+        before = self.cb.seconds
+        self.cb.measure(self.trainer, self.lit)
+        return self.cb.seconds - before
+
+    def report(self, per_step: dict[int, float], step_time: float) -> None:
+        import tempfile
+
+        from sinklab.train.callbacks import save_heatmap
+
+        cb, every = self.cb, self.cb.every_n_steps
+        heat = []
+        with tempfile.TemporaryDirectory() as tmp:
+            for i in range(4):  # the first imports matplotlib: reported apart
+                t0 = time.perf_counter()
+                save_heatmap(cb._alpha1, Path(tmp), i, cb.eps[0])
+                heat.append(time.perf_counter() - t0)
+        measure_steps = med(list(per_step.values()))  # one measurement, in training steps of the same round
+        heat_steps = med(heat[1:]) / step_time
+        heat_every = self.val_every if isinstance(self.val_every, int) and cb.heatmap else None
+        share = measure_steps / every + (heat_steps / heat_every if heat_every else 0.0)
+        emit("sink callback share of training time", f"{100 * share:.2f}%",
+             f"measurement every {every} steps = {measure_steps:.2f} steps of training (median of {len(per_step)}; "
+             f"first call {self.cold:.2f} s), heatmap every {heat_every} steps = {heat_steps:.2f} steps "
+             f"({med(heat[1:]):.2f} s; first {heat[0]:.2f} s with the matplotlib import); probe "
+             f"{self.probe_shape[0]} x {self.probe_shape[1]}; target <= 2%")
+
+
+def lightning_section(cfg, dm, mc, optim, plain: Run, steps: int, device, dtype, peak, tokens) -> None:
+    """A real Trainer.fit of sinklab (trainer config as composed, CSV logger, no callbacks, no validation) with one
+    plain reference step run inside each on_train_batch_end: sinklab's full step (data, Lightning loop,
+    training_step and its logging, clipping, AdamW, scheduler) = time from the end of one reference step to the
+    next hook."""
+    import tempfile
+
+    import lightning as L
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+
+    from sinklab.train.module import LitLM
+
+    class Interleave(L.Callback):
+        def __init__(self):
+            self.mark: Optional[float] = None
+            self.sink: list[float] = []
+            self.ref: list[float] = []
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            plain.timer.sync()
+            now = time.perf_counter()
+            if self.mark is not None and trainer.global_step > 2:
+                self.sink.append(now - self.mark)
+                self.ref.append(plain.timed())
+            self.mark = time.perf_counter()
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tcfg = OmegaConf.to_container(cfg.trainer, resolve=True)
+        log_every = min(int(tcfg.get("log_every_n_steps") or 10), max(1, steps // 2))  # some rows in a short fit
+        tcfg.update(default_root_dir=tmp, max_steps=steps + 3, limit_val_batches=0, enable_checkpointing=False,
+                    log_every_n_steps=log_every,
+                    enable_progress_bar=False, enable_model_summary=False,
+                    precision="bf16-mixed" if dtype == torch.bfloat16 else "32-true",
+                    accelerator="gpu" if device.type == "cuda" else "cpu")
+        cb = Interleave()
+        logger = L.pytorch.loggers.CSVLogger(tmp, name="", version="")
+        torch.manual_seed(0)
+        module = LitLM(model={**mc, "compile": False}, optim=optim, max_steps=cfg.trainer.max_steps, peak_flops=peak)
+        trainer = instantiate(tcfg, callbacks=[cb], logger=[logger])
+        with contextlib.redirect_stdout(sys.stderr):
+            trainer.fit(module, datamodule=dm)
+        logged = _read_metrics(Path(tmp) / "metrics.csv")
+    share = ratios(cb.ref, cb.sink)
+    emit("lightning tokens/s sinklab", f"{tokens / med(cb.sink):,.0f}",
+         f"Trainer.fit incl. data loading and logging, median of {len(cb.sink)} steps, {med(cb.sink) * 1e3:.0f} ms/step")
+    emit("lightning sinklab / reference speed", f"{med(share):.3f}x",
+         f"full Lightning step vs the plain loop's step, interleaved; 95% CI {median_ci(share)}, IQR {spread(share)}")
+    cols = {k: v for k, v in logged.items() if k.startswith("perf/")}
+    emit("logged perf/*", ", ".join(f"{k} (median {med(v):.4g})" for k, v in cols.items()) or "none",
+         f"metrics.csv of that fit (log_every_n_steps={tcfg.get('log_every_n_steps')}); its wall clock includes the "
+         "interleaved reference step")
+
+
+def _read_metrics(path: Path) -> dict[str, list[float]]:
+    import csv
+
+    out: dict[str, list[float]] = {}
+    if not path.exists():
+        return out
+    with open(path) as f:
+        for row in csv.DictReader(f):
+            for k, v in row.items():
+                if v not in ("", None):
+                    with contextlib.suppress(ValueError):
+                        out.setdefault(k, []).append(float(v))
+    return out
+
+
+def compile_section(lit, mc, optim, cfg, eager: Run, steps: int, device, dtype, tokens) -> None:
+    """torch.compile of sinklab's model through LitLM(model.compile=true), timed alternately with eager."""
+    from sinklab.train.module import LitLM
+
+    torch.manual_seed(0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        litc = LitLM(model={**mc, "compile": True}, optim=optim, max_steps=cfg.trainer.max_steps).to(device)
+        litc.net.load_state_dict(lit.net.state_dict())
+        so = litc.configure_optimizers()
+        comp = Run("compiled", litc.loss, litc.parameters(), so["optimizer"], so["lr_scheduler"]["scheduler"],
+                   eager.batches, device, dtype)
+        t0 = time.perf_counter()
+        try:
+            comp.step()
+            comp.step()
+        except Exception as err:
+            emit("compile", "failed", f"{type(err).__name__}: {str(err).strip().splitlines()[0][:200]}")
+            return
+        t_compile = time.perf_counter() - t0
+    compiled = litc.model is not litc.net
+    notes = "; ".join(dict.fromkeys(str(w.message).splitlines()[0][:160] for w in caught
+                                    if "model.compile" in str(w.message)))  # sinklab's fallback warning, if any
+    times = alternate([eager, comp], steps, warmup=1)
+    speed = ratios(times["sinklab"], times["compiled"])
+    emit("compile speed-up (eager time / compiled time)", f"{med(speed):.3f}x",
+         f"{'torch.compile active' if compiled else 'fell back to eager'}; first two steps (compiling) {t_compile:.0f} s; "
+         f"compiled {tokens / med(times['compiled']):,.0f} tokens/s; 95% CI {median_ci(speed)}, IQR {spread(speed)}"
+         + (f"; warnings: {notes}" if notes else ""))
+
+
+def metric_section(Ts: list[int], device: torch.device) -> None:
+    """Runs scripts/bench_metric.py (a fresh subprocess per route and T, peak RSS above the pre-call RSS) from a
+    small parent process: Linux carries ru_maxrss across fork + exec, so a worker forked straight from this
+    (large) process would report this process's RSS as its peak."""
+    import re
+    import subprocess
+
+    cmd = [sys.executable, str(REPO / "scripts" / "bench_metric.py"), "--T", *map(str, Ts)]
+    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "OMP_NUM_THREADS": str(torch.get_num_threads())}  # the workers use --threads too
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        emit("metric", "failed", proc.stderr.strip().splitlines()[-1][:200] if proc.stderr.strip() else "")
+        return
+    if device.type != "cpu":
+        emit("metric note", "on the CPU", "bench_metric.py measures host RSS; GPU memory is not measured here")
+    peaks: dict[str, dict[int, float]] = {"efficient": {}, "materialise": {}}
+    for line in proc.stdout.splitlines():
+        m = re.match(r"T=\s*(\d+)\s+(efficient|materialise)\s+peak\s+([\d.]+) MB", line)
+        if m:
+            peaks[m.group(2)][int(m.group(1))] = float(m.group(3))
+        print("metric " + line.strip(), flush=True)
+    parts = []
+    for route, mb in peaks.items():
+        big = [T for T in sorted(mb) if T >= 1024]  # below, fixed costs dominate
+        if len(big) >= 2:
+            steps = [f"{math.log(mb[b] / mb[a]) / math.log(b / a):.2f}" for a, b in zip(big, big[1:])]
+            overall = math.log(mb[big[-1]] / mb[big[0]]) / math.log(big[-1] / big[0])
+            parts.append(f"{route} {overall:.2f} over T={big[0]}..{big[-1]} (steps {', '.join(steps)})")
+    if parts:
+        emit("metric memory growth exponent", "; ".join(parts),
+             "d log(peak MB) / d log(T): 1 = linear, 2 = quadratic")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -23,17 +23,62 @@ def find_checkpoint(path: Union[str, Path]) -> Path:
     return p
 
 
-def read_checkpoint(path: Union[str, Path]) -> dict:
-    """torch.load with weights_only=True; truncated or foreign files are refused with the file's name."""
+def read_checkpoint(path: Union[str, Path], mmap: bool = False) -> dict:
+    """torch.load with weights_only=True; truncated or foreign files are refused with the file's name.
+    mmap=True maps the tensors instead of reading them (a cheap check of a large file)."""
     p = find_checkpoint(path)
     try:
-        ckpt = torch.load(p, map_location="cpu", weights_only=True)
+        try:
+            ckpt = torch.load(p, map_location="cpu", weights_only=True, mmap=mmap)
+        except Exception:
+            if not mmap:
+                raise
+            ckpt = torch.load(p, map_location="cpu", weights_only=True)  # e.g. the legacy (non-zip) format
     except Exception as err:
-        raise UserError(f"{p} is not a readable sinklab checkpoint ({type(err).__name__}: "
-                        f"{str(err).splitlines()[0][:200]})") from None
+        raise UserError(f"{p} is not a readable sinklab checkpoint ({_why_unreadable(err)})") from None
     if not isinstance(ckpt, dict) or "state_dict" not in ckpt or "model" not in ckpt.get("hyper_parameters", {}):
         raise UserError(f"{p} is not a sinklab checkpoint (no state_dict / model hyper-parameters)")
     return ckpt
+
+
+def _why_unreadable(err: Exception) -> str:
+    import pickle
+
+    text = str(err)
+    if "Weights only load failed" in text:
+        return ("UnpicklingError: it holds Python objects other than tensors and plain containers, which sinklab "
+                "never unpickles since that can run code from the file (torch.load weights_only=True)")
+    if "central directory" in text or "zip archive" in text or isinstance(err, (EOFError, pickle.UnpicklingError)):
+        return f"{type(err).__name__}: it is truncated or not a torch checkpoint (its zip archive cannot be read)"
+    first = text.splitlines()[0][:200] if text else "no message"
+    return f"{type(err).__name__}: {first}; it is damaged or not a torch checkpoint"
+
+
+TRAINING_KEYS = ("global_step", "loops", "optimizer_states", "lr_schedulers", "callbacks")
+EXECUTION_KEYS = ("compile", "fused")  # may differ between a checkpoint and the run that resumes it
+
+
+def read_training_checkpoint(path: Union[str, Path]) -> dict:
+    """A checkpoint a run can resume from: readable with weights_only, a sinklab checkpoint, with the trainer state
+    (optimizer, loops, schedulers) that `Trainer.fit(ckpt_path=...)` restores. Tensors are memory-mapped."""
+    ckpt = read_checkpoint(path, mmap=True)
+    missing = [k for k in TRAINING_KEYS if k not in ckpt]
+    if missing:
+        raise UserError(f"{find_checkpoint(path)} cannot resume training: it has no {', '.join(missing)} (a "
+                        f"weights-only export?); start a new run (ckpt_path=null) or pass a checkpoint written by "
+                        f"sinklab-train")
+    return ckpt
+
+
+def check_same_model(ckpt: dict, model: dict, path: Union[str, Path]) -> None:
+    """Refuse resuming a checkpoint with another architecture than the config's (one line naming the keys)."""
+    saved = ModelConfig.from_dict(dict(ckpt["hyper_parameters"]["model"])).to_dict()
+    model = ModelConfig.from_dict(dict(model)).to_dict()
+    diff = [k for k in sorted(set(saved) | set(model)) if k not in EXECUTION_KEYS and saved.get(k) != model.get(k)]
+    if diff:
+        shown = ", ".join(f"model.{k}={saved.get(k)!r} there, {model.get(k)!r} here" for k in diff[:4])
+        raise UserError(f"{path} was trained with another model ({shown}); resume with the same model config, "
+                        f"or start a new run (ckpt_path=null, or a new paths.output_dir)")
 
 
 def load_model(path: Union[str, Path]) -> Transformer:

@@ -1,26 +1,36 @@
-"""Synthetic data where an attention sink emerges within a few hundred steps: the bigram-backcopy task.
+"""Synthetic data with a BOS token at position 1, where an attention sink emerges within seconds on a CPU.
 
-Bigram-backcopy (Guo et al. 2024, "Active-dormant attention heads: mechanistically demystifying
-extreme-token phenomena in LLMs", arXiv:2410.13835): every sequence starts with a fixed BOS token;
-the next token follows a fixed random bigram (Markov) table, except after one of a few *trigger*
-tokens, where it copies the token just before the trigger. Predicting the next token needs attention
-only at trigger positions (to look one token back); everywhere else the past beyond the current token
-is useless, so most heads are "dormant" most of the time and park their attention on the BOS token:
-the attention sink. A softmax model of 1-4 layers shows it within a few hundred steps; attention
-without row normalisation (sigmoid) can switch heads off without one.
+Two tasks (`task=`):
+
+seen_flag (default)
+    BOS, then uniform random tokens, except that the token after any token that already occurred in the
+    sequence is a flag token R. One attention head solves it by matching the current token against the
+    earlier ones; when nothing matches (most positions early in a sequence) it has nowhere useful to look, and a
+    softmax head parks its attention on BOS. In sinklab runs a 1-layer, 1-head softmax model (d 64, lr 1e-2,
+    20 warmup steps, cosine over 400-600 steps) reaches Sink_1 = 99-100% by step 400 for seeds 0, 1, 2 (alpha_1
+    0.45-0.58 at step 600); sigmoid attention without normalisation shows Sink*_1 of 16 / 0 / 0% at step 400.
+    It is fragile beyond that setting: at lr 3e-3 the same model solves the task without a sink (Sink_1 0% at
+    step 600, alpha_1 ~0.2), and models with 2 heads or 2 layers mostly do too. A pipeline check, not a model
+    of LLM sinks.
+bigram_backcopy
+    Guo et al. 2024 ("Active-dormant attention heads", arXiv:2410.13835): a fixed random bigram (Markov) chain,
+    except that after one of a few trigger tokens the next token copies the token before the trigger. Here a
+    1-layer, 1-head model (d 64, constant lr 1e-2) learns the copy within ~300 steps, but its head parked on BOS
+    only at step ~2,250 (Sink_1 99%, 54% at step 2,500; one seed): too slow for a test.
 
 Same API as `sinklab.data.LMDataModule` (what `sinklab-train` and the sink callback use):
 
     dm = SyntheticDataModule(...).prepare()
-    dm.vocab_size          # padded; ids 0..n_tokens-1 are ordinary tokens, n_tokens is BOS
+    dm.vocab_size          # task ids (ordinary tokens, the flag for seen_flag, BOS last) padded to a multiple of 64
     dm.train_dataloader()  # endless (B, T + 1) LongTensor batches; sample i depends on (seed, i) only;
                            # starts at trainer.global_step, so a resumed run sees the same samples
     dm.val_dataloader()    # fixed held-out sequences (independent of seed)
     dm.probe_tokens()      # (probe_num_seqs, probe_seq_len) held-out sequences, BOS at position 1
     dm.describe()
 
-The task itself (bigram table, triggers) depends on `task_seed` only, so runs with different training
-seeds learn the same task and are probed on the same sequences. Hydra: conf/data/bigram_backcopy.yaml.
+The task (bigram table, triggers) and the validation / probe sequences depend on `task_seed` only, so runs with
+different training seeds learn the same task and are probed on the same sequences. Hydra: conf/data/synthetic.yaml;
+test: tests/test_sink_emergence.py.
 """
 
 from __future__ import annotations
@@ -73,6 +83,35 @@ class BigramBackcopy:
         return x
 
 
+class SeenFlag:
+    """Repeat flag: after a token that already occurred earlier in the sequence comes the flag token R;
+    after any other token (a first occurrence, or R) comes a uniformly random ordinary token.
+
+    Ids: 0..n_tokens-1 ordinary tokens, R = n_tokens, BOS = n_tokens + 1. One attention head solves it by
+    matching the current token against earlier ones; when nothing matches (most positions early in a sequence)
+    the head has nothing to look at. At lr 1e-2 a 1-layer 1-head softmax model parks it on BOS (Sink_1 100%);
+    at lr 3e-3 it reaches the same loss with attention spread out (alpha_1 ~0.2), so the sink is one solution
+    that training finds, not one the task forces (experiments/cpu/search/README.md)."""
+
+    def __init__(self, n_tokens: int = 64, task_seed: int = 0):
+        self.n_tokens, self.flag_id, self.bos_id = n_tokens, n_tokens, n_tokens + 1
+        self.triggers = np.zeros(0, dtype=np.int64)
+
+    def sequence(self, rng: np.random.Generator, length: int) -> np.ndarray:
+        draws = rng.integers(0, self.n_tokens, size=length)
+        x = np.empty(length, dtype=np.int64)
+        x[0] = self.bos_id
+        seen = np.zeros(self.n_tokens + 2, dtype=bool)
+        for t in range(1, length):
+            prev = x[t - 1]
+            x[t] = self.flag_id if (prev < self.n_tokens and seen[prev]) else draws[t]
+            seen[prev] = True
+        return x
+
+
+TASKS = ("bigram_backcopy", "seen_flag")
+
+
 class _Stream(Dataset):
     """Map-style: item i is sequence i of stream (seed, offset + i)."""
 
@@ -89,14 +128,14 @@ class _Stream(Dataset):
 
 
 class SyntheticDataModule(L.LightningDataModule):
-    """Bigram-backcopy sequences with a fixed BOS at position 1 (see the module docstring)."""
+    """seen_flag / bigram_backcopy sequences with a fixed BOS at position 1 (see the module docstring)."""
 
     def __init__(
         self,
-        task: str = "bigram_backcopy",
-        n_tokens: int = 64,          # ordinary tokens; BOS is one more id
-        n_triggers: int = 4,         # tokens after which the next token copies the one before the trigger
-        concentration: float = 0.1,  # Dirichlet concentration of the bigram rows (small: peaked transitions)
+        task: str = "seen_flag",     # seen_flag | bigram_backcopy
+        n_tokens: int = 64,          # ordinary tokens (ids 0..n_tokens-1); then the flag (seen_flag) and BOS
+        n_triggers: int = 4,         # bigram_backcopy: tokens after which the next token copies the one before the trigger
+        concentration: float = 0.1,  # bigram_backcopy: Dirichlet concentration of the bigram rows (small: peaked transitions)
         task_seed: int = 0,          # the task (bigram table, triggers) and the held-out sequences
         block_size: int = 64,
         batch_size: int = 32,
@@ -111,8 +150,8 @@ class SyntheticDataModule(L.LightningDataModule):
     ):
         super().__init__()
         self.save_hyperparameters()
-        if task != "bigram_backcopy":
-            raise UserError(f"data.task={task!r}: only 'bigram_backcopy' is available")
+        if task not in TASKS:
+            raise UserError(f"data.task={task!r} must be one of {', '.join(TASKS)}")
         for key, value, minimum in [("n_tokens", n_tokens, 2), ("n_triggers", n_triggers, 0), ("task_seed", task_seed, 0),
                                     ("block_size", block_size, 1), ("batch_size", batch_size, 1),
                                     ("num_workers", num_workers, 0), ("seed", seed, 0),
@@ -132,7 +171,10 @@ class SyntheticDataModule(L.LightningDataModule):
     def prepare(self) -> "SyntheticDataModule":
         if self._task is None:
             hp = self.hparams
-            self._task = BigramBackcopy(hp.n_tokens, hp.n_triggers, float(hp.concentration), hp.task_seed)
+            if hp.task == "seen_flag":
+                self._task = SeenFlag(hp.n_tokens, hp.task_seed)
+            else:
+                self._task = BigramBackcopy(hp.n_tokens, hp.n_triggers, float(hp.concentration), hp.task_seed)
             probe = _Stream(self._task, hp.probe_seq_len, hp.task_seed, _PROBE_STREAM, hp.probe_num_seqs)
             self._probe = np.stack([probe[i].numpy() for i in range(hp.probe_num_seqs)])
         return self
@@ -150,13 +192,13 @@ class SyntheticDataModule(L.LightningDataModule):
     # ------------------------------------------------------------------ public API
     @property
     def vocab_size(self) -> int:
-        """n_tokens + 1 (BOS), padded to a multiple of pad_vocab_to_multiple_of."""
+        """The task's ids (n_tokens, + the flag token for seen_flag, + BOS), padded to pad_vocab_to_multiple_of."""
         m = self.hparams.pad_vocab_to_multiple_of
-        return -(-(self.hparams.n_tokens + 1) // m) * m
+        return -(-(self.task.bos_id + 1) // m) * m
 
     @property
     def bos_id(self) -> int:
-        return self.hparams.n_tokens
+        return self.task.bos_id
 
     eos_id = bos_id  # LMDataModule's name for the BOS id
 

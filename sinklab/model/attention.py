@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
-from einops import rearrange
 from torch import nn
 
 from .config import ModelConfig
@@ -103,12 +102,13 @@ class Attention(nn.Module):
             self.phi = KernelMLP(hd)
 
     # ------------------------------------------------------------------ pieces
-    def qkv(self, x: torch.Tensor, rope: Optional[nn.Module]):
+    def qkv(self, x: torch.Tensor, rope: Optional[Callable[[torch.Tensor], torch.Tensor]]):
         """x (B, N, d) -> q (B, H, N, hd), k and v (B, H, n_slots + N, hd), RoPE applied before the slot."""
-        B = x.shape[0]
-        q = rearrange(self.q_proj(x), "b n (h d) -> b h n d", d=self.hd)
-        k = rearrange(self.k_proj(x), "b n (h d) -> b h n d", d=self.hd)
-        v = rearrange(self.v_proj(x), "b n (h d) -> b h n d", d=self.hd)
+        B, N = x.shape[0], x.shape[1]
+        # (B, N, h * hd) -> (B, h, N, hd) views, as einops' "b n (h d) -> b h n d" (no copy)
+        q = self.q_proj(x).view(B, N, -1, self.hd).transpose(1, 2)
+        k = self.k_proj(x).view(B, N, -1, self.hd).transpose(1, 2)
+        v = self.v_proj(x).view(B, N, -1, self.hd).transpose(1, 2)
         if rope is not None:
             q, k = rope(q), rope(k)
         if self.n_kv != self.n_head:  # grouped-query attention: share each kv head across n_head / n_kv heads
@@ -169,7 +169,7 @@ class Attention(nn.Module):
         return x
 
     # ------------------------------------------------------------------ forward
-    def forward(self, x: torch.Tensor, layout: Layout, rope: Optional[nn.Module] = None,
+    def forward(self, x: torch.Tensor, layout: Layout, rope: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
                 record: Optional[dict] = None, return_probs: bool = False):
         """x (B, N, d) -> (B, N, d). `record` receives q, k, v; `return_probs` forces the explicit path."""
         q, k, v = self.qkv(x, rope)
@@ -192,8 +192,8 @@ class Attention(nn.Module):
             o = o + self.v_out_bias.expand(self.n_head, self.hd)[None, :, None, :]
         if self.cfg.gate != "none":
             g = torch.sigmoid(self.gate_proj(x))  # (B, N, H) or (B, N, H * hd)
-            g = rearrange(g, "b n h -> b h n 1") if self.cfg.gate == "headwise" else \
-                rearrange(g, "b n (h d) -> b h n d", d=self.hd)
+            g = g.transpose(1, 2).unsqueeze(-1) if self.cfg.gate == "headwise" else \
+                g.view(g.shape[0], g.shape[1], -1, self.hd).transpose(1, 2)  # (B, H, N, 1 or hd)
             o = o * g
-        out = self.o_proj(rearrange(o, "b h n d -> b n (h d)"))
+        out = self.o_proj(o.transpose(1, 2).flatten(2))  # (B, H, N, hd) -> (B, N, H * hd)
         return (out, probs) if return_probs else out

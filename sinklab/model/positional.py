@@ -43,10 +43,27 @@ class Rotary(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (B, H, T, hd) -> rotated, positions 0..T-1."""
-        T = x.shape[-2]
-        cos, sin = self.cos[:T].to(x.dtype), self.sin[:T].to(x.dtype)
+        return self.at(x.shape[-2])(x)
+
+    def at(self, T: int) -> "RotaryAt":
+        """The tables for positions 0..T-1, sliced once: the model binds them once per forward for every layer."""
+        return RotaryAt(self.cos[:T], self.sin[:T])
+
+
+class RotaryAt:
+    """RoPE for a fixed length: callable on q or k (B, H, T, hd); casts the tables to the input's dtype once."""
+
+    __slots__ = ("cos", "sin", "_cos", "_sin")
+
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor):
+        self.cos, self.sin = cos, sin  # in the buffers' dtype
+        self._cos, self._sin = cos, sin  # cast to the last input's dtype (autocast: the projections' dtype)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != self._cos.dtype:
+            self._cos, self._sin = self.cos.to(x.dtype), self.sin.to(x.dtype)
         x1, x2 = x.chunk(2, dim=-1)
-        return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+        return x * self._cos + torch.cat([-x2, x1], dim=-1) * self._sin
 
 
 def alibi_slopes(n_head: int) -> torch.Tensor:

@@ -92,10 +92,11 @@ class Transformer(nn.Module):
         """
         layout = self.layout(idx.shape[1], idx.device)
         x = self.embed(idx)
+        rope = self.rope.at(x.shape[1]) if self.rope is not None else None  # sliced once, not per layer
         all_probs = []
         for block in self.blocks:
             rec = {} if records is not None else None
-            x, probs = block(x, layout, self.rope, rec, return_probs)
+            x, probs = block(x, layout, rope, rec, return_probs)
             if rec is not None:
                 rec["h"] = x
                 records.append(rec)

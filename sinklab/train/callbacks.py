@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
+import signal
 import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -10,7 +12,10 @@ from typing import Any, Optional, Sequence
 import lightning as L
 import torch
 
+from sinklab.errors import UserError
 from sinklab.metrics import activation_stats, attention_scores, flatten_activation_stats, slot_names, summarise
+
+log = logging.getLogger("sinklab")
 
 
 class SinkCallback(L.Callback):
@@ -20,6 +25,14 @@ class SinkCallback(L.Callback):
 
     def __init__(self, every_n_steps: int = 250, k: int = 4, eps: Sequence[float] = (0.3,),
                  activations: bool = True, heatmap: bool = True, batch_size: int = 50):
+        for key, value in (("every_n_steps", every_n_steps), ("k", k), ("batch_size", batch_size)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise UserError(f"callbacks.sink.{key}={value!r} is not allowed; allowed: an integer >= 1")
+        if isinstance(eps, (int, float)):
+            eps = [eps]
+        if not eps or any(isinstance(e, bool) or not isinstance(e, (int, float)) or not 0 < e < 1 for e in eps):
+            raise UserError(f"callbacks.sink.eps={list(eps)!r} is not allowed; allowed: a list of one or more "
+                            "thresholds in (0, 1)")
         self.every_n_steps = every_n_steps
         self.k, self.eps = k, list(eps)
         self.activations, self.heatmap = activations, heatmap
@@ -57,6 +70,7 @@ class SinkCallback(L.Callback):
     def _emit(self, trainer: L.Trainer, metrics: dict[str, float]) -> None:
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.global_step)
+            logger.save()  # on disk before a checkpoint can record this step as measured
         self.last, self.last_step = metrics, trainer.global_step
 
     def run(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -68,6 +82,21 @@ class SinkCallback(L.Callback):
         self.last_step = trainer.global_step
 
     # ------------------------------------------------------------------ hooks
+    def on_train_start(self, trainer, pl_module) -> None:
+        """On a resume at step G, log again what an uninterrupted run logged at step G: the resumed run's metrics.csv
+        keeps the rows before G only (ResumableCSVLogger), and the measurement at G is not repeated by the loop."""
+        step = trainer.global_step
+        if step == 0 or not trainer.is_global_zero:
+            return
+        val_every = trainer.val_check_interval if isinstance(trainer.val_check_interval, int) else 0
+        due = step % self.every_n_steps == 0 or (self.heatmap and val_every and step % val_every == 0)
+        if not due:
+            return
+        if self.last_step == step and self.last:
+            self._emit(trainer, self.last)
+        else:
+            self._emit(trainer, self.measure(trainer, pl_module))
+
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if self.every_n_steps and trainer.global_step % self.every_n_steps == 0:
             self.run(trainer, pl_module)
@@ -131,11 +160,13 @@ class StatusFile(L.Callback):
         self.path = path
 
     def write(self, trainer: Optional[L.Trainer], status: str, error: Optional[str] = None,
-              final: Optional[dict] = None) -> None:
+              final: Optional[dict] = None, step: Optional[int] = None) -> None:
         if trainer is not None and not trainer.is_global_zero:
             return
         path = Path(self.path or (Path(trainer.default_root_dir) / "status.json"))
-        data = {"status": status, "error": error, "step": trainer.global_step if trainer else 0,
+        if step is None:
+            step = trainer.global_step if trainer else 0
+        data = {"status": status, "error": error, "step": step,
                 "final": final or {}, "time": time.time()}
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(data, indent=1))
@@ -145,4 +176,81 @@ class StatusFile(L.Callback):
         self.write(trainer, "running")
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
-        self.write(trainer, "failed", error=f"{type(exception).__name__}: {exception}".splitlines()[0])
+        status = "preempted" if isinstance(exception, Preempted) else "failed"
+        self.write(trainer, status, error=f"{type(exception).__name__}: {exception}".splitlines()[0])
+
+
+class Preempted(Exception):
+    """Raised at a step boundary after a pre-emption signal, once last.ckpt holds that step."""
+
+    def __init__(self, message: str, signum: int, step: int, path: str):
+        super().__init__(message)
+        self.signum, self.step, self.path = signum, step, path
+
+
+class PreemptionCallback(L.Callback):
+    """SIGTERM (pre-emption, `scancel`, a dying node's scheduler) and SIGUSR2 (what submitit sends before the time
+    limit): finish the current optimizer step, save `checkpoints/last.ckpt`, and stop with `Preempted`; the entry
+    point marks the run "preempted", hands the signal to the handler installed before training (submitit's requeue)
+    and exits non-zero. A job requeued with `ckpt_path=auto` resumes from that checkpoint.
+
+    The handlers are installed when training starts, after Lightning's own, and removed when it ends. With
+    several ranks the decision is all-reduced every step, so all ranks stop at the same step."""
+
+    def __init__(self, signals: Sequence[str] = ("SIGTERM", "SIGUSR2")):
+        self.signals = []
+        for name in signals:
+            if not hasattr(signal, str(name)):
+                raise UserError(f"callbacks.preemption.signals: {name!r} is not a signal on this platform")
+            self.signals.append(getattr(signal, str(name)))
+        self.received: Optional[int] = None
+        self._pending: Optional[Preempted] = None
+        self._previous: dict[int, Any] = {}
+
+    def _handler(self, signum: int, frame) -> None:
+        if self.received is None:
+            log.warning("received %s: saving last.ckpt after the current step, then stopping",
+                        signal.Signals(signum).name)
+        self.received = signum
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        import threading
+
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for signum in self.signals:
+            self._previous[signum] = signal.getsignal(signum)
+            signal.signal(signum, self._handler)
+
+    def _restore(self) -> None:
+        for signum, handler in self._previous.items():
+            if handler is not None:
+                signal.signal(signum, handler)
+        self._previous = {}
+
+    # before Lightning's teardown, which then puts back the handlers from before training
+    def on_train_end(self, trainer, pl_module) -> None:
+        self._restore()
+
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        self._restore()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        stop = self.received is not None
+        if trainer.world_size > 1:
+            stop = trainer.strategy.reduce_boolean_decision(stop, all=False)
+        if not stop or self._pending is not None:
+            return
+        signum = self.received or signal.SIGTERM
+        cb = trainer.checkpoint_callback
+        dirpath = getattr(cb, "dirpath", None) or os.path.join(trainer.default_root_dir, "checkpoints")
+        path = os.path.join(dirpath, "last.ckpt")
+        trainer.save_checkpoint(path)
+        # stop before the next step, once this step's metrics are logged (a resume does not log them again)
+        self._pending = Preempted(f"{signal.Signals(signum).name} received: stopped after step {trainer.global_step}, "
+                                  f"saved {path}; resume with ckpt_path=auto (or ckpt_path=last)",
+                                  signum, trainer.global_step, path)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if self._pending is not None:
+            raise self._pending

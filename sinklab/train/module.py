@@ -2,14 +2,39 @@
 from __future__ import annotations
 
 import math
+import random
 import time
 from typing import Any, Optional
 
 import lightning as L
 import torch
+import numpy as np
 import torch.nn.functional as F
 
 from sinklab.model import ModelConfig, Transformer
+
+
+class TrainingDiverged(FloatingPointError):
+    """The loss or the weights became NaN / inf: training stops; the last good checkpoint is kept."""
+
+
+def rng_states() -> dict[str, Any]:
+    """torch / CUDA / numpy / python RNG states as tensors and plain types (loadable with weights_only=True)."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    return {"torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+            "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(gauss)],
+            "python": random.getstate()}
+
+
+def set_rng_states(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    if state.get("cuda") and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    kind, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+    version, internal, gauss_next = state["python"]
+    random.setstate((version, tuple(internal), gauss_next))
 
 
 def lr_lambda(step: int, warmup_steps: int, max_steps: int, schedule: str, min_lr_ratio: float) -> float:
@@ -24,9 +49,9 @@ def lr_lambda(step: int, warmup_steps: int, max_steps: int, schedule: str, min_l
 
 class LitLM(L.LightningModule):
     def __init__(self, model: dict[str, Any], optim: dict[str, Any], max_steps: int,
-                 peak_flops: Optional[float] = None):
+                 peak_flops: Optional[float] = None, debug: Optional[dict[str, Any]] = None):
         super().__init__()
-        self.save_hyperparameters()
+        self.save_hyperparameters(ignore=["debug"])
         self.cfg = ModelConfig.from_dict(dict(model))
         self.model = Transformer(self.cfg)
         if self.cfg.compile:
@@ -35,6 +60,8 @@ class LitLM(L.LightningModule):
         self.max_steps = max_steps
         self.peak_flops = peak_flops
         self._t_last: Optional[float] = None
+        # +debug.nan_at_step=N: the gradients of step N become NaN, as in a diverging update (tests the NaN path)
+        self.nan_at_step = (debug or {}).get("nan_at_step")
 
     @property
     def net(self) -> Transformer:
@@ -56,10 +83,13 @@ class LitLM(L.LightningModule):
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         loss = self.loss(batch)
-        if not torch.isfinite(loss):
-            raise FloatingPointError(
-                f"non-finite training loss ({loss.item()}) at step {self.global_step}; "
-                "the last good checkpoint is kept in checkpoints/last.ckpt")
+        bad = not bool(torch.isfinite(loss))
+        if self._trainer is not None and self.trainer.world_size > 1:  # every rank stops at the same step
+            bad = self.trainer.strategy.reduce_boolean_decision(bad, all=False)
+        if bad:
+            raise TrainingDiverged(
+                f"non-finite training loss ({loss.item()}) at step {self.global_step}; training stopped, "
+                f"the last good checkpoint is kept{self._last_checkpoint_note()}")
         self.log("train/loss", loss, prog_bar=True)
         now = time.perf_counter()
         if self._t_last is not None:
@@ -71,6 +101,30 @@ class LitLM(L.LightningModule):
                 self.log("perf/mfu", flops / (self.peak_flops * world))
         self._t_last = now
         return loss
+
+    def _last_checkpoint_note(self) -> str:
+        cb = self._trainer.checkpoint_callback if self._trainer is not None else None
+        path = getattr(cb, "last_model_path", "") or getattr(cb, "best_model_path", "")
+        return f" ({path})" if path else " (none was saved yet)"
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        if self.nan_at_step is not None and self.global_step == self.nan_at_step:
+            for p in self.parameters():
+                if p.grad is not None:
+                    p.grad.fill_(float("nan"))
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Never write a diverged state over the last good checkpoint; save the RNG states for exact resumes."""
+        bad = next((n for n, p in self.named_parameters() if not torch.isfinite(p).all()), None)
+        if bad is not None:
+            raise TrainingDiverged(
+                f"the weights after step {self.global_step} are not finite ({bad}); training stopped without "
+                f"saving them, the last good checkpoint is kept{self._last_checkpoint_note()}")
+        checkpoint["sinklab_rng"] = rng_states()
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if "sinklab_rng" in checkpoint:
+            set_rng_states(checkpoint["sinklab_rng"])
 
     def on_validation_start(self) -> None:
         self._t_last = None
