@@ -1,0 +1,74 @@
+"""Keep the README true: every `sinklab-train` command line in README.md composes and passes the training entry's
+validation, job by job for sweeps (`-m`), without training. The commands that really train (the default run, the
+resume pair, `sinklab measure` / `report` / `export-hf`) are run by tests/test_train.py, tests/test_measure.py,
+tests/test_report.py, tests/test_export_hf.py and .ci/run; this file checks the rest as a user would type them.
+"""
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+
+import pytest
+from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from omegaconf import OmegaConf
+
+from sinklab.config import compose, validate_config
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+GPU_KEYS = {"trainer.accelerator": "cpu", "trainer.strategy": "auto", "trainer.devices": 1,
+            "trainer.precision": "32-true"}
+
+
+def readme_commands() -> list[str]:
+    """`sinklab-train ...` lines of the README's code blocks, comments stripped."""
+    commands, in_block = [], False
+    for line in README.read_text().splitlines():
+        if line.startswith("```"):
+            in_block = not in_block
+        elif in_block and line.startswith("sinklab-train"):
+            commands.append(line.split("#", 1)[0].strip())
+    return commands
+
+
+def jobs_of(command: str) -> list[list[str]]:
+    """The override list of each job the command would run (one for a single run, the sweep's for -m)."""
+    args = shlex.split(command)[1:]
+    multirun = "-m" in args or "--multirun" in args
+    args = [a for a in args if a not in ("-m", "--multirun")]
+    if not multirun:
+        return [args]
+    # the sweep comes from the command line and from an experiment preset's hydra.sweeper.params
+    parsed = OverridesParser.create().parse_overrides(args)
+    cfg = compose([o.input_line for o in parsed if not o.is_sweep_override()], return_hydra_config=True)
+    node = cfg.hydra.sweeper.params
+    params = OmegaConf.to_container(node, resolve=False) if node is not None else {}
+    lines = [f"{k}={v}" for k, v in params.items()] + args
+    batches = BasicSweeper.split_arguments(OverridesParser.create().parse_overrides(lines), None)
+    return [list(job) for batch in batches for job in batch]
+
+
+def test_the_readme_shows_the_commands_users_rely_on():
+    commands = readme_commands()
+    assert any(c == "sinklab-train" for c in commands), "the default run is missing from the README"
+    assert any(" -m " in c and "experiment=" in c for c in commands)
+    assert any("hydra/launcher=submitit_slurm" in c for c in commands)
+    assert any("logger=wandb" in c for c in commands)
+
+
+@pytest.mark.parametrize("command", readme_commands())
+def test_every_readme_training_command_composes_and_validates(command):
+    jobs = jobs_of(command)
+    assert jobs, command
+    for job in jobs:
+        cfg = compose(job)
+        if cfg.trainer.accelerator in ("gpu", "cuda"):  # a paper-scale job: validate its values, not this machine
+            for key, value in GPU_KEYS.items():
+                OmegaConf.update(cfg, key, value)
+        validate_config(cfg)
+        for override in job:  # each key the user typed reaches the config
+            key, _, value = override.partition("=")
+            key = key.lstrip("+~")
+            if "/" in key or key.startswith("hydra") or key in ("experiment", "model", "data", "scale", "logger"):
+                continue
+            assert OmegaConf.select(cfg, key, default="<absent>") != "<absent>", (command, override)
