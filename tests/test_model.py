@@ -65,12 +65,48 @@ def test_size_presets():
     (dict(pos="rotary"), "model.pos='rotary' is not supported; allowed: nope, sinusoidal"),
     (dict(n_head=8, d_model=24), "needs an even head size"),
     (dict(attn_bias_fixed_value_scale=5.0, attn_bias="kv"), "needs model.attn_bias=k"),
+    (dict(attn_bias_fixed_value_scale=-1.0, attn_bias="k"), "attn_bias_fixed_value_scale=-1.0 is the norm.*>= 0"),
+    (dict(rope_base=0.0), "model.rope_base=0.0 must be > 0"),
+    (dict(rope_base=-10000.0), "model.rope_base=-10000.0 must be > 0"),
+    (dict(norm_eps=0.0), "model.norm_eps=0.0 must be > 0"),
+    (dict(norm="layer", norm_eps=-1e-5), "model.norm_eps=-1e-05 must be > 0"),
+    (dict(pos="relative", relative_max_distance=16), "relative_max_distance=16 must exceed the 16 exact.*> 16"),
+    (dict(relative_buckets=2), "model.relative_buckets=2 must be an integer >= 4"),
+    (dict(sigmoid_bias=-2.0), "sigmoid_bias=-2.0 applies to model.attn_op=sigmoid only, got attn_op=softmax"),
+    (dict(attn_op="elu", sigmoid_bias=1.0), "sigmoid_bias=1.0 applies to model.attn_op=sigmoid only"),
+    (dict(attn_bias_shared=True), "attn_bias_shared=true .* model.attn_bias=none; allowed: attn_bias=k, kv or v"),
+    (dict(kernel_map="mlp"), "kernel_map=mlp applies to model.attn_op=kernel only, got attn_op=softmax"),
+    (dict(attn_op="sigmoid", kernel_map="identity"), "kernel_map=identity applies to model.attn_op=kernel only"),
+    (dict(attn_op="sigmoid", sink_logit="learned"), "sink_logit=learned needs model.attn_op=softmax"),
+    (dict(attn_op="softpick", sink_logit="zero"), "sink_logit=zero needs model.attn_op=softmax"),
+    (dict(attn_op="kernel", pos="alibi"), "attn_op=kernel has no logits to add a model.pos=alibi bias"),
+    (dict(attn_op="kernel", pos="relative"), "attn_op=kernel has no logits to add a model.pos=relative bias"),
+    (dict(attn_normalize=True), "attn_op=softmax is normalised by construction"),
+    (dict(attn_op="softpick", attn_normalize=True), "attn_op=softpick is normalised by construction"),
+    (dict(softmax_scale=0.0), "model.softmax_scale=0.0 must be > 0"),
+    (dict(n_sink_tokens=-1), "model.n_sink_tokens=-1 must be >= 0"),
+    (dict(n_kv_head=3), "model.n_kv_head=3 must divide model.n_head=4"),
+    (dict(pos="sinusoidal", n_head=1, d_model=31), "pos=sinusoidal needs an even d_model, got 31"),
+    (dict(vocab_size=0), "model.vocab_size=0 must be a positive integer"),
+    (dict(window=0), "model.window=0 must be a positive integer or null"),
 ])
 def test_impossible_configs_are_refused(bad, match):
     from tests.conftest import SMALL
 
     with pytest.raises(ConfigError, match=match):
         ModelConfig(**{**SMALL, **bad}).validate()
+
+
+@pytest.mark.parametrize("ok", [
+    dict(attn_bias="k", attn_bias_fixed_value_scale=0.0),  # the paper's zero value
+    dict(attn_bias="v", attn_bias_shared=True), dict(attn_bias="k", attn_bias_shared=True),
+    dict(attn_op="sigmoid", sigmoid_bias=-3.0), dict(attn_op="kernel", kernel_map="mlp"),
+    dict(pos="relative", relative_buckets=32, relative_max_distance=17, prefix_len=4),
+])
+def test_neighbouring_valid_configs_are_accepted(ok):
+    from tests.conftest import SMALL
+
+    ModelConfig(**{**SMALL, **ok}).validate()
 
 
 def test_unknown_option_is_named():

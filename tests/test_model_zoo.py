@@ -1,9 +1,13 @@
 """One behavioural test per architecture switch (issue: model zoo)."""
+import math
+from pathlib import Path
+
 import pytest
 import torch
+from omegaconf import OmegaConf
 
-from sinklab.model import ModelConfig, Transformer
-from sinklab.model.positional import alibi_slopes
+from sinklab.model import PRESETS, ModelConfig, Transformer
+from sinklab.model.positional import Rotary, alibi_slopes
 
 V = 97
 
@@ -74,6 +78,25 @@ def test_shared_bias_has_one_vector_for_all_heads(make_model):
     assert make_model(attn_bias="kv").blocks[0].attn.k_bias.shape == (4, 8)
 
 
+@pytest.mark.parametrize("shared", [True, False])
+def test_v_bias_shared_adds_one_vector_to_every_head(make_model, shared):
+    m = make_model(attn_bias="v", attn_bias_shared=shared, n_layer=1)
+    attn = m.blocks[0].attn
+    assert attn.v_out_bias.shape == ((1, 8) if shared else (4, 8))
+    x = torch.randn(1, 6, 32, generator=torch.Generator().manual_seed(0))
+    layout = m.layout(6, x.device)
+    with torch.no_grad():
+        attn.v_out_bias.copy_(torch.randn(attn.v_out_bias.shape, generator=torch.Generator().manual_seed(1)))
+        out = attn(x, layout, m.rope)
+        per_head = attn.v_out_bias.expand(4, 8).clone()  # (H, hd): the bias each head's output receives
+        attn.v_out_bias.zero_()
+        no_bias = attn(x, layout, m.rope)
+    # the difference is o_proj of the heads' biases laid side by side, (H, hd) -> (H * hd,)
+    expect = attn.o_proj.weight @ per_head.flatten()
+    torch.testing.assert_close(out - no_bias, expect.expand_as(out), atol=1e-6, rtol=1e-5)
+    assert shared == bool(torch.all(per_head == per_head[:1]))  # one vector for all heads only when shared
+
+
 def test_fixed_value_bias_has_the_requested_norm(make_model):
     m = make_model(attn_bias="k", attn_bias_fixed_value_scale=5.0)
     records = []
@@ -104,6 +127,25 @@ def test_sink_tokens_are_prepended_and_never_predicted(make_model):
     assert logits.shape == (2, 24, V)  # only the real tokens are predicted
     assert probs[0].shape[-1] == 26 and torch.all(probs[0][..., 2:, 0] > 0)
     assert m.sink_tokens.requires_grad and m.sink_tokens.shape == (2, 32)
+
+
+def test_sink_tokens_stay_causal_under_a_prefix(make_model):
+    m = make_model(n_sink_tokens=2, prefix_len=5)
+    idx = ids()
+    a = maps(m, idx)[0]  # (B, H, 2 + T, 2 + T): two sink rows, then the real tokens
+    assert torch.all(a[..., :2, 2:] == 0)  # sink-token rows see no real token, not even prefix ones
+    assert torch.all(a[..., 0, 1] == 0) and torch.all(a[..., 1, :2] > 0)  # causal among the sink tokens
+    assert torch.all(a[..., 2:7, :7] > 0) and torch.all(a[..., 2:7, 7:] == 0)  # prefix rows: sinks + prefix
+    # the sink tokens' states do not depend on the text, on the fused path and on the explicit one
+    changed = idx.clone()
+    changed[:, 3] = (changed[:, 3] + 1) % V  # a prefix token
+    for explicit in (False, True):
+        ref, out = [], []
+        m(idx, records=ref, return_probs=explicit)
+        m(changed, records=out, return_probs=explicit)
+        for r, o in zip(ref, out):
+            torch.testing.assert_close(o["h"][:, :2], r["h"][:, :2], atol=1e-6, rtol=0)
+        assert (out[-1]["h"][:, 2:] - ref[-1]["h"][:, 2:]).abs().max() > 1e-4
 
 
 def test_nope_has_no_position_parameter_and_is_permutation_equivariant(make_model):
@@ -143,6 +185,36 @@ def test_relative_bias_uses_t5_buckets(make_model):
     assert buckets[0] == buckets[-129]  # beyond max distance 128 all share the last bucket
 
 
+def rope_reference(x: torch.Tensor, base: float) -> torch.Tensor:
+    """x (T, hd) at positions 0..T-1: pair (x_i, x_{i + hd/2}) as a complex number, rotated by pos * base^(-2i/hd)."""
+    T, hd = x.shape
+    theta = base ** (-2 * torch.arange(hd // 2, dtype=torch.float64) / hd)
+    z = torch.complex(x[:, : hd // 2].double(), x[:, hd // 2:].double())
+    z = z * torch.exp(1j * torch.arange(T, dtype=torch.float64)[:, None] * theta)
+    return torch.cat([z.real, z.imag], dim=-1).float()
+
+
+def test_rope_scores_depend_only_on_the_offset():
+    hd, T = 16, 12
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(hd, generator=g), torch.randn(hd, generator=g)
+    rot = Rotary(hd, T)
+    rq, rk = rot(q.expand(1, 1, T, hd))[0, 0], rot(k.expand(1, 1, T, hd))[0, 0]  # same vectors at every position
+    s = rq @ rk.T  # s[m, n]: query at position m, key at position n
+    for offset in range(-T + 1, T):
+        d = torch.diagonal(s, offset)  # every (m, m + offset)
+        torch.testing.assert_close(d, d[:1].expand_as(d), atol=1e-5, rtol=1e-5)
+    assert (torch.diagonal(s, 0)[0] - torch.diagonal(s, -1)[0]).abs() > 1e-3  # and the offset matters
+
+
+@pytest.mark.parametrize("base", [10000.0, 500.0])
+def test_rope_matches_the_rotation_formula_with_base_10000_by_default(make_model, base):
+    assert ModelConfig().rope_base == 10000.0
+    m = make_model() if base == 10000.0 else make_model(rope_base=base)
+    x = torch.randn(1, 1, 24, 8, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(m.rope(x)[0, 0], rope_reference(x[0, 0], base), atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("pos", ["sinusoidal", "learnable"])
 def test_absolute_positions_are_added_to_embeddings(make_model, pos):
     m = make_model(pos=pos)
@@ -171,17 +243,38 @@ def test_layernorm_switch(make_model):
     assert isinstance(make_model(norm="layer").blocks[0].norm1, torch.nn.LayerNorm)
 
 
+def test_layernorm_centres_and_scales_each_token_and_rmsnorm_only_scales(make_model):
+    x = 3 * torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(0)) + 2  # mean 2, std 3 per token
+    ln = make_model(norm="layer", norm_eps=1e-6).blocks[0].norm1
+    rms = make_model().blocks[0].norm1
+    assert ln.eps == 1e-6 and torch.all(ln.weight == 1)  # the affine part is the identity at init
+    with torch.no_grad():
+        y, z = ln(x), rms(x)
+    torch.testing.assert_close(y.mean(-1), torch.zeros(2, 5), atol=1e-5, rtol=0)
+    torch.testing.assert_close(y.var(-1, unbiased=False), torch.ones(2, 5), atol=1e-4, rtol=0)
+    assert z.mean(-1).abs().min() > 0.2  # RMSNorm keeps each token's mean ...
+    torch.testing.assert_close(z.pow(2).mean(-1), torch.ones(2, 5), atol=1e-4, rtol=0)  # ... and fixes its RMS
+
+
 @pytest.mark.parametrize("ffn,gated", [("relu", False), ("gelu", False), ("swish", False),
                                        ("reglu", True), ("geglu", True), ("swiglu", True)])
 def test_ffn_types(ffn, gated):
     from sinklab.model.layers import FeedForward
 
+    # the activations written out, independent of the module's own `act`
+    relu = lambda h: h.clamp(min=0)  # noqa: E731
+    gelu = lambda h: 0.5 * h * (1 + torch.erf(h / math.sqrt(2)))  # noqa: E731  (exact, erf form)
+    swish = lambda h: h / (1 + torch.exp(-h))  # noqa: E731
+    act = {"relu": relu, "gelu": gelu, "swish": swish, "reglu": relu, "geglu": gelu, "swiglu": swish}[ffn]
+    torch.manual_seed(0)
     f = FeedForward(ffn, 8, 16)
     assert f.gated == gated and (f.w3 is not None) == gated
     x = torch.randn(3, 8)
-    h = f.act(f.w1(x))
-    expect = f.w2(h * f.w3(x)) if gated else f.w2(h)
-    torch.testing.assert_close(f(x), expect)
+    h = act(x @ f.w1.weight.T)  # (3, 16)
+    if gated:
+        h = h * (x @ f.w3.weight.T)
+    with torch.no_grad():
+        torch.testing.assert_close(f(x), h @ f.w2.weight.T, atol=1e-6, rtol=1e-5)
 
 
 def test_heads_independent_of_width_and_gqa(make_model):
@@ -220,6 +313,12 @@ def test_elu_plus_one_is_positive_and_unnormalised(make_model):
     a = maps(make_model(attn_op="elu"), ids())[0]
     causal = torch.ones(24, 24).tril().bool()
     assert torch.all(a[..., causal] > 0) and (a.sum(-1) - 1).abs().max() > 0.1
+
+
+def test_elu_plus_one_normalised_rows_sum_to_one(make_model):
+    a = maps(make_model(attn_op="elu", attn_normalize=True), ids())[0]
+    torch.testing.assert_close(a.sum(-1), torch.ones_like(a.sum(-1)))
+    assert torch.all(a.triu(1) == 0) and torch.all(a[..., torch.ones(24, 24).tril().bool()] > 0)
 
 
 @pytest.mark.parametrize("kmap", ["identity", "elu", "mlp"])
@@ -278,12 +377,23 @@ def test_softpick_rectifies_and_excludes_masked_positions(make_model):
     assert torch.all(a.triu(1) == 0) and torch.all(a.sum(-1) <= 1 + 1e-5)
 
 
-SWITCHES = [dict(pos=p) for p in ("nope", "sinusoidal", "learnable", "alibi", "relative")] + [
-    dict(window=5), dict(prefix_len=4), dict(window=5, pos="alibi"), dict(prefix_len=4, pos="relative"),
-    dict(window=6, pos="learnable"), dict(attn_bias="kv"), dict(attn_bias="k", window=5), dict(n_sink_tokens=2),
-    dict(n_sink_tokens=1, window=4), dict(attn_bias="v"), dict(gate="headwise"), dict(n_kv_head=2),
-    dict(norm_position="post"), dict(softmax_scale=2.0), dict(prefix_len=3, attn_bias="kv", pos="alibi"),
-]
+# every switch that keeps plain softmax (ModelConfig.can_fuse), alone and with the masks it composes with
+POSITIONS = ("rope", "nope", "sinusoidal", "learnable", "alibi", "relative")
+SWITCHES = [dict(pos=p) for p in POSITIONS[1:]] + [
+    dict(window=5, pos=p) for p in POSITIONS] + [dict(prefix_len=4, pos=p) for p in POSITIONS] + [
+    dict(prefix_len=4, window=3), dict(prefix_len=4, window=3, pos="alibi"),
+    dict(prefix_len=4, window=3, pos="relative"),
+    dict(attn_bias="k"), dict(attn_bias="kv"), dict(attn_bias="v"), dict(attn_bias="k", attn_bias_shared=True),
+    dict(attn_bias="kv", attn_bias_shared=True), dict(attn_bias="v", attn_bias_shared=True),
+    dict(attn_bias="k", attn_bias_fixed_value_scale=5.0), dict(attn_bias="k", window=5),
+    dict(attn_bias="kv", prefix_len=4, pos="relative"), dict(prefix_len=3, attn_bias="kv", pos="alibi"),
+    dict(n_sink_tokens=2), dict(n_sink_tokens=1, window=4), dict(n_sink_tokens=2, prefix_len=4),
+    dict(n_sink_tokens=2, prefix_len=4, window=3, attn_bias="kv", pos="alibi"),
+    dict(gate="headwise"), dict(gate="elementwise"), dict(n_kv_head=2), dict(n_kv_head=1, attn_bias="kv"),
+    dict(head_dim=12), dict(n_head=2, head_dim=6, n_kv_head=1, window=5),
+    dict(norm="layer"), dict(norm_position="post"), dict(norm_position="post", norm="layer"),
+    dict(softmax_scale=2.0), dict(rope_base=500.0),
+] + [dict(ffn=f) for f in ("relu", "gelu", "swish", "reglu", "geglu")]
 
 
 @pytest.mark.parametrize("sw", SWITCHES, ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()))
@@ -298,3 +408,90 @@ def test_fused_path_is_used_only_where_sdpa_applies():
     assert not ModelConfig(attn_op="sigmoid").can_fuse
     assert not ModelConfig(sink_logit="zero").can_fuse
     assert not ModelConfig(attn_op="softpick").can_fuse
+
+
+# ------------------------------------------------------------------ explicit path in query-row chunks
+EXPLICIT = [dict(attn_op="sigmoid"), dict(attn_op="sigmoid", attn_normalize=True, sigmoid_bias=-2.0),
+            dict(attn_op="elu"), dict(attn_op="softpick"), dict(sink_logit="learned"), dict(sink_logit="zero"),
+            dict(attn_op="kernel", kernel_map="identity"),
+            dict(attn_op="kernel", kernel_map="elu", attn_normalize=True),
+            dict(attn_op="kernel", kernel_map="mlp", attn_normalize=True)]
+MASKS = [dict(), dict(window=5), dict(prefix_len=4), dict(n_sink_tokens=2, prefix_len=4, window=5, attn_bias="kv")]
+
+
+@pytest.mark.parametrize("mask", MASKS, ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()) or "causal")
+@pytest.mark.parametrize("op", EXPLICIT, ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()))
+def test_chunked_explicit_path_equals_the_full_map(make_model, op, mask):
+    if op.get("attn_op") != "kernel" and mask.get("attn_bias"):
+        mask = {**mask, "pos": "alibi"}  # logit ops also take an additive position bias per chunk
+    m = make_model(**op, **mask)
+    idx = ids()
+    full = m(idx, return_probs=True)[0]  # one (B, H, N, Tk) map per layer
+    one_chunk = m(idx)  # row_chunk 256 > N: a single chunk
+    for block in m.blocks:
+        block.attn.row_chunk = 5  # chunks that do not divide N = 24 or 26
+    chunked = m(idx)
+    torch.testing.assert_close(one_chunk, full, atol=1e-6, rtol=0)
+    torch.testing.assert_close(chunked, full, atol=1e-6, rtol=0)
+
+
+def test_chunked_explicit_path_never_holds_a_full_map(make_model):
+    m = make_model(attn_op="sigmoid", n_sink_tokens=2, attn_bias="kv")  # keys: 1 slot + 2 sinks + 24 tokens
+    for block in m.blocks:
+        block.attn.row_chunk = 5
+    shapes = []
+
+    def pack(t):
+        shapes.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):  # every tensor kept for backward
+        m(ids()).sum().backward()
+    maps_ = [sh for sh in shapes if len(sh) == 4 and sh[-1] == 27]  # (B, H, rows, keys)
+    assert maps_ and max(sh[-2] for sh in maps_) == 5
+
+
+# ------------------------------------------------------------------ every preset in conf/model/
+CONF = Path(__file__).resolve().parents[1] / "conf" / "model"
+SIZES = ["tiny", "14m", "60m", "1b"]
+GROUP_FILES = sorted(p.relative_to(CONF).with_suffix("").as_posix() for p in CONF.glob("*/*.yaml"))
+
+
+def compose(name: str, **overrides) -> dict:
+    """conf/model/<name>.yaml merged onto tiny.yaml, as Hydra's defaults list composes them (without Hydra)."""
+    base = OmegaConf.load(CONF / "tiny.yaml")
+    path = CONF / f"{name}.yaml"
+    node = OmegaConf.load(path)
+    if "/" in name:  # a switch file: `# @package model`, its keys go straight into model.*
+        assert path.read_text().startswith("# @package model"), name
+    elif name != "tiny":  # a size preset: `defaults: [tiny, _self_]`
+        assert OmegaConf.to_container(node.pop("defaults")) == ["tiny", "_self_"], name
+    cfg = OmegaConf.merge(base, node, {"vocab_size": V, **overrides})  # vocab_size: ${data.vocab_size} in tiny
+    return OmegaConf.to_container(cfg, resolve=True)
+
+
+def forward_backward(cfg: ModelConfig, T: int) -> None:
+    torch.manual_seed(0)
+    m = Transformer(cfg)
+    idx = ids(B=2, T=T + 1)
+    logits = m(idx[:, :-1])
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), idx[:, 1:].flatten())
+    loss.backward()
+    assert torch.isfinite(loss)
+    for name, p in m.named_parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all(), name
+        assert p.grad.abs().max() > 0, f"{name} gets no gradient"
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_every_size_preset_builds_and_trains_one_step(size):
+    full = ModelConfig.from_dict(compose(size))  # the preset's own values validate
+    assert {k: getattr(full, k) for k in PRESETS[size]} == PRESETS[size]  # and match sinklab.model.PRESETS
+    # one layer at the preset's width and heads (1b: ~50M parameters, still a CPU step)
+    forward_backward(ModelConfig.from_dict(compose(size, n_layer=1)), T=8)
+
+
+@pytest.mark.parametrize("name", GROUP_FILES)
+def test_every_switch_preset_builds_and_trains_one_step(name):
+    cfg = ModelConfig.from_dict(compose(name, n_layer=2))
+    forward_backward(cfg, T=20)  # longer than mask/prefix's 8 tokens; mask/window's 16 hides the first tokens

@@ -44,9 +44,9 @@ class Layout:
         seen = j <= i
         if self.window is not None:
             seen = seen & (i - j < self.window)
-        if self.prefix_len:
+        if self.prefix_len:  # real prefix rows see the whole prefix; sink-token rows stay causal
             end = self.n_sink + self.prefix_len
-            seen = seen | ((i < end) & (j < end))
+            seen = seen | ((i >= self.n_sink) & (i < end) & (j < end))
         if self.n_sink and self.window is not None:  # learned sink tokens stay visible through the window
             seen = seen | ((j < self.n_sink) & (j <= i))
         if self.n_slots:
@@ -73,6 +73,10 @@ class KernelMLP(nn.Module):
 
 
 class Attention(nn.Module):
+    # the explicit path computes this many query rows at a time: without autograd (measurement) it never holds a
+    # full (B, H, N, Tk) map; with autograd each chunk's map is kept for backward, as the unchunked path would
+    row_chunk: int = 256
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
@@ -185,9 +189,16 @@ class Attention(nn.Module):
                 if bias is not None:
                     mask = bias.to(q.dtype).masked_fill(~mask, float("-inf"))
                 o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
-        else:
-            probs = self.probs(q, k, layout, torch.arange(layout.n_pos, device=x.device))
+        elif return_probs:
+            probs = self.probs(q, k, layout, torch.arange(layout.n_pos, device=x.device))  # (B, H, N, Tk)
             o = probs @ v  # (B, H, N, hd)
+        else:  # query rows in chunks: memory O(B * H * row_chunk * Tk), linear in the sequence length
+            chunks = []
+            for r0 in range(0, layout.n_pos, self.row_chunk):
+                rows = torch.arange(r0, min(r0 + self.row_chunk, layout.n_pos), device=x.device)
+                a = self.probs(q[:, :, r0:r0 + len(rows)], k, layout, rows)  # (B, H, R, Tk)
+                chunks.append(a @ v)  # (B, H, R, hd)
+            o = torch.cat(chunks, dim=2)  # (B, H, N, hd)
         if self.cfg.attn_bias == "v":
             o = o + self.v_out_bias.expand(self.n_head, self.hd)[None, :, None, :]
         if self.cfg.gate != "none":

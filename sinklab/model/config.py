@@ -172,6 +172,32 @@ class ModelConfig:
                               "allowed pos with kernel attention: nope, sinusoidal, learnable, rope")
         if self.softmax_scale <= 0:
             raise ConfigError(f"model.softmax_scale={self.softmax_scale} must be > 0")
+        if self.rope_base <= 0:
+            raise ConfigError(f"model.rope_base={self.rope_base} must be > 0 (RoPE frequencies base^(-2i/d); "
+                              "LLaMA uses 10000)")
+        if self.norm_eps <= 0:
+            raise ConfigError(f"model.norm_eps={self.norm_eps} must be > 0 (e.g. 1e-5)")
+        if not isinstance(self.relative_buckets, int) or self.relative_buckets < 4:
+            # a prefix LM splits the buckets by direction, and each half needs at least one exact distance
+            raise ConfigError(f"model.relative_buckets={self.relative_buckets!r} must be an integer >= 4")
+        if self.relative_max_distance <= self.relative_buckets // 2:
+            # T5 buckets: the first buckets // 2 distances are exact, the rest log-spaced up to max_distance
+            raise ConfigError(f"model.relative_max_distance={self.relative_max_distance} must exceed the "
+                              f"{self.relative_buckets // 2} exact distances of model.relative_buckets="
+                              f"{self.relative_buckets}; allowed: > {self.relative_buckets // 2}")
+        if self.attn_bias_fixed_value_scale is not None and self.attn_bias_fixed_value_scale < 0:
+            raise ConfigError(f"model.attn_bias_fixed_value_scale={self.attn_bias_fixed_value_scale} is the norm "
+                              "of the fixed value; allowed: >= 0 or null")
+        # switches that would silently do nothing
+        if self.sigmoid_bias != 0 and self.attn_op != "sigmoid":
+            raise ConfigError(f"model.sigmoid_bias={self.sigmoid_bias} applies to model.attn_op=sigmoid only, "
+                              f"got attn_op={self.attn_op}; set sigmoid_bias=0")
+        if self.attn_bias_shared and self.attn_bias == "none":
+            raise ConfigError("model.attn_bias_shared=true shares a K, KV or V bias across heads, but "
+                              "model.attn_bias=none; allowed: attn_bias=k, kv or v, or attn_bias_shared=false")
+        if self.kernel_map != "elu" and self.attn_op != "kernel":
+            raise ConfigError(f"model.kernel_map={self.kernel_map} applies to model.attn_op=kernel only, "
+                              f"got attn_op={self.attn_op}; leave kernel_map at its default elu")
         return self
 
     # ------------------------------------------------------------------ construction
