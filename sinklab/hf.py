@@ -5,17 +5,23 @@ transformers is an optional extra (``pip install 'sinklab[hf]'``); nothing here 
 Attention maps come from ``output_attentions=True`` with the eager kernel (maps are materialised, one batch at a
 time, and reduced layer by layer with `column_scores`). The residual stream per layer is captured with forward
 hooks on the decoder layers: HF's ``output_hidden_states`` replaces its last entry with the output of the final
-norm, which would hide the last layer's massive activations. Statistics follow `activation_stats`' definitions.
+norm, which would hide the last layer's massive activations. Queries, keys and values are recomputed from each
+attention's input in a forward pre-hook (`project_qkv`: the model's own projections and, for RoPE models, its own
+``apply_rotary_pos_emb`` on the (cos, sin) the model hands to the attention). Statistics use the same functions as
+`sinklab.metrics.activation_stats` (`hidden_state_stats`, `qkv_stats`).
 """
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Optional, Union
 
 import torch
+from einops import rearrange
 from torch import nn
 
 from sinklab.errors import UserError
+from sinklab.metrics.activations import ActivationStats, hidden_state_stats, qkv_stats
 from sinklab.metrics.sink import AttentionScores, column_scores, renormalise
 
 INSTALL_HINT = "--hf-model needs transformers, an optional extra: pip install 'sinklab[hf]'"
@@ -96,74 +102,122 @@ def decoder_layers(model: nn.Module) -> Optional[list]:
     return None
 
 
-class HiddenStats:
-    """Massive activations and the first token's norm ratio from per-layer residual streams (B, T, d), with the
-    definitions of `sinklab.metrics.activation_stats` (token 1-indexed, medians and ratios averaged over sequences,
-    the top value the max over all sequences)."""
+def attention_module(layer: nn.Module) -> Optional[nn.Module]:
+    """The self-attention of a decoder layer (self_attn: LLaMA, Mistral, ...; attention: GPT-NeoX; attn: GPT-2)."""
+    for name in ("self_attn", "attention", "attn"):
+        mod = getattr(layer, name, None)
+        if isinstance(mod, nn.Module):
+            return mod
+    return None
 
-    def __init__(self):
-        self.top: Optional[torch.Tensor] = None  # (L, 3): value, token, channel
-        self.median_sum: Optional[torch.Tensor] = None  # (L,)
-        self.h1_sum: Optional[torch.Tensor] = None
-        self.n = 0
 
-    def update(self, hidden: list[torch.Tensor]) -> None:
-        tops, medians, h1 = [], [], []
-        for h in hidden:
-            h = h.float()
-            B, T, d = h.shape
-            flat = h.abs().reshape(B, -1)
-            val, pos = flat.max(-1)
-            tops.append(torch.stack([val, (pos // d).float() + 1, (pos % d).float()], -1))  # (B, 3)
-            medians.append(flat.median(-1).values)
-            norms = h.norm(dim=-1)  # (B, T)
-            h1.append(norms[:, 0] / norms[:, 1:].mean(-1) if T > 1 else torch.full((B,), float("nan")))
-        bt = torch.stack(tops, 1).cpu()  # (B, L, 3)
-        best = bt[bt[..., 0].argmax(0), torch.arange(bt.shape[1])]  # (L, 3)
-        self.top = best if self.top is None else torch.where(best[:, :1] > self.top[:, :1], best, self.top)
-        med = torch.stack(medians, 1).sum(0).cpu()
-        r = torch.stack(h1, 1).sum(0).cpu()
-        self.median_sum = med if self.median_sum is None else self.median_sum + med
-        self.h1_sum = r if self.h1_sum is None else self.h1_sum + r
-        self.n += bt.shape[0]
+def project_qkv(attn: nn.Module, hidden: torch.Tensor, position_embeddings=None):
+    """The attention's input hidden (B, T, d) -> q, k, v (B, H, T, hd) as the model attends with them: keys after
+    RoPE (with the model's own `apply_rotary_pos_emb` and the (cos, sin) the model passed to the attention), the kv
+    heads of grouped-query attention repeated to H as HF's repeat_kv does. None for a layout not known here.
 
-    def result(self) -> dict:
-        median = (self.median_sum / self.n).tolist()
-        top = self.top[:, 0].tolist()
-        return {
-            "massive_top": top,
-            "massive_median": median,
-            "massive_ratio": [t / max(m, 1e-12) for t, m in zip(top, median)],
-            "massive_token": [int(x) for x in self.top[:, 1].tolist()],
-            "massive_channel": [int(x) for x in self.top[:, 2].tolist()],
-            "h1_norm_ratio": (self.h1_sum / self.n).tolist(),
-        }
+    Layouts: q_proj / k_proj / v_proj (LLaMA, Mistral, Qwen2, ...), query_key_value with [q | k | v] per head
+    (GPT-NeoX), c_attn with [q | k | v] over all heads (GPT-2). Attentions that normalise q or k (q_norm, k_norm)
+    are not reproduced and give None."""
+    if hasattr(attn, "q_norm") or hasattr(attn, "k_norm"):
+        return None
+    if all(isinstance(getattr(attn, n, None), nn.Module) for n in ("q_proj", "k_proj", "v_proj")) and \
+            isinstance(getattr(attn, "head_dim", None), int):
+        q, k, v = (rearrange(proj(hidden), "b t (h d) -> b h t d", d=attn.head_dim)
+                   for proj in (attn.q_proj, attn.k_proj, attn.v_proj))
+    elif isinstance(getattr(attn, "query_key_value", None), nn.Module) and hasattr(attn, "head_size"):
+        qkv = attn.query_key_value(hidden)  # (B, T, H * 3 * hd), per head [q | k | v]
+        q, k, v = rearrange(qkv, "b t (h three d) -> three b h t d", three=3, d=attn.head_size)
+    elif isinstance(getattr(attn, "c_attn", None), nn.Module) and hasattr(attn, "head_dim") and \
+            not getattr(attn, "is_cross_attention", False):
+        qkv = attn.c_attn(hidden)  # (B, T, 3 * H * hd): [q | k | v], each over all heads
+        q, k, v = rearrange(qkv, "b t (three h d) -> three b h t d", three=3, d=attn.head_dim)
+    else:
+        return None
+    apply_rope = getattr(sys.modules.get(type(attn).__module__), "apply_rotary_pos_emb", None)
+    if position_embeddings is not None:
+        if apply_rope is None:
+            return None
+        cos, sin = position_embeddings
+        q, k = apply_rope(q, k, cos, sin)
+    elif apply_rope is not None:  # a RoPE model that did not hand (cos, sin) to its attention: cannot reproduce it
+        return None
+    if k.shape[1] != q.shape[1]:
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)  # (B, Hkv, T, hd) -> (B, H, T, hd)
+        v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    return q, k, v
+
+
+class LayerRecorder:
+    """Forward hooks on the decoder layers and their attentions. During one forward, per layer i, `stats[i]`
+    receives `hidden_state_stats` of the layer's output (the residual stream) and `qkv_stats` of the queries, keys
+    and values recomputed from the attention's input (`project_qkv`), reduced at once so nothing per layer is kept.
+    `qkv_supported` turns False when some attention's layout is not known (its key statistics are then left out)."""
+
+    def __init__(self, layers: list[nn.Module]):
+        self.stats: list[dict[str, torch.Tensor]] = [{} for _ in layers]
+        self.qkv_supported = True
+        self.hooks = []
+        for i, layer in enumerate(layers):
+            self.hooks.append(layer.register_forward_hook(self._hidden_hook(i)))
+            attn = attention_module(layer)
+            if attn is None:
+                self.qkv_supported = False
+            else:
+                self.hooks.append(attn.register_forward_pre_hook(self._qkv_hook(i), with_kwargs=True))
+
+    def _hidden_hook(self, i: int):
+        def hook(_module, _inputs, output):
+            h = output[0] if isinstance(output, (tuple, list)) else output  # (B, T, d)
+            self.stats[i].update(hidden_state_stats(h))
+        return hook
+
+    def _qkv_hook(self, i: int):
+        def hook(attn, args, kwargs):
+            hidden = args[0] if args else kwargs.get("hidden_states")
+            qkv = project_qkv(attn, hidden, kwargs.get("position_embeddings")) if hidden is not None else None
+            if qkv is None:
+                self.qkv_supported = False
+            else:
+                self.stats[i].update(qkv_stats(*qkv))
+        return hook
+
+    def start_batch(self) -> None:
+        self.stats = [{} for _ in self.stats]
+
+    def batch_stats(self) -> list[dict[str, torch.Tensor]]:
+        """Per layer, this batch's statistics (the key statistics only when every layer has them)."""
+        if self.qkv_supported:
+            return self.stats
+        return [{name: s[name] for name in ("top", "median", "h1") if name in s} for s in self.stats]
+
+    def remove(self) -> None:
+        for h in self.hooks:
+            h.remove()
 
 
 @torch.no_grad()
 def hf_scores(model: nn.Module, tokens: torch.Tensor, k: int = 4,
               batch_size: int = 25) -> tuple[AttentionScores, bool, dict]:
-    """tokens (N, T) -> (scores with alpha (N, L, H, K) and alpha_star, row_normalised, hidden-state stats).
+    """tokens (N, T) -> (scores with alpha (N, L, H, K) and alpha_star, row_normalised, activation statistics).
 
     alpha_star (the metric on |A| / sum |A|) is always computed; row_normalised says whether every row of every
-    map summed to one (within 1e-3), in which case Sink* equals Sink and the caller may drop it."""
+    map summed to one (within 1e-3), in which case Sink* equals Sink. The statistics are those of
+    `sinklab.metrics.activation_stats` (massive activations, h1 / k1 / v1 norm ratios, cos_q_k1, cos_q_kj); the
+    key statistics are left out for attention layouts `project_qkv` does not know."""
     layers = decoder_layers(model)
-    captured: list[torch.Tensor] = []
-
-    def grab(_module, _inputs, output):
-        captured.append(output[0] if isinstance(output, (tuple, list)) else output)
-
-    hooks = [layer.register_forward_hook(grab) for layer in layers] if layers else []
+    recorder = LayerRecorder(layers) if layers else None
     device = next(model.parameters()).device
     alphas, alphas_star = [], []
     row_normalised = True
-    hidden = HiddenStats()
+    acc = ActivationStats()
     try:
         for start in range(0, tokens.shape[0], batch_size):
             idx = tokens[start:start + batch_size].to(device)
-            captured.clear()
+            if recorder is not None:
+                recorder.start_batch()
             out = model(input_ids=idx, attention_mask=torch.ones_like(idx), output_attentions=True,
-                        output_hidden_states=not layers, use_cache=False)
+                        output_hidden_states=recorder is None, use_cache=False)
             maps = out.attentions
             if not maps or any(m is None for m in maps):
                 raise UserError("--hf-model: the model returned no attention maps with output_attentions=True "
@@ -175,17 +229,19 @@ def hf_scores(model: nn.Module, tokens: torch.Tensor, k: int = 4,
                     row_normalised = False
                 per_layer.append(column_scores(m, 0, k)[0])
                 per_layer_star.append(column_scores(renormalise(m), 0, k)[0])
-            # no decoder-layer list found: HF's hidden states (the last one is after the final norm)
-            states = captured if layers else list(out.hidden_states[1:])
+            if recorder is not None:
+                stats = recorder.batch_stats()
+            else:  # no decoder-layer list found: HF's hidden states (the last one is after the final norm)
+                stats = [hidden_state_stats(h) for h in out.hidden_states[1:]]
             del maps, out  # free this batch's maps before the next forward
             alphas.append(torch.stack(per_layer, 1).cpu())  # (B, L, H, K)
             alphas_star.append(torch.stack(per_layer_star, 1).cpu())
-            if len(states) != len(per_layer):
-                raise UserError(f"--hf-model: captured {len(states)} decoder-layer outputs for {len(per_layer)} "
+            if len(stats) != len(per_layer) or any("top" not in s for s in stats):
+                raise UserError(f"--hf-model: captured {len(stats)} decoder-layer outputs for {len(per_layer)} "
                                 "attention maps; this architecture is not supported")
-            hidden.update(states)
+            acc.update(stats)
     finally:
-        for h in hooks:
-            h.remove()
+        if recorder is not None:
+            recorder.remove()
     scores = AttentionScores(alpha=torch.cat(alphas), alpha_star=torch.cat(alphas_star))
-    return scores, row_normalised, hidden.result()
+    return scores, row_normalised, acc.result()

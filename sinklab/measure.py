@@ -1,7 +1,8 @@
 """sinklab measure: the attention-sink metric (Gu et al., ICLR 2025) and activation statistics of one model.
 
-    sinklab measure RUN_DIR_OR_CKPT [--tokens FILE.npy | --input natural|random|repeat] [--json]
+    sinklab measure RUN_DIR_OR_CKPT [--tokens FILE.npy | --input natural|random|repeat] [--eps E ...] [--json]
     sinklab measure --hf-model DIR (--tokens FILE.npy | --input random|repeat) [--json]
+    sinklab measure --eps 0.3 0.5 RUN_DIR_OR_CKPT ...                   (TARGET may follow --eps's values)
     python -m sinklab.measure ...                                       (the same)
 
 Inputs: ``natural`` (default for a training run) is the run's probe set, read through the data config saved in
@@ -16,13 +17,15 @@ User errors are one line on stderr and exit code 2.
     target, source ("sinklab" | "hf"), input ("natural" | "random" | "repeat" | "tokens"), tokens_file (with
     --tokens), seed, seq_len, num_seqs, model {...}, eps [e1, ...], k, row_normalised, seconds,
     sink {"1": Sink_1 at e1, ..., "k": ...}, sink_by_eps {"<e>": {"1": ...}} for every eps,
-    sink_star, sink_star_by_eps, alpha_star        (only when rows do not sum to one: the metric on |A| / sum |A|)
+    sink_star, sink_star_by_eps (Sink*: the metric on |A| / sum |A|; always present, equal to sink and
+        sink_by_eps for row-normalised ops), alpha_star (only when rows do not sum to one),
     alpha [[alpha_1 per head] per layer] (mean over sequences), alpha_mean {"1": mean alpha_1, ...},
     sink1_by_layer [Sink_1 per layer at e1],
     slot {"bias" | "token0" ...: rate at e1}, slot_by_eps, slot_alpha {name: [[score per head] per layer]}
         (the K/KV bias slot and learned sink tokens, scored apart from token 1; slot_star* when not normalised),
-    massive {top, median, ratio, token, channel: per-layer lists}, norms {h1_norm_ratio, and for sinklab
-        models k1_norm_ratio, v1_norm_ratio, cos_q_k1, cos_q_kj: per-layer lists}.
+    massive {top, median, ratio, token, channel: per-layer lists}, norms {h1_norm_ratio, k1_norm_ratio,
+        v1_norm_ratio, cos_q_k1, cos_q_kj: per-layer lists; for HF models the last four only when
+        `sinklab.hf.project_qkv` knows the attention layout (LLaMA, Mistral, GPT-2, GPT-NeoX, ...)}.
 Non-finite values (a norm ratio with T = 1) are null.
 """
 from __future__ import annotations
@@ -40,12 +43,12 @@ import numpy as np
 import torch
 
 from sinklab.errors import UserError
+from sinklab.metrics.activations import MASSIVE_KEYS
 
 PROG = "sinklab measure"
 DEFAULT_SEQ_LEN = 64
 DEFAULT_NUM_SEQS = 100
 INPUTS = ("natural", "random", "repeat")
-MASSIVE_KEYS = ("massive_top", "massive_median", "massive_ratio", "massive_token", "massive_channel")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -53,6 +56,21 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+    def parse_args(self, args=None, namespace=None):
+        """--eps takes one or more values; a value after them that is not a number is TARGET (argparse's nargs
+        would swallow it): `--eps 0.3 0.5 RUN` is read as `RUN --eps 0.3 0.5`."""
+        ns = super().parse_args(args, namespace)
+        values = list(ns.eps)
+        eps = []
+        while values and _number(values[0]):
+            eps.append(float(values.pop(0)))
+        if values:
+            if ns.target is not None or len(values) > 1 or not eps:
+                self.error(f"argument --eps: invalid float value: {values[0]!r}")
+            ns.target = values[0]
+        ns.eps = eps
+        return ns
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -72,15 +90,26 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--seq-len", type=int, default=None,
                     help=f"tokens per sequence T (default {DEFAULT_SEQ_LEN}, at most the model context)")
     ap.add_argument("--num-seqs", type=int, default=None, help=f"number of sequences N (default {DEFAULT_NUM_SEQS})")
-    ap.add_argument("--eps", type=float, nargs="+", default=[0.3],
+    ap.add_argument("--eps", nargs="+", default=["0.3"], metavar="EPS",
                     help="sink thresholds: head h of layer l is a sink on token k when alpha_k > eps (default 0.3); "
-                         "several as --eps 0.3 0.5 (after TARGET)")
+                         "several as --eps 0.3 0.5, before or after TARGET")
     ap.add_argument("--k", type=int, default=4, help="score the first k tokens (default 4)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the random / repeat inputs (default 0)")
     ap.add_argument("--batch-size", type=int, default=25, help="sequences per forward (default 25)")
     ap.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:1, ...")
-    ap.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    ap.add_argument("--json", action="store_true",
+                    help="print one JSON object instead of tables: sink, sink_star (Sink* on the renormalised map "
+                         "|A| / sum |A|; equal to sink for row-normalised ops such as softmax), alpha, massive, "
+                         "norms, seq_len, num_seqs, eps, ... (see the module docstring)")
     return ap
+
+
+def _number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 # ----------------------------------------------------------------------------------------------------- inputs
@@ -222,9 +251,10 @@ def build_result(scores, eps: Sequence[float], slot_names: list[str], row_normal
     res["row_normalised"] = row_normalised
     res["sink"] = rates(scores.alpha, eps[0])
     res["sink_by_eps"] = {f"{e:g}": rates(scores.alpha, e) for e in eps}
-    if not row_normalised and scores.alpha_star is not None:
-        res["sink_star"] = rates(scores.alpha_star, eps[0])
-        res["sink_star_by_eps"] = {f"{e:g}": rates(scores.alpha_star, e) for e in eps}
+    # Sink*: the metric on |A| / sum |A|, which is A itself when rows sum to one (then exactly Sink)
+    star = scores.alpha_star if not row_normalised and scores.alpha_star is not None else scores.alpha
+    res["sink_star"] = rates(star, eps[0])
+    res["sink_star_by_eps"] = {f"{e:g}": rates(star, e) for e in eps}
     res["alpha"] = scores.alpha[..., 0].mean(0).tolist()  # (L, H): alpha_1 mean over sequences
     res["alpha_mean"] = {str(j + 1): scores.alpha[..., j].mean().item() for j in range(K)}
     res["sink1_by_layer"] = (100.0 * (scores.alpha[..., 0] > eps[0]).float().mean(dim=(0, 2))).tolist()
@@ -310,7 +340,7 @@ def format_tables(res: dict, max_heads: int = 16) -> str:
     lines += ["Sink_k (%): heads with alpha_k > eps, per sequence, averaged", head]
     for e, r in res["sink_by_eps"].items():
         lines.append(f"{'eps=' + e:<14}" + "".join(f"{r[str(j + 1)]:9.2f}" for j in range(K)))
-    for e, r in res.get("sink_star_by_eps", {}).items():
+    for e, r in (res["sink_star_by_eps"] if not res["row_normalised"] else {}).items():  # else equal to Sink
         lines.append(f"{'Sink* eps=' + e:<14}" + "".join(f"{r[str(j + 1)]:9.2f}" for j in range(K)))
     lines.append(f"{'mean alpha_k':<14}" + "".join(f"{res['alpha_mean'][str(j + 1)]:9.4f}" for j in range(K)))
     for name in ("slot", "slot_star"):

@@ -10,15 +10,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from sinklab.measure import main, make_tokens
 from sinklab.metrics import activation_stats, attention_scores, brute_force_alpha, sink_rate
+from sinklab.metrics.activations import NORM_KEYS, STAT_KEYS
 from sinklab.model import ModelConfig, Transformer
 
 REPO = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "offline",
        "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
 PLANT_LAYER, PLANT_HEAD = 0, 2
+SCHEMA = ("sink", "sink_star", "alpha", "massive", "norms", "seq_len", "num_seqs", "eps")  # issue 4's --json keys
 
 
 # ------------------------------------------------------------------------------------------------ helpers
@@ -102,7 +105,11 @@ def test_planted_sink_found_through_cli(planted_ckpt):
     assert res["sink"]["2"] == 0.0
     assert set(res["sink_by_eps"]) == {"0.3", "0.1"} and res["sink_by_eps"]["0.3"] == res["sink"]
     assert res["sink_by_eps"]["0.1"]["1"] == 100.0  # uniform heads: alpha_1 = H_32 / 32 = 0.127 > 0.1
-    assert "sink_star" not in res and "slot" not in res  # softmax rows sum to one; no slots
+    # softmax rows sum to one: Sink* is Sink (always reported, for one schema), no alpha_star; no slots
+    assert res["sink_star"] == res["sink"] and res["sink_star_by_eps"] == res["sink_by_eps"]
+    assert "alpha_star" not in res and "slot" not in res
+    assert set(SCHEMA) <= set(res) and set(res["norms"]) == set(NORM_KEYS)
+    assert set(res["massive"]) == {"top", "median", "ratio", "token", "channel"}
     assert (res["seq_len"], res["num_seqs"], res["input"], res["eps"]) == (32, 6, "tokens", [0.3, 0.1])
 
     # the JSON equals a direct computation of the efficient metric and of the brute-force one
@@ -116,7 +123,8 @@ def test_planted_sink_found_through_cli(planted_ckpt):
     assert res["massive"]["top"] == pytest.approx(stats["massive_top"])
     assert res["massive"]["token"] == stats["massive_token"]
     assert res["norms"]["h1_norm_ratio"] == pytest.approx(stats["h1_norm_ratio"])
-    assert res["norms"]["cos_q_k1"] == pytest.approx(stats["cos_q_k1"])
+    for key in NORM_KEYS:
+        assert res["norms"][key] == pytest.approx(stats[key]), key
 
 
 @pytest.mark.parametrize("where,overrides,slot", [("bias", {"attn_bias": "kv"}, "bias"),
@@ -171,6 +179,25 @@ def test_random_and_repeat_inputs_and_table(capsys, planted_ckpt):
     assert "Sink_k (%)" in out and "eps=0.3" in out and "eps=0.5" in out
     assert "alpha_1 per layer and head" in out and "massive activations" in out
     assert len([line for line in out.splitlines() if line.strip().startswith("0 ") and "|" in line]) == 1
+
+
+def test_eps_values_before_or_after_target(capsys, planted_ckpt):
+    _, ckpt, tokens = planted_ckpt
+    results = []
+    for args in ((str(ckpt), "--eps", "0.3", "0.1", "--tokens", str(tokens)),
+                 ("--eps", "0.3", "0.1", str(ckpt), "--tokens", str(tokens)),
+                 ("--tokens", str(tokens), "--eps", "0.3", "0.1", "--", str(ckpt))):
+        rc, out, err = run_main(capsys, "--json", *args)
+        assert rc == 0, (args, err)
+        res = json.loads(out)
+        assert (res["eps"], res["target"]) == ([0.3, 0.1], str(ckpt)), args
+        results.append(res["sink_by_eps"])
+    assert results[0] == results[1] == results[2]
+    for bad in (("--eps", "abc", str(ckpt)), ("--eps", "0.3", "x", "y"), (str(ckpt), "--eps", "0.3", "other")):
+        with pytest.raises(SystemExit) as exc:
+            main(list(bad))
+        err = capsys.readouterr().err
+        assert exc.value.code == 2 and "--eps" in err and err.count("\n") == 1, (bad, err)
 
 
 def natural_run(base: Path, name: str = "run") -> tuple[Path, object]:
@@ -260,17 +287,29 @@ def test_hf_model_without_transformers_says_how_to_install(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------ HF models
+HF_KINDS = ["llama", "mistral", "gpt2", "neox"]
+
+
 def tiny_hf(kind: str, path: Path) -> Path:
+    """A randomly initialised 2-layer model of the family, saved with save_pretrained; layer 0's queries and keys
+    scaled up for sharper, head-dependent maps than the near-uniform random init."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    if kind == "llama":
-        cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-        model = transformers.LlamaForCausalLM(cfg)
+    small = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 max_position_embeddings=64)
+    if kind in ("llama", "mistral"):  # grouped-query attention: 4 query heads share 2 kv heads
+        model = (transformers.LlamaForCausalLM(transformers.LlamaConfig(**small, num_key_value_heads=2))
+                 if kind == "llama" else
+                 transformers.MistralForCausalLM(transformers.MistralConfig(**small, num_key_value_heads=2,
+                                                                            sliding_window=16)))
         attn = model.model.layers[0].self_attn
-        with torch.no_grad():  # sharper, head-dependent maps than the near-uniform random init
+        with torch.no_grad():
             attn.q_proj.weight.mul_(8.0)
             attn.k_proj.weight.mul_(8.0)
+    elif kind == "neox":  # RoPE on half of each head (partial rotary)
+        model = transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(**small, rotary_pct=0.5))
+        with torch.no_grad():
+            model.gpt_neox.layers[0].attention.query_key_value.weight.mul_(8.0)
     else:
         cfg = transformers.GPT2Config(vocab_size=128, n_embd=32, n_layer=2, n_head=4, n_positions=64,
                                       bos_token_id=0, eos_token_id=0)
@@ -281,15 +320,25 @@ def tiny_hf(kind: str, path: Path) -> Path:
     return path
 
 
-@pytest.mark.parametrize("kind", ["llama", "gpt2"])
-def test_hf_model_json_matches_output_attentions(tmp_path, kind):
+def measure_hf_json(capsys, d: Path, *args: str, via_cli: bool = False) -> dict:
+    if via_cli:  # as a user runs it
+        proc = cli("--hf-model", str(d), "--json", *args)
+        assert proc.returncode == 0, proc.stderr
+        return json.loads(proc.stdout)
+    rc, out, err = run_main(capsys, "--hf-model", str(d), "--json", *args)
+    assert rc == 0, err
+    return json.loads(out)
+
+
+@pytest.mark.parametrize("kind", HF_KINDS)
+def test_hf_model_json_matches_output_attentions(capsys, tmp_path, kind):
     transformers = pytest.importorskip("transformers")
     d = tiny_hf(kind, tmp_path / kind)
-    proc = cli("--hf-model", str(d), "--json", "--input", "random", "--num-seqs", "4", "--seq-len", "24",
-               "--batch-size", "3")
-    assert proc.returncode == 0, proc.stderr
-    res = json.loads(proc.stdout)
+    res = measure_hf_json(capsys, d, "--input", "random", "--num-seqs", "4", "--seq-len", "24", "--batch-size", "3",
+                          via_cli=kind == "llama")
     assert (res["source"], res["num_seqs"], res["seq_len"], res["row_normalised"]) == ("hf", 4, 24, True)
+    assert set(SCHEMA) <= set(res) and res["sink_star"] == res["sink"] and "alpha_star" not in res
+    assert set(res["norms"]) == set(NORM_KEYS)  # the key statistics as well, for every family here
 
     model = transformers.AutoModelForCausalLM.from_pretrained(str(d), attn_implementation="eager").eval()
     tok = make_tokens("random", 4, 24, 128, seed=0)
@@ -311,6 +360,64 @@ def test_hf_model_json_matches_output_attentions(tmp_path, kind):
     assert len(res["massive"]["top"]) == 2
 
 
+@pytest.fixture(scope="module")
+def capture_attention():
+    """An attention implementation registered with transformers' AttentionInterface (and the eager mask) that
+    records the (query, key, value) each attention layer computes with, then runs the family's eager attention.
+    This is where the model itself hands over its keys after RoPE: independent of sinklab.hf's recomputation."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask
+    from transformers.models.gpt2 import modeling_gpt2
+    from transformers.models.gpt_neox import modeling_gpt_neox
+    from transformers.models.llama import modeling_llama
+    from transformers.models.mistral import modeling_mistral
+
+    eager = {modeling_llama.LlamaAttention: modeling_llama.eager_attention_forward,
+             modeling_mistral.MistralAttention: modeling_mistral.eager_attention_forward,
+             modeling_gpt2.GPT2Attention: modeling_gpt2.eager_attention_forward,
+             modeling_gpt_neox.GPTNeoXAttention: modeling_gpt_neox.eager_attention_forward}
+    seen: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+
+    def capture(module, query, key, value, attention_mask, **kwargs):
+        seen.append((query, key, value))  # (B, H, T, hd), keys and values (B, H_kv, T, hd)
+        return eager[type(module)](module, query, key, value, attention_mask, **kwargs)
+
+    transformers.AttentionInterface.register("sinklab_test_capture", capture)
+    AttentionMaskInterface.register("sinklab_test_capture", eager_mask)
+    return seen
+
+
+@pytest.mark.parametrize("kind", HF_KINDS)
+def test_hf_key_value_norms_and_angles(capsys, tmp_path, kind, capture_attention):
+    """k1 / v1 norm ratios and cos(q_t, k_1) / cos(q_t, k_j) per layer against the queries, keys (after RoPE) and
+    values the model attends with, recorded at its attention call, and a pairwise computation of the definitions."""
+    transformers = pytest.importorskip("transformers")
+    d = tiny_hf(kind, tmp_path / kind)
+    N, T = 4, 20
+    res = measure_hf_json(capsys, d, "--input", "random", "--num-seqs", str(N), "--seq-len", str(T),
+                          "--batch-size", "3")
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(d), attn_implementation="sinklab_test_capture")
+    capture_attention.clear()
+    with torch.no_grad():
+        model.eval()(input_ids=make_tokens("random", N, T, 128, seed=0))
+    assert len(capture_attention) == 2
+    for layer, (q, k, v) in enumerate(capture_attention):
+        H, H_kv = q.shape[1], k.shape[1]
+        assert (H, H_kv) == ((4, 2) if kind in ("llama", "mistral") else (4, 4))
+        k_norm = k.transpose(1, 2).reshape(N, T, -1).norm(dim=-1)  # (N, H_kv, T, hd) -> (N, T, H_kv * hd) -> (N, T)
+        v_norm = v.transpose(1, 2).reshape(N, T, -1).norm(dim=-1)
+        expect = {"k1_norm_ratio": (k_norm[:, 0] / k_norm[:, 1:].mean(-1)).mean().item(),
+                  "v1_norm_ratio": (v_norm[:, 0] / v_norm[:, 1:].mean(-1)).mean().item()}
+        k_of_head = k[:, torch.arange(H) // (H // H_kv)]  # query head h reads kv head h // (H / H_kv)
+        cos = F.cosine_similarity(q[:, :, :, None], k_of_head[:, :, None], dim=-1)  # (N, H, T_q, T_k)
+        expect["cos_q_k1"] = cos[:, :, 1:, 0].mean().item()  # queries 2..T
+        expect["cos_q_kj"] = torch.stack([cos[:, :, t, 1:t + 1].mean(-1) for t in range(1, T)], -1).mean().item()
+        for key, value in expect.items():
+            assert res["norms"][key][layer] == pytest.approx(value, rel=1e-4, abs=1e-6), (kind, layer, key)
+    # the statistics are not trivially equal across layers (a wrong layer index would be caught)
+    assert res["norms"]["k1_norm_ratio"][0] != pytest.approx(res["norms"]["k1_norm_ratio"][1], rel=1e-3)
+
+
 def test_hf_tokens_and_repeat(capsys, tmp_path):
     transformers = pytest.importorskip("transformers")
     d = tiny_hf("llama", tmp_path / "llama")
@@ -329,3 +436,85 @@ def test_hf_tokens_and_repeat(capsys, tmp_path):
     assert (res["input"], res["seq_len"]) == ("repeat", 64)  # default T = min(64, context)
     rc, out, err = run_main(capsys, "--hf-model", str(d), "--input", "random", "--seq-len", "65")
     assert rc == 2 and "--seq-len" in err and err.count("\n") == 1
+
+
+# ------------------------------------------------------------------------------------------------ training callback
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """Two optimizer steps of a tiny model on the synthetic task with the sink callback (measurement and validation
+    at step 2), a CSV logger and an offline wandb logger, and a checkpoint saved at step 2 (before the validation)."""
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.loggers import CSVLogger, WandbLogger
+
+    from sinklab.data.synthetic import SyntheticDataModule
+    from sinklab.train.callbacks import SinkCallback
+    from sinklab.train.module import LitLM
+
+    root = tmp_path_factory.mktemp("fit")
+    torch.manual_seed(0)
+    dm = SyntheticDataModule(n_tokens=16, block_size=16, batch_size=4, val_num_blocks=2, probe_num_seqs=3,
+                             probe_seq_len=16, pad_vocab_to_multiple_of=8)
+    lit = LitLM(model=dict(vocab_size=dm.vocab_size, n_layer=2, n_head=2, d_model=16, d_ff=32, block_size=16),
+                optim=dict(lr=1e-3, weight_decay=0.0), max_steps=2)
+    sink = SinkCallback(every_n_steps=2, batch_size=8)
+    wandb_logger = WandbLogger(save_dir=str(root), offline=True, project="sinklab-test")
+    trainer = L.Trainer(max_steps=2, val_check_interval=2, limit_val_batches=1, num_sanity_val_steps=0,
+                        callbacks=[sink, ModelCheckpoint(dirpath=root / "checkpoints", filename="step2",
+                                                         every_n_train_steps=2, save_top_k=-1)],
+                        logger=[CSVLogger(str(root), name="csv", version=0), wandb_logger], log_every_n_steps=1,
+                        default_root_dir=str(root), accelerator="cpu", devices=1, enable_progress_bar=False,
+                        enable_model_summary=False)
+    try:
+        trainer.fit(lit, datamodule=dm)
+        yield trainer, lit, sink, root, wandb_logger
+    finally:
+        wandb_logger.experiment.finish()
+
+
+def test_sink_callback_logs_every_act_scalar_and_the_heatmap_to_wandb(trained):
+    import csv
+
+    trainer, _, sink, root, wandb_logger = trained
+    with open(root / "csv" / "version_0" / "metrics.csv") as f:
+        row = next(r for r in csv.DictReader(f) if r.get("sink/sink1") not in (None, ""))
+    assert int(row["step"]) == 2
+    for layer in range(2):
+        for key in STAT_KEYS:
+            assert row[f"act/layer{layer}/{key}"] != "", (layer, key)
+    assert all(row[f"act/{key}"] != "" for key in ("massive_ratio", "h1_norm_ratio", "k1_norm_ratio", "cos_q_k1"))
+    assert (root / "sink_heatmaps" / "alpha1_step0000002.png").is_file()
+    # WandbLogger.log_image turned the PNG into a wandb.Image: the offline run holds it as media
+    media = Path(wandb_logger.experiment.dir) / "media" / "images" / "sink"
+    assert [p.name for p in media.glob("alpha1_heatmap_*.png")], list(Path(wandb_logger.experiment.dir).rglob("*"))
+
+
+def test_sink_callback_validation_after_resume_without_the_map(trained):
+    """A resumed run can validate at the restored step before measuring (Lightning finishes an interrupted
+    validation first). The map is saved with the callback state; a state without it (an older checkpoint) makes
+    the callback measure again for the heatmap without logging the step's scalars twice."""
+    from sinklab.train.callbacks import SinkCallback
+
+    trainer, lit, sink, root, _ = trained
+    ckpt = torch.load(root / "checkpoints" / "step2.ckpt", map_location="cpu", weights_only=True)
+    state = next(v for k, v in ckpt["callbacks"].items() if k.startswith("SinkCallback"))
+    assert state["last_step"] == state["alpha1_step"] == 2
+    assert torch.equal(torch.tensor(state["alpha1"]), sink._alpha1)
+    heatmap = root / "sink_heatmaps" / "alpha1_step0000002.png"
+    csv_path = root / "csv" / "version_0" / "metrics.csv"
+    rows_before = csv_path.read_text()
+
+    legacy = {k: v for k, v in state.items() if k not in ("alpha1", "alpha1_step")}
+    resumed = SinkCallback(every_n_steps=2, batch_size=8)
+    resumed.load_state_dict(legacy)
+    heatmap.unlink()
+    resumed.on_validation_end(trainer, lit)  # the state's step (2) is the trainer's; no map in the state
+    assert heatmap.is_file() and resumed._alpha1_step == 2 and resumed.seconds > legacy["seconds"]
+    torch.testing.assert_close(resumed._alpha1, sink._alpha1)  # the same weights, the same probe set
+    assert resumed.last == legacy["last"] and csv_path.read_text() == rows_before  # nothing logged again
+
+    restored = SinkCallback(every_n_steps=2, batch_size=8)
+    restored.load_state_dict(state)
+    heatmap.unlink()
+    restored.on_validation_end(trainer, lit)
+    assert heatmap.is_file() and restored.seconds == state["seconds"]  # drawn from the saved map, no measurement

@@ -1,8 +1,11 @@
-"""The sink metric against brute force and hand-made attention maps."""
+"""The sink metric against brute force and hand-made attention maps; activation statistics and their scalars."""
 import pytest
 import torch
+import torch.nn.functional as F
 
-from sinklab.metrics import attention_scores, brute_force_alpha, column_scores, sink_rate, slot_names, summarise
+from sinklab.metrics import (activation_stats, attention_scores, brute_force_alpha, column_scores,
+                             flatten_activation_stats, qkv_stats, sink_rate, slot_names, summarise)
+from sinklab.metrics.activations import STAT_KEYS
 
 
 def causal_uniform(T):
@@ -58,6 +61,70 @@ def test_efficient_route_equals_brute_force(make_model, sw):
         assert (a is None) == (b is None), name
         if a is not None:
             torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("sw", [{}, dict(attn_op="sigmoid"), dict(attn_bias="k"), dict(n_sink_tokens=1),
+                                dict(attn_bias="kv", n_sink_tokens=2, attn_op="elu")],
+                         ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()) or "softmax")
+def test_efficient_route_is_exact_at_T64(make_model, sw):
+    """The issue's exactness bar: <= 1e-5 against the full maps at T = 64 (block_size 64)."""
+    m = make_model(block_size=64, **sw)
+    tokens = torch.randint(0, 97, (3, 64), generator=torch.Generator().manual_seed(2))
+    fast = attention_scores(m, tokens, k=4, batch_size=2, chunk=24)  # 24 + 24 + 16 query rows
+    with torch.no_grad():
+        slow = brute_force_alpha(m, tokens, k=4)
+    assert fast.alpha.shape == (3, 2, 4, 4)
+    torch.testing.assert_close(fast.alpha, slow.alpha, atol=1e-5, rtol=0)
+    n_extra = m.cfg.n_slots + m.cfg.n_sink_tokens
+    for name in ("slot", "alpha_star", "slot_star"):
+        a, b = getattr(fast, name), getattr(slow, name)
+        assert (a is None) == (b is None), name
+        if a is not None:
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+    assert (fast.slot is None) == (n_extra == 0) and (fast.alpha_star is None) == m.cfg.row_normalised
+
+
+def test_qkv_stats_against_pairwise_definition():
+    """Norm ratios and angles of `qkv_stats` (chunked, vectorised) against a loop over (query, key) pairs."""
+    g = torch.Generator().manual_seed(0)
+    B, H, T, hd = 2, 3, 13, 4
+    q, k, v = (torch.randn(B, H, T, hd, generator=g) for _ in range(3))
+    k[:, :, 0] *= 0.2  # a small first key, as a sink's
+    out = qkv_stats(q, k, v, chunk=5)  # chunks that do not divide the T - 1 = 12 queries
+    for b in range(B):
+        k_norms = [k[b, :, t].flatten().norm() for t in range(T)]  # over all heads
+        v_norms = [v[b, :, t].flatten().norm() for t in range(T)]
+        assert out["k1"][b].item() == pytest.approx((k_norms[0] / torch.stack(k_norms[1:]).mean()).item(), rel=1e-5)
+        assert out["v1"][b].item() == pytest.approx((v_norms[0] / torch.stack(v_norms[1:]).mean()).item(), rel=1e-5)
+        cos1, cosj = [], []
+        for h in range(H):
+            for t in range(1, T):  # queries 2..T
+                cos1.append(F.cosine_similarity(q[b, h, t], k[b, h, 0], dim=0))
+                cosj.append(torch.stack([F.cosine_similarity(q[b, h, t], k[b, h, j], dim=0)
+                                         for j in range(1, t + 1)]).mean())
+        assert out["cos1"][b].item() == pytest.approx(torch.stack(cos1).mean().item(), abs=1e-6)
+        assert out["cosj"][b].item() == pytest.approx(torch.stack(cosj).mean().item(), abs=1e-6)
+    assert out["k1"].mean() < 0.5  # the shrunk first key is seen
+
+
+def test_flatten_activation_stats_emits_every_per_layer_value(make_model):
+    m = make_model(n_layer=3)
+    stats = activation_stats(m, torch.randint(0, 97, (4, 24), generator=torch.Generator().manual_seed(3)),
+                             batch_size=3)
+    assert set(stats) == set(STAT_KEYS) and all(len(stats[key]) == 3 for key in STAT_KEYS)
+    flat = flatten_activation_stats(stats)
+    for layer in range(3):
+        for key in STAT_KEYS:
+            assert flat[f"layer{layer}/{key}"] == pytest.approx(stats[key][layer]), (layer, key)
+    assert flat["massive_top"] == max(stats["massive_top"]) and flat["massive_ratio"] == max(stats["massive_ratio"])
+    assert flat["h1_norm_ratio"] == stats["h1_norm_ratio"][-1]
+    for key in ("k1_norm_ratio", "v1_norm_ratio", "cos_q_k1", "cos_q_kj"):
+        assert flat[key] == pytest.approx(sum(stats[key]) / 3)
+    assert len(flat) == 3 * len(STAT_KEYS) + 7
+    assert all(isinstance(v, float) for v in flat.values())
+    # token and channel of the top value are positions: 1 <= token <= T, 0 <= channel < d_model
+    assert all(1 <= flat[f"layer{i}/massive_token"] <= 24 and 0 <= flat[f"layer{i}/massive_channel"] < 32
+               for i in range(3))
 
 
 def test_bias_slot_and_sink_tokens_are_scored_apart(make_model):

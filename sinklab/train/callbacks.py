@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import lightning as L
+import numpy as np
 import torch
 
 from sinklab.errors import UserError
@@ -40,6 +41,8 @@ class SinkCallback(L.Callback):
         self.last_step = -1
         self.last: dict[str, float] = {}
         self.seconds = 0.0  # time spent measuring, for the benchmark
+        self._alpha1: Optional[torch.Tensor] = None  # (L, H) of the last measurement, for the heatmap
+        self._alpha1_step = -1  # the step it was measured at
 
     # ------------------------------------------------------------------ measurement
     def probe(self, trainer: L.Trainer) -> torch.Tensor:
@@ -63,7 +66,8 @@ class SinkCallback(L.Callback):
                 out.update({f"act/{k}": v for k, v in flatten_activation_stats(stats).items()})
         finally:
             net.train(was_training)
-        self._alpha1 = scores.alpha[..., 0].mean(0)  # (L, H), for the heatmap
+        self._alpha1 = scores.alpha[..., 0].mean(0).cpu()  # (N, L, H) -> (L, H), for the heatmap
+        self._alpha1_step = trainer.global_step
         self.seconds += time.perf_counter() - t0
         return out
 
@@ -110,19 +114,38 @@ class SinkCallback(L.Callback):
     def on_validation_end(self, trainer, pl_module) -> None:
         if not (self.heatmap and trainer.is_global_zero) or trainer.sanity_checking:
             return
-        if self.last_step != trainer.global_step:
+        step = trainer.global_step
+        if self.last_step != step:
             self._emit(trainer, self.measure(trainer, pl_module))
-        path = save_heatmap(self._alpha1, Path(trainer.default_root_dir) / "sink_heatmaps",
-                            trainer.global_step, self.eps[0])
-        for logger in trainer.loggers:
-            if type(logger).__name__ == "WandbLogger":
-                logger.log_image("sink/alpha1_heatmap", [str(path)], step=trainer.global_step)
+        elif self._alpha1 is None or self._alpha1_step != step:
+            # the scalars of this step are logged (e.g. before a resume from a checkpoint without the map):
+            # measure again for the map only
+            self.measure(trainer, pl_module)
+        path = save_heatmap(self._alpha1, Path(trainer.default_root_dir) / "sink_heatmaps", step, self.eps[0])
+        log_heatmap(trainer.loggers, path, step)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"last_step": self.last_step, "last": self.last, "seconds": self.seconds}
+        return {"last_step": self.last_step, "last": self.last, "seconds": self.seconds,
+                "alpha1": self._alpha1.tolist() if self._alpha1 is not None else None,
+                "alpha1_step": self._alpha1_step}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.last_step, self.last, self.seconds = state["last_step"], state["last"], state.get("seconds", 0.0)
+        # checkpoints written before the map was saved have neither: on_validation_end then measures again
+        alpha1 = state.get("alpha1")
+        self._alpha1 = torch.tensor(alpha1) if alpha1 is not None else None
+        self._alpha1_step = state.get("alpha1_step", -1) if alpha1 is not None else -1
+
+
+def log_heatmap(loggers: Sequence[Any], path: Path, step: int) -> None:
+    """The heatmap PNG as a `wandb.Image` (through `WandbLogger.log_image`) for every wandb logger."""
+    try:
+        from lightning.pytorch.loggers import WandbLogger
+    except ImportError:  # lightning without its wandb module: nothing to log to
+        return
+    for logger in loggers:
+        if isinstance(logger, WandbLogger):
+            logger.log_image("sink/alpha1_heatmap", [str(path)], step=step)
 
 
 def save_heatmap(alpha1: torch.Tensor, out_dir: Path, step: int, eps: float) -> Path:
@@ -137,7 +160,7 @@ def save_heatmap(alpha1: torch.Tensor, out_dir: Path, step: int, eps: float) -> 
     L_, H = a.shape
     fig, ax = plt.subplots(figsize=(1.2 + 0.5 * H, 1.0 + 0.4 * L_))
     im = ax.imshow(a, vmin=0, vmax=1, cmap="viridis", aspect="auto")
-    for (i, j), v in __import__("numpy").ndenumerate(a):
+    for (i, j), v in np.ndenumerate(a):
         ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=7, color="white" if v < 0.6 else "black")
     ax.set_xlabel("head")
     ax.set_ylabel("layer")
