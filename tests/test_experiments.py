@@ -221,8 +221,14 @@ def test_cpu_scale_is_the_laptop_recipe():
     assert cfg.hydra.runtime.choices.model == "tiny" and cfg.model.block_size == 64
     assert cfg.hydra.runtime.choices.data == "shakespeare" and cfg.trainer.accelerator == "cpu"
     assert cfg.trainer.devices * cfg.trainer.accumulate_grad_batches * cfg.data.batch_size == 32
-    assert (cfg.trainer.max_steps, cfg.optim.lr, cfg.optim.weight_decay) == (1000, 2e-3, 0.1)
+    # the sink recipe of experiments/cpu/RESULTS.md
+    assert (cfg.trainer.max_steps, cfg.optim.lr, cfg.optim.weight_decay) == (3000, 6e-3, 1.0)
+    assert (cfg.model.n_head, cfg.data.vocab_size, cfg.data.bos, cfg.data.probe_bos) == (8, 1024, True, True)
     validate_config(cfg)
+    # the presets that put their own token at position 1 turn BOS off, in training blocks and in the probe
+    for name in ("fixed_token_position", "random_tokens"):
+        data = composed(f"experiment={name}").data
+        assert not data.bos and not data.probe_bos, name
 
 
 def _variant(name: str, scale: str, variant: str):
@@ -254,7 +260,10 @@ def test_per_scale_tables_keep_the_papers_ratios(name):
         if name in ("learning_rate", "sigmoid_no_norm_lr_wd"):
             same_ratio(lambda c: c.optim.lr)
             same_ratio(lambda c: c.trainer.max_steps)
-            assert cfg["cpu"].optim.weight_decay == cfg["paper"].optim.weight_decay
+            if name == "sigmoid_no_norm_lr_wd":  # the paper's weight decays, unscaled
+                assert cfg["cpu"].optim.weight_decay == cfg["paper"].optim.weight_decay
+            else:  # the scale's own weight decay
+                assert all(cfg[s].optim.weight_decay == base[s].optim.weight_decay for s in SCALES)
         elif name == "batch_size":
             same_ratio(_global_batch)
             assert cfg["cpu"].trainer.max_steps == base["cpu"].trainer.max_steps
@@ -271,7 +280,9 @@ def test_per_scale_tables_keep_the_papers_ratios(name):
     if default:
         for s in SCALES:
             cfg = _variant(name, s, default)
-            assert cfg.optim.lr == base[s].optim.lr and cfg.optim.weight_decay == base[s].optim.weight_decay
+            assert cfg.optim.lr == base[s].optim.lr
+            if name != "sigmoid_no_norm_lr_wd":  # it sets the paper's weight decays, unscaled (cpu's base is 1.0)
+                assert cfg.optim.weight_decay == base[s].optim.weight_decay
             assert cfg.trainer.max_steps == base[s].trainer.max_steps and _global_batch(cfg) == _global_batch(base[s])
 
 
@@ -279,7 +290,7 @@ def test_paired_values_move_together_and_unknown_variants_fail():
     cfg = composed("experiment=learning_rate", "scale=paper", "experiment.variant=lr2e-4_40k")
     assert (cfg.optim.lr, cfg.trainer.max_steps) == (2e-4, 40000)
     cfg = composed("experiment=learning_rate", "scale=cpu", "experiment.variant=lr2e-4_40k")
-    assert (cfg.optim.lr, cfg.trainer.max_steps) == (1e-3, 2000)
+    assert (cfg.optim.lr, cfg.trainer.max_steps) == (3e-3, 6000)
     cfg = composed("experiment=fixed_value_bias", "experiment.variant=20v2")
     m = cfg.model
     assert (m.attn_bias, m.attn_bias_fixed_value_scale, m.attn_bias_fixed_value_seed) == ("k", 20.0, 1)
