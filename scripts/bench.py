@@ -34,6 +34,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
+from sinklab.perf import matmul_probe  # noqa: E402  (shared with training's peak_flops=auto)
+
 # sequences per step: 2048 tokens in every config (tiny: the data default of 32 blocks), so that a CPU step takes
 # seconds, not minutes; --batch 32 gives the data default for 14m / 60m too
 DEFAULT_BATCH = {"tiny": 32, "14m": 8, "60m": 1}
@@ -172,20 +174,6 @@ def autocast(device: torch.device, dtype: torch.dtype):
 
 
 # ====================================================================== figures
-def matmul_probe(n: int, device: torch.device, dtype: torch.dtype) -> Callable[[], float]:
-    """A callable that times (n x n) @ (n x n) products (>= ~0.1 s of work) and returns their FLOP/s."""
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
-    timer = Timer(device)
-    reps = max(1, int(2e10 // (2 * n ** 3))) if device.type == "cpu" else 20  # >= ~0.1 s of work on a CPU
-
-    def run() -> float:
-        return reps * 2 * n ** 3 / timer(lambda: [a @ b for _ in range(reps)])
-
-    run()
-    return run
-
-
 def pick_peak_size(device, dtype, quick: bool) -> tuple[int, dict]:
     """The matmul size with the highest FLOP/s (median of a few repeats each)."""
     sizes = [1024, 2048] if device.type == "cpu" else [4096, 8192]  # a probe runs in every round: keep it short

@@ -129,7 +129,8 @@ DEBUG_KEYS = ("nan_at_step",)
 SCHEMA: dict[str, tuple[Check, bool]] = {
     "seed": (integer(0), True),
     "ckpt_path": (string(optional=True), False),
-    "peak_flops": (number(gt=0, optional=True), False),
+    "peak_flops": (either(choice("auto"), number(gt=0, optional=True)), False),
+    "compile_backend": (string(), False),
     # optim
     "optim.lr": (number(gt=0), True),
     "optim.weight_decay": (number(ge=0), True),
@@ -165,7 +166,10 @@ SCHEMA: dict[str, tuple[Check, bool]] = {
     "data.max_train_tokens": (integer(1, optional=True), False),
     "data.rebuild_cache": (boolean, False),
     "data.bos": (boolean, False),
+    "data.fixed_token.position": (integer(1, optional=True), False),
+    "data.fixed_token.token_id": (integer(0, optional=True), False),
     "data.probe_bos": (boolean, False),
+    "data.probe_fixed_token": (boolean, False),
     # callbacks
     "callbacks.sink.every_n_steps": (integer(1), False),
     "callbacks.sink.k": (integer(1), False),
@@ -181,6 +185,7 @@ SCHEMA: dict[str, tuple[Check, bool]] = {
     "logger.wandb.project": (string(), False),
     "logger.wandb.entity": (string(optional=True), False),
     "logger.wandb.name": (string(optional=True), False),
+    "logger.wandb.group": (string(optional=True), False),
     # debugging knobs (+debug.nan_at_step=N)
     "debug.nan_at_step": (integer(0, optional=True), False),
 }
@@ -332,6 +337,10 @@ def validate_config(cfg: DictConfig) -> ModelConfig:
             for name in node.keys():
                 _check_target_keys(cfg, f"{group}.{name}")
     # combinations
+    if mcfg.compile and _select(cfg, "compile_backend") is not _MISSING:
+        from sinklab.train.module import check_compile_backend
+
+        check_compile_backend(_plain(_select(cfg, "compile_backend")))
     block = _select(cfg, "data.block_size")
     if _is_int(block) and block > mcfg.block_size:
         raise UserError(f"data.block_size={block} exceeds the model context model.block_size={mcfg.block_size}; "

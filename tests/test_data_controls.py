@@ -142,6 +142,37 @@ def test_fixed_new_token_at_position(env):
         assert torch.equal(batch[j], expect)
 
 
+def test_fixed_token_position_override_composes_and_applies(env):
+    """The documented override `data.fixed_token.position=2` (no `+`): it composes on every data config that has
+    the control, is off while the position is null, and puts the dedicated token at position 2 of every block."""
+    from hydra.utils import instantiate
+
+    from sinklab.config import compose, validate_config
+
+    files = "[" + ",".join(f"'{f}'" for f in env.files) + "]"
+    common = ["data=local", f"data.files={files}", f"data.tokenizer='{env.tok}'", f"data.cache_dir='{env.cache}'",
+              "model.block_size=32", "data.batch_size=8", "data.val_num_blocks=8", "data.probe_num_seqs=10",
+              "data.probe_seq_len=16"]
+    for data in ("default", "shakespeare", "local", "fineweb_edu", "pile"):
+        cfg = compose([f"data={data}", "data.fixed_token.position=2"])
+        assert cfg.data.fixed_token.position == 2 and cfg.data.fixed_token.token_id is None, data
+    cfg = compose([*common, "data.fixed_token.position=2"])
+    validate_config(cfg)
+    dm = instantiate(cfg.data, _recursive_=False).prepare()
+    V = dm.tokenizer.get_vocab_size()
+    assert dm.describe()["fixed_token"] == {"position": 2, "token_id": V}
+    blocks = torch.stack([dm.train_blocks[i] for i in range(500)])
+    assert (blocks[:, 1] == V).all() and (blocks[:, [0] + list(range(2, 33))] < V).all()
+    batch = next(iter(dm.make_train_loader(step=3)))
+    assert (batch[:, 1] == V).all()
+    off = instantiate(compose(common).data, _recursive_=False).prepare()  # the default: position null, off
+    assert "fixed_token" not in off.describe() and off.vocab_size == 320
+    assert torch.equal(off.train_blocks[7], torch.from_numpy(natural(off, 7)))
+    with pytest.raises(UserError, match=r"data.fixed_token.position='two' is not allowed; allowed: an integer "
+                                        r">= 1 or null"):
+        validate_config(compose([*common, "data.fixed_token.position=two"]))
+
+
 def test_fixed_existing_token_keeps_the_vocabulary(env):
     dm = make_dm(env, fixed_token={"position": 1, "token_id": 7}, pad_vocab_to_multiple_of=1)
     assert dm.vocab_size == 300

@@ -69,6 +69,17 @@ class Boom(L.Callback):
         raise RuntimeError("boom: a bug, not a user error")
 
 
+class BugAt(L.Callback):
+    """A bug that shows during training: the callback raises at the start of step `step`."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == self.step:
+            raise ZeroDivisionError(f"bug in a callback at step {self.step}")
+
+
 # ---------------------------------------------------------------------------------------------- helpers
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
@@ -458,26 +469,65 @@ def test_nan_stops_with_the_step_and_keeps_the_last_good_checkpoint(corpus, tmp_
     # steps 0..4 logged, all finite (step 5 failed before its row was written)
     assert max(series(tmp_path / "metrics.csv", "train/loss")) == 4
     assert all(math.isfinite(float(v)) for v in series(tmp_path / "metrics.csv", "train/loss").values())
+    # the metrics say failed too: one last row run/failed=1 at the step where training stopped
+    assert series(tmp_path / "metrics.csv", "run/failed") == {6: "1.0"}
+    assert int(float(rows(tmp_path / "metrics.csv")[-1]["step"])) == 6
 
 
-def test_sweep_contains_a_nan_job_and_reports_it(corpus, tmp_path, capsys):
-    """A multirun where one job diverges (a NaN loss at step 3, between checkpoints) and one trains: the sweep
-    finishes, status.json and `sinklab report` show one failed and one completed job. ckpt_path=auto starts both
-    fresh (no checkpoint yet)."""
+def test_sweep_contains_failed_jobs_and_reports_them(corpus, tmp_path, capsys):
+    """A multirun where jobs fail in each way a job can (a NaN loss at step 3, between checkpoints; a bug: an
+    exception raised by a callback at step 1; a user error: a callback class that does not exist) and one trains:
+    the sweep finishes with exit 0, the failed jobs are failed in status.json (with their error), in metrics.csv
+    where they got to train, and in `sinklab report`; the job after them completes. ckpt_path=auto starts every job
+    fresh (no checkpoint yet). Hydra sweeps the product of the two swept keys: 2 x 3 = 6 jobs."""
     from sinklab.report import load_sweep
 
     sweep = tmp_path / "sweep"
+    faults = ["{_target_:test_reliability.BugAt,step:1}", "{_target_:test_reliability.NoSuchCallback}", "null"]
     code = run(["-m", f"hydra.sweep.dir={sweep}", *small(corpus), "trainer.max_steps=4", "ckpt_path=auto",
-                "callbacks.checkpoint.every_n_train_steps=2", "+debug.nan_at_step=2,null"])
+                "callbacks.checkpoint.every_n_train_steps=2", "+callbacks.fault=" + ",".join(faults),
+                "+debug.nan_at_step=2,null"])
     assert code == 0
     err = capsys.readouterr().err
+    jobs = {}
+    for job in sorted(sweep.glob("[0-9]*"), key=lambda p: int(p.name)):
+        overrides = (job / ".hydra" / "overrides.yaml").read_text()
+        nan = "debug.nan_at_step=2" in overrides
+        fault = "BugAt" if "BugAt" in overrides else "NoSuchCallback" if "NoSuchCallback" in overrides else None
+        jobs[(nan, fault)] = job
+    assert len(jobs) == 6, sorted(jobs)
+    report = {j.name: j for j in load_sweep(sweep).jobs}
+
+    nan_job = jobs[(True, None)]
     assert "error: non-finite training loss (nan) at step 3; training stopped, the last good checkpoint is kept (" \
         in err
-    assert status(sweep / "0")["status"] == "failed" and status(sweep / "1")["status"] == "completed"
-    assert read_checkpoint(sweep / "0" / "checkpoints" / "last.ckpt")["global_step"] == 2
-    jobs = {j.name: j for j in load_sweep(sweep).jobs}
-    assert jobs["0"].status == "failed" and "non-finite training loss (nan) at step 3" in jobs["0"].error
-    assert jobs["1"].status == "completed"
+    assert status(nan_job)["status"] == "failed"
+    assert read_checkpoint(nan_job / "checkpoints" / "last.ckpt")["global_step"] == 2
+    assert series(nan_job / "metrics.csv", "run/failed") == {3: "1.0"}
+    assert report[nan_job.name].status == "failed" and \
+        "non-finite training loss (nan) at step 3" in report[nan_job.name].error
+
+    for nan in (True, False):
+        bug = jobs[(nan, "BugAt")]  # the bug comes first, at step 1 (the NaN would come at step 3)
+        st = status(bug)
+        assert st["status"] == "failed" and st["error"] == "ZeroDivisionError: bug in a callback at step 1", st
+        assert series(bug / "metrics.csv", "run/failed") == {1: "1.0"}
+        assert report[bug.name].status == "failed" and "bug in a callback at step 1" in report[bug.name].error
+        user = jobs[(nan, "NoSuchCallback")]  # refused before any data is loaded: no metrics.csv
+        st = status(user)
+        assert st["status"] == "failed" and st["error"].startswith(
+            "UserError: callbacks.fault._target_='test_reliability.NoSuchCallback' cannot be imported"), st
+        assert not (user / "metrics.csv").exists() and report[user.name].status == "failed"
+    for nan in (True, False):  # a bug's traceback is in the job's log, not swallowed
+        job_log = (jobs[(nan, "BugAt")] / "train.log").read_text()
+        assert "[ERROR] - job failed: bug in a callback at step 1\nTraceback" in job_log, job_log[-2000:]
+
+    ok = jobs[(False, None)]
+    assert int(ok.name) == 5  # the last job of the sweep (Hydra varies the last swept key fastest): every
+    # failure before it was contained
+    assert status(ok)["status"] == "completed" and report[ok.name].status == "completed"
+    assert sorted(series(ok / "metrics.csv", "train/loss")) == [0, 1, 2, 3]
+    assert "run/failed" not in rows(ok / "metrics.csv")[0]
 
 
 # ---------------------------------------------------------------------------------------------- kill and resume

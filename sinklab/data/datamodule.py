@@ -96,6 +96,7 @@ class LMDataModule(L.LightningDataModule):
         probe_num_seqs: int = 100,
         probe_seq_len: int = 64,
         probe_bos: bool = False,
+        probe_fixed_token: bool = False,  # put data.fixed_token at its position in the probe sequences too
         # ablation controls (training blocks only)
         max_unique_tokens: int | None = None,
         random_positions: list[int] | None = None,
@@ -133,6 +134,10 @@ class LMDataModule(L.LightningDataModule):
                 validate_files(files, text_field, encoding_errors)
         self._controls = BlockControls.from_config(random_positions=random_positions, fixed_token=fixed_token,
                                                    bos=bos, block_size=block_size)
+        if probe_fixed_token and (self._controls.fixed_position is None
+                                  or self._controls.fixed_position > probe_seq_len):
+            raise UserError(f"data.probe_fixed_token=true needs data.fixed_token.position in 1..data.probe_seq_len="
+                            f"{probe_seq_len}; got data.fixed_token={fixed_token!r}")
         self.block_size, self.batch_size, self.num_workers = block_size, batch_size, num_workers
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else bool(pin_memory)
         self.seed = seed
@@ -301,6 +306,8 @@ class LMDataModule(L.LightningDataModule):
         probe = torch.from_numpy(self._probe.copy())
         if self.hparams.probe_bos:
             probe = torch.cat([torch.full_like(probe[:, :1], self.eos_id), probe[:, :-1]], dim=1)
+        if self.hparams.get("probe_fixed_token"):  # the token the model saw at that position in every block
+            probe[:, self._controls.fixed_position - 1] = self._controls.fixed_token_id
         return probe
 
     def describe(self) -> dict:

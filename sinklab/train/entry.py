@@ -127,7 +127,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     import torch
 
     from sinklab.checkpoint import check_same_model, read_training_checkpoint
-    from sinklab.train.callbacks import StatusFile
+    from sinklab.train.callbacks import Preempted, StatusFile
     from sinklab.train.checkpoint_io import AtomicCheckpointIO
     from sinklab.train.module import LitLM
 
@@ -155,10 +155,12 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     del resume
     debug = OmegaConf.to_container(cfg.debug, resolve=True) if cfg.get("debug") else None
     module = LitLM(model=model_cfg, optim=OmegaConf.to_container(cfg.optim, resolve=True),
-                   max_steps=cfg.trainer.max_steps, peak_flops=cfg.get("peak_flops"), debug=debug)
+                   max_steps=cfg.trainer.max_steps, peak_flops=cfg.get("peak_flops"), debug=debug,
+                   compile_backend=cfg.get("compile_backend") or "inductor")
     log.info("model: %.2fM non-embedding parameters; data: %s", module.net.num_params() / 1e6, dm.describe())
 
     callbacks = [instantiate_user(c) for c in (cfg.get("callbacks") or {}).values() if c is not None]
+    set_wandb_group(cfg)
     loggers = [instantiate_user(c) for c in (cfg.get("logger") or {}).values() if c is not None]
     for lg in loggers:
         if hasattr(lg, "resume_from_step"):  # ResumableCSVLogger: keep the rows before the checkpoint's step
@@ -173,7 +175,12 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     trainer: L.Trainer = instantiate_user(tcfg, callbacks=callbacks, logger=loggers, plugins=plugins)
     status = next((c for c in callbacks if isinstance(c, StatusFile)), None)
 
-    trainer.fit(module, datamodule=dm, ckpt_path=ckpt, weights_only=True)
+    try:
+        trainer.fit(module, datamodule=dm, ckpt_path=ckpt, weights_only=True)
+    except Exception as err:
+        if not isinstance(err, Preempted):
+            log_failure(trainer)
+        raise
     final = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
     sink = next((c for c in callbacks if hasattr(c, "last") and hasattr(c, "measure")), None)
     if sink is not None:
@@ -192,12 +199,51 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     return final
 
 
-def finish_wandb() -> None:
+def log_failure(trainer: Any) -> None:
+    """A failed run is marked failed in its metrics too: one row `run/failed=1` at the step it stopped (metrics.csv;
+    wandb: a run/failed chart and summary). Written to the loggers this process has written to; with ddp_spawn the
+    training processes held them, and the failure is in status.json only."""
+    if not trainer.is_global_zero:
+        return
+    for lg in trainer.loggers:
+        if getattr(lg, "_experiment", None) is None:
+            continue
+        try:
+            lg.log_metrics({"run/failed": 1.0}, step=trainer.global_step)
+            lg.save()
+        except Exception as log_err:  # the failure being reported matters more than its metric row
+            log.warning("could not log run/failed to %s: %s", type(lg).__name__, one_line(log_err))
+
+
+def wandb_group(cfg: DictConfig) -> str:
+    """<experiment.name>-<sweep time> for the jobs of a multirun: the sweep dir's name, the same for every job and
+    for requeued jobs (e.g. weight_decay-2026-11-22_10-00-00); <experiment.name>-<run time> for a single run (the
+    time Hydra put in the default run dir's name)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    name = OmegaConf.select(cfg, "experiment.name", default=None) or "default"
+    if is_multirun():
+        stamp = Path(HydraConfig.get().sweep.dir).name
+    else:  # Hydra resolves ${now:...} once per run; a node under cfg shares that resolution
+        stamp = OmegaConf.create({"t": "${now:%Y-%m-%d_%H-%M-%S}"}, parent=cfg).t
+    return f"{name}-{stamp}"
+
+
+def set_wandb_group(cfg: DictConfig) -> None:
+    """logger.wandb.group=null (the default): the group of wandb_group(cfg)."""
+    for key, node in (cfg.get("logger") or {}).items():
+        if isinstance(node, DictConfig) and str(node.get("_target_", "")).endswith("WandbLogger") \
+                and node.get("group") is None:
+            OmegaConf.update(cfg, f"logger.{key}.group", wandb_group(cfg), force_add=True)
+
+
+def finish_wandb(exit_code: int = 0) -> None:
+    """Close this job's wandb run (each multirun job is its own run); exit_code=1 marks it failed in wandb."""
     if "wandb" in sys.modules:
         import wandb
 
         if wandb.run is not None:
-            wandb.finish()
+            wandb.finish(exit_code=exit_code)
 
 
 def run_job(cfg: DictConfig) -> Optional[float]:
@@ -212,6 +258,7 @@ def run_job(cfg: DictConfig) -> Optional[float]:
     from sinklab.train.callbacks import Preempted
     from sinklab.train.module import TrainingDiverged
 
+    exit_code = 1  # for wandb: failed unless training completes (or is pre-empted)
     try:
         try:
             final = train(cfg)
@@ -220,6 +267,7 @@ def run_job(cfg: DictConfig) -> Optional[float]:
             if converted is err:
                 raise
             raise converted from err
+        exit_code = 0
         return final.get("val/loss")
     except UserError as err:
         print(f"error: {one_line(err)}", file=sys.stderr)
@@ -236,6 +284,7 @@ def run_job(cfg: DictConfig) -> Optional[float]:
     except Preempted as err:
         mark_status(cfg, "preempted", err, step=err.step)
         print(f"preempted: {one_line(err)}", file=sys.stderr, flush=True)
+        exit_code = 0
         finish_wandb()
         pass_signal_on(err.signum)
         sys.exit(128 + err.signum)
@@ -247,7 +296,7 @@ def run_job(cfg: DictConfig) -> Optional[float]:
         err._sinklab_in_job = True  # a bug: main() lets the traceback through
         raise
     finally:
-        finish_wandb()
+        finish_wandb(exit_code)
 
 
 def worker_error(err: Exception) -> Exception:

@@ -1,17 +1,23 @@
 """LightningModule: next-token loss, AdamW, warmup + cosine/constant schedule, throughput logging."""
 from __future__ import annotations
 
+import contextlib
+import logging
 import math
 import random
 import time
-from typing import Any, Optional
+import warnings
+from typing import Any, Optional, Union
 
 import lightning as L
 import torch
 import numpy as np
 import torch.nn.functional as F
 
+from sinklab.errors import UserError
 from sinklab.model import ModelConfig, Transformer
+
+log = logging.getLogger("sinklab")
 
 
 class TrainingDiverged(FloatingPointError):
@@ -49,15 +55,18 @@ def lr_lambda(step: int, warmup_steps: int, max_steps: int, schedule: str, min_l
 
 class LitLM(L.LightningModule):
     def __init__(self, model: dict[str, Any], optim: dict[str, Any], max_steps: int,
-                 peak_flops: Optional[float] = None, debug: Optional[dict[str, Any]] = None):
+                 peak_flops: Union[float, str, None] = None, debug: Optional[dict[str, Any]] = None,
+                 compile_backend: str = "inductor"):
         super().__init__()
         self.save_hyperparameters(ignore=["debug"])
         self.cfg = ModelConfig.from_dict(dict(model))
         self.model = Transformer(self.cfg)
         if self.cfg.compile:
-            self.model = compile_model(self.model, self.cfg)
+            self.model = compile_model(self.model, self.cfg, compile_backend)
         self.optim = dict(optim)
         self.max_steps = max_steps
+        # peak dense FLOP/s of one device for perf/mfu: a number, None (no perf/mfu), or "auto" (measured when
+        # training starts, sinklab.perf.peak_matmul_flops at the training precision's matmul dtype)
         self.peak_flops = peak_flops
         self._t_last: Optional[float] = None
         # +debug.nan_at_step=N: the gradients of step N become NaN, as in a diverging update (tests the NaN path)
@@ -68,18 +77,46 @@ class LitLM(L.LightningModule):
         """The uncompiled model (for measurement and export)."""
         return getattr(self.model, "_orig_mod", self.model)
 
+    def run_model(self, idx: torch.Tensor) -> torch.Tensor:
+        """The model's logits; compiled when model.compile=true. torch.compile is lazy: it compiles at the first
+        call (and recompiles for new shapes or modes), so a compilation failure surfaces here, not where
+        torch.compile was called. Then one warning names the reason and the rest of the run is eager, from this
+        same call on, with the same results (the compiled and the eager model share their parameters)."""
+        if self.model is self.net:
+            return self.model(idx)
+        try:
+            with backward_compiled_with_forward():
+                return self.model(idx)
+        except compile_errors() as err:
+            warnings.warn(f"model.compile=true: torch.compile failed ({first_lines(err)}); running eager from now on "
+                          "(same results, eager speed)", CompileFallbackWarning, stacklevel=2)
+            self.model = self.net
+            return self.model(idx)
+
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        return self.model(idx)
+        return self.run_model(idx)
 
     def loss(self, batch: torch.Tensor) -> torch.Tensor:
         """batch (B, T + 1) -> mean next-token cross-entropy; a prefix-LM skips its first p - 1 targets."""
         x, y = batch[:, :-1], batch[:, 1:]
-        logits = self.model(x)  # (B, T, V)
+        logits = self.run_model(x)  # (B, T, V)
         p = self.cfg.prefix_len
         if p > 1:
             y = y.clone()
             y[:, : p - 1] = -100
         return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), ignore_index=-100)
+
+    def on_fit_start(self) -> None:
+        if self.peak_flops == "auto":
+            from sinklab.perf import matmul_dtype, peak_matmul_flops
+
+            dtype = matmul_dtype(self.trainer.precision if self._trainer is not None else None)
+            t0 = time.perf_counter()
+            self._peak = peak_matmul_flops(self.device, dtype)
+            log.info("peak_flops=auto: %.4g FLOP/s (%s matmuls on %s, measured in %.2f s) for perf/mfu", self._peak,
+                     str(dtype).replace("torch.", ""), self.device, time.perf_counter() - t0)
+        else:
+            self._peak = self.peak_flops
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         loss = self.loss(batch)
@@ -96,9 +133,10 @@ class LitLM(L.LightningModule):
             world = self.trainer.world_size if self._trainer is not None else 1
             tps = batch.shape[0] * (batch.shape[1] - 1) * world / (now - self._t_last)
             self.log("perf/tokens_per_sec", tps, prog_bar=True)
-            if self.peak_flops:
+            peak = getattr(self, "_peak", None)
+            if peak:
                 flops = self.net.flops_per_token(batch.shape[1] - 1) * tps
-                self.log("perf/mfu", flops / (self.peak_flops * world))
+                self.log("perf/mfu", flops / (peak * world))
         self._t_last = now
         return loss
 
@@ -125,6 +163,11 @@ class LitLM(L.LightningModule):
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         if "sinklab_rng" in checkpoint:
             set_rng_states(checkpoint["sinklab_rng"])
+        # a compiled model's keys are model._orig_mod.*, an eager one's model.*: a run may resume the other kind
+        # (model.compile changed, or compilation fell back to eager in one of the two runs)
+        compiled = self.model is not self.net
+        state = checkpoint.get("state_dict", {})
+        checkpoint["state_dict"] = {model_key(k, compiled): v for k, v in state.items()}
 
     def on_validation_start(self) -> None:
         self._t_last = None
@@ -149,12 +192,83 @@ class LitLM(L.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
-def compile_model(model: Transformer, cfg: ModelConfig):
-    """torch.compile where it works; fall back to eager with one warning."""
-    import warnings
+def model_key(key: str, compiled: bool) -> str:
+    """A LitLM state-dict key in the layout of a compiled (model._orig_mod.*) or an eager (model.*) model."""
+    if not key.startswith("model."):
+        return key
+    plain = "model." + key[len("model."):].removeprefix("_orig_mod.")
+    return "model._orig_mod." + plain[len("model."):] if compiled else plain
 
-    try:
-        return torch.compile(model, dynamic=False)
-    except Exception as err:  # pragma: no cover - depends on the platform's compiler
-        warnings.warn(f"model.compile=true: torch.compile is unavailable here ({err}); running eager")
-        return model
+
+class CompileFallbackWarning(UserWarning):
+    """model.compile=true, but the model runs eager (torch.compile failed or is not supported here)."""
+
+
+def compile_errors() -> tuple[type[BaseException], ...]:
+    """What a failed compilation raises from the compiled model's call: Dynamo's errors (including
+    BackendCompilerFailed, which wraps the backend's own, e.g. a C++ compiler error of inductor) and inductor's."""
+    import torch._dynamo.exc as dynamo_exc
+
+    errors: list[type[BaseException]] = [dynamo_exc.TorchDynamoException]
+    with contextlib.suppress(ImportError):
+        from torch._inductor.exc import InductorError
+
+        errors.append(InductorError)
+    return tuple(errors)
+
+
+def backward_compiled_with_forward():
+    """AOTAutograd compiles the backward graph lazily, at the first backward pass, where a failure would escape the
+    fallback in LitLM.run_model; this compiles it together with the forward (a private switch of torch >= 2.7: a
+    no-op where it does not exist)."""
+    import torch._functorch.config as functorch_config
+
+    if not hasattr(functorch_config, "force_non_lazy_backward_lowering"):
+        return contextlib.nullcontext()
+    return functorch_config.patch(force_non_lazy_backward_lowering=True)
+
+
+def first_lines(err: BaseException, limit: int = 300) -> str:
+    """'Type: message' from the first two non-empty lines of an error (BackendCompilerFailed puts the backend's
+    own error on its second line)."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()][:2]
+    text = f"{type(err).__name__}: {' '.join(lines)}" if lines else type(err).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def compile_backends() -> list[str]:
+    """The torch.compile backends registered in this torch (names for model.compile_backend)."""
+    import torch._dynamo
+
+    return sorted(torch._dynamo.list_backends(exclude_tags=()))
+
+
+def check_compile_backend(backend: Any) -> None:
+    if not isinstance(backend, str) or backend not in compile_backends():
+        raise UserError(f"compile_backend={backend!r} is not allowed; allowed: one of {', '.join(compile_backends())} "
+                        "(torch.compile's registered backends; inductor is the default)")
+
+
+def compile_skip_reason(cfg: ModelConfig) -> Optional[str]:
+    """Why torch.compile cannot work for this model here, known before trying; None when it may. Every attention
+    switch compiles (docs/performance.md); what is known not to is a platform without TorchDynamo support."""
+    import torch._dynamo
+
+    if not torch._dynamo.is_dynamo_supported():
+        return "TorchDynamo does not support this platform or Python version"
+    return None
+
+
+def compile_model(model: Transformer, cfg: ModelConfig, backend: str = "inductor"):
+    """torch.compile where it can work, else the eager model with one warning. torch.compile itself only wraps the
+    model: compilation happens at its first call, where LitLM.run_model falls back to eager if it fails."""
+    check_compile_backend(backend)
+    reason = compile_skip_reason(cfg)
+    if reason is None:
+        try:
+            return torch.compile(model, backend=backend, dynamic=False)
+        except Exception as err:  # torch.compile rejects its arguments or the platform
+            reason = first_lines(err)
+    warnings.warn(f"model.compile=true: torch.compile is not used ({reason}); running eager",
+                  CompileFallbackWarning, stacklevel=2)
+    return model

@@ -1,0 +1,69 @@
+"""This machine's dense matmul FLOP/s: the limit that MFU is measured against (training's perf/mfu with
+peak_flops=auto, and scripts/bench.py). A measured limit, not a datasheet figure."""
+from __future__ import annotations
+
+import time
+from typing import Callable, Optional
+
+import torch
+
+# Lightning precision -> the dtype the matmuls of a training step run in (mixed precision: the autocast dtype)
+PRECISION_DTYPES = {"64": torch.float64, "64-true": torch.float64, "32": torch.float32, "32-true": torch.float32,
+                    "16": torch.float16, "16-mixed": torch.float16, "16-true": torch.float16,
+                    "bf16": torch.bfloat16, "bf16-mixed": torch.bfloat16, "bf16-true": torch.bfloat16}
+
+
+def matmul_dtype(precision: Optional[str]) -> torch.dtype:
+    """The dtype of a training step's matmuls under a Lightning precision (unknown ones: float32)."""
+    return PRECISION_DTYPES.get(str(precision), torch.float32)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def matmul_probe(n: int, device: torch.device, dtype: torch.dtype) -> Callable[..., float]:
+    """A callable `run(reps=None)` that times `reps` (n x n) @ (n x n) products and returns their FLOP/s; by default
+    as many as make >= ~0.1 s of work on a CPU (20 on a GPU). The operands come from a private generator (probing
+    never moves the training RNG); one warm-up product runs here."""
+    gen = torch.Generator().manual_seed(0)
+    a, b = (torch.randn(n, n, generator=gen).to(device=device, dtype=dtype) for _ in range(2))
+    default = max(1, int(2e10 // (2 * n ** 3))) if device.type == "cpu" else 20
+
+    def run(reps: Optional[int] = None) -> float:
+        reps = reps or default
+        _sync(device)
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            a @ b
+        _sync(device)
+        return reps * 2 * n ** 3 / max(time.perf_counter() - t0, 1e-9)
+
+    run(1)  # warm-up: thread pool / kernel selection
+    return run
+
+
+def peak_matmul_flops(device: torch.device, dtype: torch.dtype, seconds: float = 0.2,
+                      max_n: Optional[int] = None) -> float:
+    """Dense matmul FLOP/s of `device` at `dtype`, measured for about `seconds` (plus warm-up products).
+
+    Square products of size n are timed in rounds of about seconds / 4. n goes from 256 up to max_n (1024 on a CPU,
+    4096 on a GPU: large enough to run near the peak, small enough for several rounds), doubled while a product of
+    the next size would take at most seconds / 4, so that a slow dtype (bf16 on a CPU without bf16 units) stays
+    within the budget. The fastest round is returned: the peak is what the hardware can reach, and slower rounds
+    are interruptions (other processes, clock ramp-up)."""
+    device = torch.device(device)
+    largest = max_n or (1024 if device.type == "cpu" else 4096)
+    n = min(256, largest)
+    while True:
+        probe = matmul_probe(n, device, dtype)
+        one = 2 * n ** 3 / probe(1)  # seconds per product
+        if 2 * n > largest or 8 * one > seconds / 4:
+            break
+        n *= 2
+    reps = max(1, int(seconds / 4 / one))
+    best, end = 0.0, time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        best = max(best, probe(reps))
+    return best
