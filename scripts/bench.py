@@ -432,7 +432,7 @@ class SinkMeter:
         if dm is None:
             probe = torch.randint(0, lit.cfg.vocab_size, (100, 64))
             dm = SimpleNamespace(probe_tokens=lambda: probe)
-        self.trainer, self.lit = SimpleNamespace(datamodule=dm), lit
+        self.trainer, self.lit = SimpleNamespace(datamodule=dm, global_step=0), lit
         self.probe_shape = tuple(dm.probe_tokens().shape)
         self.cold = self.measure()  # the first call also warms up
 
