@@ -238,6 +238,7 @@ def test_wandb_offline_without_key_and_one_run_per_job(tmp_path):
         assert record.config["seed"] == int(job) and record.config["optim"]["lr"] == 2e-3  # swept keys as config
         assert record.group == "wb-2026-11-22_10-00-00"  # one group for the sweep: experiment name + sweep time
         assert record.tags == ["wb", "scale-cpu"]
+        assert f"seed={job}" in record.name.split(",") and "experiment.name=wb" in record.name  # the job's overrides
         assert record.exit_code == 0 and "run/failed" not in record.history_keys
     assert (sweep / "0" / "metrics.csv").is_file()  # csv stays on next to wandb
 
@@ -256,18 +257,19 @@ def test_wandb_offline_without_key_and_one_run_per_job(tmp_path):
 
 
 def wandb_run_record(path: Path) -> SimpleNamespace:
-    """Read the config, group, tags, logged keys and exit code of an offline wandb run from its transaction log."""
+    """Read the config, group, run name, tags, logged keys and exit code of an offline wandb run from its transaction log."""
     import json
 
     from wandb.proto import wandb_internal_pb2
 
-    out = SimpleNamespace(config={}, group="", tags=[], history_keys=set(), exit_code=None)
+    out = SimpleNamespace(config={}, group="", name="", tags=[], history_keys=set(), exit_code=None)
     for data in leveldb_log_records(path.read_bytes()):
         rec = wandb_internal_pb2.Record()
         rec.ParseFromString(data)
         kind = rec.WhichOneof("record_type")
         if kind == "run":
             out.group = rec.run.run_group or out.group
+            out.name = rec.run.display_name or out.name
             out.tags = list(rec.run.tags) or out.tags
             for item in rec.run.config.update:
                 out.config[item.key] = json.loads(item.value_json)

@@ -160,7 +160,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     log.info("model: %.2fM non-embedding parameters; data: %s", module.net.num_params() / 1e6, dm.describe())
 
     callbacks = [instantiate_user(c) for c in (cfg.get("callbacks") or {}).values() if c is not None]
-    set_wandb_group(cfg)
+    set_wandb_names(cfg)
     loggers = [instantiate_user(c) for c in (cfg.get("logger") or {}).values() if c is not None]
     for lg in loggers:
         if hasattr(lg, "resume_from_step"):  # ResumableCSVLogger: keep the rows before the checkpoint's step
@@ -229,12 +229,26 @@ def wandb_group(cfg: DictConfig) -> str:
     return f"{name}-{stamp}"
 
 
-def set_wandb_group(cfg: DictConfig) -> None:
-    """logger.wandb.group=null (the default): the group of wandb_group(cfg)."""
+def wandb_run_name(cfg: DictConfig) -> Optional[str]:
+    """This job's command-line overrides as Hydra writes them in override_dirname (e.g.
+    `experiment=weight_decay,optim.weight_decay=5.0`), so the runs of a group are told apart by what was set; None
+    outside Hydra or with no overrides (wandb then picks a name)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return None
+    return HydraConfig.get().job.override_dirname or None
+
+
+def set_wandb_names(cfg: DictConfig) -> None:
+    """logger.wandb.group=null (the default): the group of wandb_group(cfg); logger.wandb.name=null: the run name of
+    wandb_run_name(cfg)."""
     for key, node in (cfg.get("logger") or {}).items():
-        if isinstance(node, DictConfig) and str(node.get("_target_", "")).endswith("WandbLogger") \
-                and node.get("group") is None:
-            OmegaConf.update(cfg, f"logger.{key}.group", wandb_group(cfg), force_add=True)
+        if isinstance(node, DictConfig) and str(node.get("_target_", "")).endswith("WandbLogger"):
+            if node.get("group") is None:
+                OmegaConf.update(cfg, f"logger.{key}.group", wandb_group(cfg), force_add=True)
+            if node.get("name") is None:
+                OmegaConf.update(cfg, f"logger.{key}.name", wandb_run_name(cfg), force_add=True)
 
 
 def finish_wandb(exit_code: int = 0) -> None:
