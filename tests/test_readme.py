@@ -72,3 +72,33 @@ def test_every_readme_training_command_composes_and_validates(command):
             if "/" in key or key.startswith("hydra") or key in ("experiment", "model", "data", "scale", "logger"):
                 continue
             assert OmegaConf.select(cfg, key, default="<absent>") != "<absent>", (command, override)
+
+
+def readme_switch_groups() -> list[str]:
+    """`model/<group>=<a>,<b>` entries of the README's switch table: each option as `model/<group>=<option>`."""
+    import re
+
+    found = []
+    for line in README.read_text().splitlines():
+        if line.startswith("|"):
+            for group, options in re.findall(r"`model/(\w+)=([\w,.]+)`", line):
+                found += [f"model/{group}={o}" for o in options.split(",") if o != "..."]
+    return found
+
+
+@pytest.mark.parametrize("override", readme_switch_groups())
+def test_every_readme_switch_group_option_composes(override):
+    """The table's config-group column names real files, and each file's keys reach the composed model config."""
+    cfg = compose([override])
+    validate_config(cfg)
+    group, option = override.removeprefix("model/").split("=")
+    node = OmegaConf.load(README.parent / "conf" / "model" / group / f"{option}.yaml")
+    assert len(node), override
+    for key, value in node.items():
+        assert cfg.model[key] == value, (override, key)
+
+
+def test_readme_switch_table_covers_every_model_group():
+    groups = {o.split("=")[0] for o in readme_switch_groups()}
+    on_disk = {f"model/{p.name}" for p in (README.parent / "conf" / "model").iterdir() if p.is_dir()}
+    assert on_disk <= groups, sorted(on_disk - groups)
