@@ -102,3 +102,28 @@ def test_readme_switch_table_covers_every_model_group():
     groups = {o.split("=")[0] for o in readme_switch_groups()}
     on_disk = {f"model/{p.name}" for p in (README.parent / "conf" / "model").iterdir() if p.is_dir()}
     assert on_disk <= groups, sorted(on_disk - groups)
+
+
+REPRODUCE = README.parent / "experiments" / "cpu" / "reproduce.sh"
+
+
+def reproduce_sweeps() -> list[str]:
+    """`sweep NAME overrides...` lines of experiments/cpu/reproduce.sh as the `sinklab-train -m` commands they run."""
+    return ["sinklab-train -m " + shlex.join(shlex.split(line)[2:])
+            for line in REPRODUCE.read_text().splitlines() if line.startswith("sweep ")]
+
+
+def test_reproduce_script_lists_the_results_sweeps():
+    names = [line.split()[1] for line in REPRODUCE.read_text().splitlines() if line.startswith("sweep ")]
+    assert len(names) == len(set(names)) >= 10, names
+    assert any("scale=cpu seed=0,1,2" in c for c in reproduce_sweeps())  # the recipe, three seeds
+
+
+@pytest.mark.parametrize("command", reproduce_sweeps())
+def test_every_reproduce_sweep_composes_and_validates(command):
+    jobs = jobs_of(command)
+    assert jobs, command
+    for job in jobs:
+        cfg = compose(job)
+        validate_config(cfg)
+        assert cfg.scale.name == "cpu" and cfg.trainer.max_steps == 3000, (command, job)
