@@ -56,16 +56,25 @@ def test_the_readme_shows_the_commands_users_rely_on():
     assert any("logger=wandb" in c for c in commands)
 
 
-@pytest.mark.parametrize("command", readme_commands())
-def test_every_readme_training_command_composes_and_validates(command):
+def validated_jobs(command: str) -> list[tuple[list[str], OmegaConf]]:
+    """(overrides, composed config) of each job of the command, each config passed through validate_config (a
+    paper-scale job's values are validated, not this machine's devices)."""
     jobs = jobs_of(command)
     assert jobs, command
+    out = []
     for job in jobs:
         cfg = compose(job)
-        if cfg.trainer.accelerator in ("gpu", "cuda"):  # a paper-scale job: validate its values, not this machine
+        if cfg.trainer.accelerator in ("gpu", "cuda"):
             for key, value in GPU_KEYS.items():
                 OmegaConf.update(cfg, key, value)
         validate_config(cfg)
+        out.append((job, cfg))
+    return out
+
+
+@pytest.mark.parametrize("command", readme_commands())
+def test_every_readme_training_command_composes_and_validates(command):
+    for job, cfg in validated_jobs(command):
         for override in job:  # each key the user typed reaches the config
             key, _, value = override.partition("=")
             key = key.lstrip("+~")
@@ -121,9 +130,5 @@ def test_reproduce_script_lists_the_results_sweeps():
 
 @pytest.mark.parametrize("command", reproduce_sweeps())
 def test_every_reproduce_sweep_composes_and_validates(command):
-    jobs = jobs_of(command)
-    assert jobs, command
-    for job in jobs:
-        cfg = compose(job)
-        validate_config(cfg)
+    for job, cfg in validated_jobs(command):
         assert cfg.scale.name == "cpu" and cfg.trainer.max_steps == 3000, (command, job)
