@@ -126,6 +126,8 @@ def test_reproduce_script_lists_the_results_sweeps():
     names = [line.split()[1] for line in REPRODUCE.read_text().splitlines() if line.startswith("sweep ")]
     assert len(names) == len(set(names)) >= 10, names
     assert any("scale=cpu seed=0,1,2" in c for c in reproduce_sweeps())  # the recipe, three seeds
+    total = sum(len(jobs_of(c)) for c in reproduce_sweeps())
+    assert f"{total} jobs" in README.read_text() and f"all {total} jobs" in REPRODUCE.read_text(), total
 
 
 @pytest.mark.parametrize("command", reproduce_sweeps())

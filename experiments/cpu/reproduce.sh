@@ -3,7 +3,7 @@
 #
 #   bash experiments/cpu/reproduce.sh [OUT_DIR] [NAME ...]
 #
-# OUT_DIR defaults to logs/cpu_findings; NAMEs pick sweeps (default: all, ~5 hours on 2 cores: each 3000-step job
+# OUT_DIR defaults to logs/cpu_findings; NAMEs pick sweeps (default: all 23 jobs, ~4 hours on 2 cores: each 3000-step job
 # takes ~10 min on 2 idle cores, ~19 min when two run side by side on one thread each). Each sweep goes to
 # OUT_DIR/NAME and its `sinklab report` to OUT_DIR/NAME/report; the window sweep is also measured on probes as long as
 # its windows. Every sweep runs on scale=cpu (the experiment presets default to it). RESULTS.md names, for each
@@ -30,10 +30,11 @@ sweep recipe       scale=cpu seed=0,1,2
 # 3. the findings
 sweep lr           scale=cpu optim.lr=2e-3 seed=0,1
 sweep wd           experiment=weight_decay optim.weight_decay=0.1,5.0
+sweep wd_seed1     experiment=weight_decay optim.weight_decay=0.1 seed=1
 sweep bias         experiment=biases model/bias=k,v,kv,sink_token
 sweep attn         experiment=attention_operation model/attn=sigmoid,sigmoid_norm
 sweep attn_seed1   experiment=attention_operation model/attn=sigmoid_norm seed=1
-sweep unique       experiment=data_amount experiment.variant=100M
+sweep unique       experiment=data_amount experiment.variant=100M seed=0,1
 sweep fixed_token  experiment=fixed_token_position data.fixed_token.position=2
 sweep random       experiment=random_tokens "data.random_positions=[1],[1,2]"
 sweep no_bos       scale=cpu data.bos=false data.probe_bos=false
