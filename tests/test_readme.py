@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.override_parser.overrides_parser import OverridesParser
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 from sinklab.config import compose, validate_config
 
@@ -56,7 +56,7 @@ def test_the_readme_shows_the_commands_users_rely_on():
     assert any("logger=wandb" in c for c in commands)
 
 
-def validated_jobs(command: str) -> list[tuple[list[str], OmegaConf]]:
+def validated_jobs(command: str) -> list[tuple[list[str], DictConfig]]:
     """(overrides, composed config) of each job of the command, each config passed through validate_config (a
     paper-scale job's values are validated, not this machine's devices)."""
     jobs = jobs_of(command)
@@ -90,8 +90,8 @@ def readme_switch_groups() -> list[str]:
     found = []
     for line in README.read_text().splitlines():
         if line.startswith("|"):
-            for group, options in re.findall(r"`model/(\w+)=([\w,.]+)`", line):
-                found += [f"model/{group}={o}" for o in options.split(",") if o != "..."]
+            for group, options in re.findall(r"`model/(\w+)=([\w,]+)`", line):
+                found += [f"model/{group}={o}" for o in options.split(",")]
     return found
 
 

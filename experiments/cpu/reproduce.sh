@@ -14,10 +14,14 @@ shift || true
 ONLY=" $* "
 export WANDB_MODE=${WANDB_MODE:-offline} HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 
+wanted() {  # NAME: no NAMEs were given, or NAME is one of them
+  [ "$ONLY" = "  " ] || [[ "$ONLY" == *" $1 "* ]]
+}
+
 sweep() {  # NAME OVERRIDE...: one multirun into $OUT/NAME, then its report
   local name=$1
   shift
-  if [ "$ONLY" != "  " ] && [[ "$ONLY" != *" $name "* ]]; then return 0; fi
+  wanted "$name" || return 0
   echo "== $name: sinklab-train -m $*"
   local start=$SECONDS
   sinklab-train -m hydra.sweep.dir="$OUT/$name" trainer.enable_progress_bar=false "$@"
@@ -42,7 +46,7 @@ sweep window       experiment=window experiment.variant=w512,w1024 seed=2
 
 # the window models measured on probes no longer than their windows (16 and 32 tokens), where every query sees
 # token 1; the recipe's seed-2 model measured the same way for comparison
-if [ "$ONLY" = "  " ] || [[ "$ONLY" == *" window "* ]]; then
+if wanted window; then
   for job in 0:16 1:32; do
     sinklab measure "$OUT/window/${job%%:*}" --seq-len "${job##*:}" | tee "$OUT/window/${job%%:*}/measure_T${job##*:}.txt"
   done

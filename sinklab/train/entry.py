@@ -229,7 +229,7 @@ def wandb_group(cfg: DictConfig) -> str:
     return f"{name}-{stamp}"
 
 
-def wandb_run_name(cfg: DictConfig) -> Optional[str]:
+def wandb_run_name() -> Optional[str]:
     """This job's command-line overrides as Hydra writes them in override_dirname (e.g.
     `experiment=weight_decay,optim.weight_decay=5.0`), so the runs of a group are told apart by what was set; None
     outside Hydra or with no overrides (wandb then picks a name)."""
@@ -242,13 +242,13 @@ def wandb_run_name(cfg: DictConfig) -> Optional[str]:
 
 def set_wandb_names(cfg: DictConfig) -> None:
     """logger.wandb.group=null (the default): the group of wandb_group(cfg); logger.wandb.name=null: the run name of
-    wandb_run_name(cfg)."""
+    wandb_run_name()."""
     for key, node in (cfg.get("logger") or {}).items():
         if isinstance(node, DictConfig) and str(node.get("_target_", "")).endswith("WandbLogger"):
             if node.get("group") is None:
                 OmegaConf.update(cfg, f"logger.{key}.group", wandb_group(cfg), force_add=True)
             if node.get("name") is None:
-                OmegaConf.update(cfg, f"logger.{key}.name", wandb_run_name(cfg), force_add=True)
+                OmegaConf.update(cfg, f"logger.{key}.name", wandb_run_name(), force_add=True)
 
 
 def finish_wandb(exit_code: int = 0) -> None:
