@@ -1,4 +1,4 @@
-"""Filesystem helpers shared by the data package.
+"""Filesystem helpers shared by the data package (atomic writes are sinklab.io.atomic_write).
 
 Everything the data package leaves on disk (cleaned corpora, tokenizers, token shards, manifests,
 probe sets) is written with `atomic_write_*`: write a temporary file in the same directory, fsync it,
@@ -12,18 +12,17 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
 from filelock import FileLock
 
+from sinklab.io import atomic_write
+
 from .errors import UserError
 
 DEFAULT_CACHE_DIR = "~/.cache/sinklab"
-_UMASK = os.umask(0)
-os.umask(_UMASK)
 
 
 def resolve_cache_dir(cache_dir: str | os.PathLike | None = None) -> Path:
@@ -36,19 +35,7 @@ def resolve_cache_dir(cache_dir: str | os.PathLike | None = None) -> Path:
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     """Write `data` to `path` so that readers see either the old file or the complete new one."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp makes 0600 files; caches may be shared
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write(path, data)
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
