@@ -359,6 +359,9 @@ def main() -> None:
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
+    from sinklab.config import register_configs
+
+    register_configs()
     if os.environ.get("HYDRA_FULL_ERROR"):
         hydra_main()
         return

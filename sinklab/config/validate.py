@@ -1,4 +1,4 @@
-"""Where the Hydra configs live, composing them from Python, and validation before any compute is spent.
+"""Validation before any compute is spent.
 
 `validate_config` is the schema of every user-facing key: each bad value is refused with one line naming the key,
 the value and what is allowed, before any data is loaded. `hydra_error_message` turns Hydra's own composition
@@ -18,23 +18,9 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from sinklab.errors import UserError
 from sinklab.model.config import ModelConfig
 
-CONF_DIR = Path(os.environ.get("SINKLAB_CONF", Path(__file__).resolve().parents[1] / "conf"))
+from .store import CONF_DIR
 
-__all__ = ["CONF_DIR", "UserError", "compose", "validate_config", "check_devices", "hydra_error_message",
-           "OPTIM_KEYS", "PREEMPTION_SIGNALS"]
-
-
-def compose(overrides: Sequence[str] = (), config_name: str = "train", return_hydra_config: bool = False) -> DictConfig:
-    """Compose the training config from Python (tests, notebooks), as `sinklab-train OVERRIDES` would."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-
-    if not (CONF_DIR / f"{config_name}.yaml").exists():
-        raise UserError(f"config dir {CONF_DIR} has no {config_name}.yaml; install sinklab from a clone "
-                        "(pip install -e .) or set SINKLAB_CONF")
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return hydra_compose(config_name=config_name, overrides=list(overrides),
-                             return_hydra_config=return_hydra_config)
+__all__ = ["validate_config", "check_devices", "hydra_error_message", "OPTIM_KEYS", "PREEMPTION_SIGNALS"]
 
 
 # ---------------------------------------------------------------------------------------------- value checks
