@@ -14,7 +14,7 @@ def test_shapes_and_default_architecture(make_model):
     assert m(idx, return_hidden=True).shape == (3, 24, 32)
     # LLaMA2 style: RMSNorm, SwiGLU, RoPE, no linear biases, untied head
     assert type(m.blocks[0].norm1).__name__ == "RMSNorm" and m.blocks[0].norm1.eps == 1e-5
-    assert m.blocks[0].ffn.gated and m.rope is not None
+    assert m.blocks[0].ffn.gated and type(m.pos).__name__ == "Rotary"
     assert all(lin.bias is None for lin in m.modules() if isinstance(lin, torch.nn.Linear))
     assert m.lm_head.weight.data_ptr() != m.tok_emb.weight.data_ptr()
 
@@ -64,25 +64,26 @@ def test_size_presets():
     (dict(prefix_len=24), "prefix_len=24 must be smaller"),
     (dict(pos="rotary"), "model.pos='rotary' is not supported; allowed: nope, sinusoidal"),
     (dict(n_head=8, d_model=24), "needs an even head size"),
-    (dict(attn_bias_fixed_value_scale=5.0, attn_bias="kv"), "needs model.attn_bias=k"),
+    (dict(attn_bias_fixed_value_scale=5.0, attn_bias="kv"), "applies to model.attn_bias=k only, got attn_bias=kv"),
     (dict(attn_bias_fixed_value_scale=-1.0, attn_bias="k"), "attn_bias_fixed_value_scale=-1.0 is the norm.*>= 0"),
     (dict(rope_base=0.0), "model.rope_base=0.0 must be > 0"),
     (dict(rope_base=-10000.0), "model.rope_base=-10000.0 must be > 0"),
     (dict(norm_eps=0.0), "model.norm_eps=0.0 must be > 0"),
     (dict(norm="layer", norm_eps=-1e-5), "model.norm_eps=-1e-05 must be > 0"),
     (dict(pos="relative", relative_max_distance=16), "relative_max_distance=16 must exceed the 16 exact.*> 16"),
-    (dict(relative_buckets=2), "model.relative_buckets=2 must be an integer >= 4"),
+    (dict(pos="relative", relative_buckets=2), "model.relative_buckets=2 must be an integer >= 4"),
+    (dict(relative_buckets=2), "relative_buckets=2 applies to model.pos=relative only, got pos=rope"),
     (dict(sigmoid_bias=-2.0), "sigmoid_bias=-2.0 applies to model.attn_op=sigmoid only, got attn_op=softmax"),
     (dict(attn_op="elu", sigmoid_bias=1.0), "sigmoid_bias=1.0 applies to model.attn_op=sigmoid only"),
-    (dict(attn_bias_shared=True), "attn_bias_shared=true .* model.attn_bias=none; allowed: attn_bias=k, kv or v"),
+    (dict(attn_bias_shared=True), "attn_bias_shared=true applies to model.attn_bias=k, kv, v only, got attn_bias=none"),
     (dict(kernel_map="mlp"), "kernel_map=mlp applies to model.attn_op=kernel only, got attn_op=softmax"),
     (dict(attn_op="sigmoid", kernel_map="identity"), "kernel_map=identity applies to model.attn_op=kernel only"),
-    (dict(attn_op="sigmoid", sink_logit="learned"), "sink_logit=learned needs model.attn_op=softmax"),
-    (dict(attn_op="softpick", sink_logit="zero"), "sink_logit=zero needs model.attn_op=softmax"),
+    (dict(attn_op="sigmoid", sink_logit="learned"), "sink_logit=learned applies to model.attn_op=softmax only, got attn_op=sigmoid"),
+    (dict(attn_op="softpick", sink_logit="zero"), "sink_logit=zero applies to model.attn_op=softmax only, got attn_op=softpick"),
     (dict(attn_op="kernel", pos="alibi"), "attn_op=kernel has no logits to add a model.pos=alibi bias"),
     (dict(attn_op="kernel", pos="relative"), "attn_op=kernel has no logits to add a model.pos=relative bias"),
-    (dict(attn_normalize=True), "attn_op=softmax is normalised by construction"),
-    (dict(attn_op="softpick", attn_normalize=True), "attn_op=softpick is normalised by construction"),
+    (dict(attn_normalize=True), "attn_normalize=true applies to model.attn_op=elu, kernel, sigmoid only, got attn_op=softmax"),
+    (dict(attn_op="softpick", attn_normalize=True), "attn_normalize=true applies to .* only, got attn_op=softpick"),
     (dict(softmax_scale=0.0), "model.softmax_scale=0.0 must be > 0"),
     (dict(n_sink_tokens=-1), "model.n_sink_tokens=-1 must be >= 0"),
     (dict(n_kv_head=3), "model.n_kv_head=3 must divide model.n_head=4"),
@@ -112,3 +113,10 @@ def test_neighbouring_valid_configs_are_accepted(ok):
 def test_unknown_option_is_named():
     with pytest.raises(ConfigError, match="unknown model option.*model.n_layers"):
         ModelConfig.from_dict({"n_layers": 3})
+
+
+def test_vocab_size_comes_from_the_data_unless_set():
+    cfg = preset("tiny")
+    assert cfg.vocab_size is None
+    with pytest.raises(ConfigError, match="model.vocab_size is null"):
+        Transformer(cfg)

@@ -1,35 +1,26 @@
-"""One config dataclass for every architecture ablation.
+"""The model config: one structured-config dataclass gathered from the registered components.
 
-Components are chosen by name (litgpt style) and resolved in one place: `ModelConfig.validate()` refuses
-impossible combinations with one line naming the key, the value and what is allowed, before anything is built.
+`ModelConfig` has the base fields below (sizes, selectors, masks, init, execution) and one field per knob that a
+registered component declares in its `Knobs` (e.g. `sigmoid_bias` from ops/sigmoid.py), so adding a component with a
+new knob is one module. It validates itself once, when it is built (`__post_init__`), with one line naming the key,
+the value and what is allowed; a knob set away from its default while its component is not selected is refused.
+Size presets exist once, here (`PRESETS`), and are stored as the `model` config group's options.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Optional
 
-from sinklab.errors import UserError
-
-POS = ("nope", "sinusoidal", "learnable", "alibi", "rope", "relative")
-NORM = ("rms", "layer")
-NORM_POSITION = ("pre", "post")
-FFN = ("relu", "gelu", "swish", "reglu", "geglu", "swiglu")
-ATTN_OP = ("softmax", "sigmoid", "elu", "kernel", "softpick")
-KERNEL_MAP = ("identity", "elu", "mlp")
-ATTN_BIAS = ("none", "k", "kv", "v")
-GATE = ("none", "headwise", "elementwise")
-SINK_LOGIT = ("none", "learned", "zero")
-
-
-class ConfigError(UserError):
-    """A user error in the configuration: one line naming the key, the value and what is allowed."""
+from . import attn_bias, ffn, gates, norms, ops, positional, transformer  # noqa: F401  (registers the components)
+from .registry import ATTENTION_OPS, ATTN_BIASES, FAMILIES, POSITIONS, ConfigError
 
 
 @dataclass
-class ModelConfig:
+class BaseModelConfig:
     # sizes
-    vocab_size: int = 4096
+    vocab_size: Optional[int] = None  # null: the data's vocabulary (padded), set when training starts
     n_layer: int = 4
     n_head: int = 4
     n_kv_head: Optional[int] = None  # grouped-query attention; None = n_head
@@ -37,31 +28,17 @@ class ModelConfig:
     head_dim: Optional[int] = None  # None = d_model // n_head
     d_ff: int = 352
     block_size: int = 64  # context length
-    # positional encoding
+    # components, each chosen by name from its registry (sinklab/model/registry.py)
     pos: str = "rope"
-    rope_base: float = 10000.0
-    relative_buckets: int = 32
-    relative_max_distance: int = 128
-    # norm
     norm: str = "rms"
     norm_position: str = "pre"
-    norm_eps: float = 1e-5
-    # feed-forward
     ffn: str = "swiglu"
-    # attention operation
     attn_op: str = "softmax"
-    softmax_scale: float = 1.0  # alpha in softmax(alpha * q.k / sqrt(d_h))
-    attn_normalize: bool = False  # row normalisation for sigmoid / elu / kernel ops
-    sigmoid_bias: float = 0.0  # b in sigmoid(q.k / sqrt(d_h) + b), e.g. -log(n)
-    kernel_map: str = "elu"
-    # attention biases and sinks
     attn_bias: str = "none"
-    attn_bias_shared: bool = False  # one bias for all heads instead of one per head
-    attn_bias_fixed_value_scale: Optional[float] = None  # K bias whose value is a fixed vector of this norm
-    attn_bias_fixed_value_seed: int = 0  # which fixed direction (v' = 0, v'' = 1, ...)
-    n_sink_tokens: int = 0
-    sink_logit: str = "none"  # learned per-head logit / softmax-off-by-one
     gate: str = "none"
+    norm_eps: float = 1e-5
+    softmax_scale: float = 1.0  # alpha in op(alpha * q.k / sqrt(d_h))
+    n_sink_tokens: int = 0  # learned embeddings prepended to every sequence, never predicted
     # masks
     prefix_len: int = 0
     window: Optional[int] = None
@@ -69,10 +46,35 @@ class ModelConfig:
     init_std: Optional[float] = None  # None = sqrt(2 / (5 d)) as in the reference study
     bias_init_std: float = 0.02
     # execution
-    fused: bool = True  # use fused SDPA whenever the switches allow it
+    fused: bool = True  # use a fused kernel whenever the operation has one
     compile: bool = False
 
-    # ------------------------------------------------------------------ derived
+
+def knob_fields() -> dict[str, tuple[dataclasses.Field, list[Any]]]:
+    """knob name -> (its field, the component classes that declare it), over every registered component."""
+    knobs: dict[str, tuple[dataclasses.Field, list[Any]]] = {}
+    for registry in FAMILIES:
+        for cls in registry:
+            for f in fields(cls.Knobs):
+                if f.name in knobs and knobs[f.name][0].default != f.default:
+                    raise TypeError(f"knob {f.name} is declared with two defaults")
+                knobs.setdefault(f.name, (f, []))[1].append(cls)
+    return knobs
+
+
+KNOBS = knob_fields()
+
+
+def _show(value: Any) -> str:
+    return str(value).lower() if isinstance(value, bool) else "null" if value is None else str(value)
+
+
+class ModelConfigMethods:
+    """Derived values and the validation of `ModelConfig`."""
+
+    def __post_init__(self) -> None:
+        self.validate()
+
     @property
     def kv_heads(self) -> int:
         return self.n_kv_head or self.n_head
@@ -88,63 +90,79 @@ class ModelConfig:
     @property
     def row_normalised(self) -> bool:
         """Whether attention rows sum to one (else the metric also reports Sink* on the renormalised map)."""
-        if self.attn_op == "softmax":
-            return self.sink_logit == "none"
-        if self.attn_op in ("sigmoid", "elu"):
-            return self.attn_normalize
-        return False  # kernel maps can be negative; softpick rows sum to at most one
+        return ATTENTION_OPS.selected(self).row_normalised(self)
 
     @property
     def n_slots(self) -> int:
         """Extra key slots visible to every query (the K / KV bias)."""
-        return 1 if self.attn_bias in ("k", "kv") else 0
+        return ATTN_BIASES.selected(self).n_slots
 
     @property
     def can_fuse(self) -> bool:
-        """Plain softmax without extra logits: SDPA can compute it with a boolean or additive mask."""
-        return self.fused and self.attn_op == "softmax" and self.sink_logit == "none"
+        return self.fused and ATTENTION_OPS.selected(self).fusable(self)
+
+    def llama_mismatches(self) -> list[str]:
+        """What LLaMA cannot represent, as 'model.key=value (LLaMA needs ...)'; empty when exportable."""
+        hd_default = self.d_model // self.n_head
+        base = (("softmax_scale", self.softmax_scale == 1.0, "1.0"), ("n_sink_tokens", self.n_sink_tokens == 0, "0"),
+                ("prefix_len", self.prefix_len == 0, "0 (causal)"),
+                ("window", self.window is None, "null (full causal attention)"),
+                ("head_dim", self.head_dim in (None, hd_default), f"null or d_model / n_head = {hd_default}"))
+        found = [registry.selected(self).llama_mismatch(self) for registry in FAMILIES]
+        found += [f"model.{key}={_show(getattr(self, key))} (LLaMA needs {need})" for key, ok, need in base if not ok]
+        return [r for r in found if r is not None]
 
     @property
     def llama_compatible(self) -> bool:
-        return (
-            self.pos == "rope" and self.norm == "rms" and self.norm_position == "pre" and self.ffn == "swiglu"
-            and self.attn_op == "softmax" and self.softmax_scale == 1.0 and self.attn_bias == "none"
-            and self.n_sink_tokens == 0 and self.sink_logit == "none" and self.gate == "none"
-            and self.prefix_len == 0 and self.window is None and self.head_dim in (None, self.d_model // self.n_head)
-        )
+        return not self.llama_mismatches()
 
-    # ------------------------------------------------------------------ validation
+    def require_vocab(self) -> None:
+        if self.vocab_size is None:
+            raise ConfigError("model.vocab_size is null (the data's vocabulary, set by sinklab-train); "
+                              "set model.vocab_size to build a model on its own")
+
     def validate(self) -> "ModelConfig":
-        def choice(key: str, allowed: tuple) -> None:
+        def positive(key: str, optional: bool = False) -> None:
             value = getattr(self, key)
-            if value not in allowed:
-                raise ConfigError(f"model.{key}={value!r} is not supported; allowed: {', '.join(allowed)}")
-
-        def positive(key: str) -> None:
-            value = getattr(self, key)
+            if optional and value is None:
+                return
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"model.{key}={value!r} must be a positive integer")
 
-        for key, allowed in (("pos", POS), ("norm", NORM), ("norm_position", NORM_POSITION), ("ffn", FFN),
-                             ("attn_op", ATTN_OP), ("kernel_map", KERNEL_MAP), ("attn_bias", ATTN_BIAS),
-                             ("gate", GATE), ("sink_logit", SINK_LOGIT)):
-            choice(key, allowed)
-        for key in ("vocab_size", "n_layer", "n_head", "d_model", "d_ff", "block_size"):
+        for registry in FAMILIES:
+            registry.get(getattr(self, registry.key))
+        for key, (f, _) in KNOBS.items():
+            choices = f.metadata.get("choices")
+            if choices and getattr(self, key) not in choices:
+                raise ConfigError(f"model.{key}={getattr(self, key)!r} is not supported; allowed: {', '.join(choices)}")
+        positive("vocab_size", optional=True)
+        for key in ("n_layer", "n_head", "d_model", "d_ff", "block_size"):
             positive(key)
         if self.head_dim is None and self.d_model % self.n_head:
             raise ConfigError(f"model.n_head={self.n_head} does not divide model.d_model={self.d_model}; "
                               "choose n_head among the divisors of d_model or set model.head_dim")
-        if self.head_dim is not None:
-            positive("head_dim")
+        positive("head_dim", optional=True)
         if self.n_kv_head is not None:
             positive("n_kv_head")
             if self.n_head % self.n_kv_head:
                 raise ConfigError(f"model.n_kv_head={self.n_kv_head} must divide model.n_head={self.n_head}")
-        if self.pos == "rope" and self.hd % 2:
-            raise ConfigError(f"model.pos=rope needs an even head size, got head size {self.hd} "
-                              f"(d_model={self.d_model} / n_head={self.n_head}); change n_head or head_dim")
-        if self.pos == "sinusoidal" and self.d_model % 2:
-            raise ConfigError(f"model.pos=sinusoidal needs an even d_model, got {self.d_model}")
+        self.validate_masks()
+        if self.n_sink_tokens < 0:
+            raise ConfigError(f"model.n_sink_tokens={self.n_sink_tokens} must be >= 0")
+        for key in ("softmax_scale", "norm_eps"):
+            if getattr(self, key) <= 0:
+                raise ConfigError(f"model.{key}={getattr(self, key)} must be > 0")
+        self.validate_knob_owners()
+        for registry in FAMILIES:
+            registry.selected(self).validate(self)
+        pos, op = POSITIONS.selected(self), ATTENTION_OPS.selected(self)
+        if pos.adds_logit_bias and not op.has_logits:
+            raise ConfigError(f"model.attn_op={self.attn_op} has no logits to add a model.pos={self.pos} bias to; "
+                              f"allowed pos with {self.attn_op} attention: "
+                              f"{', '.join(p.name for p in POSITIONS if not p.adds_logit_bias)}")
+        return self
+
+    def validate_masks(self) -> None:
         if self.window is not None:
             if not isinstance(self.window, int) or self.window < 1:
                 raise ConfigError(f"model.window={self.window!r} must be a positive integer or null")
@@ -156,65 +174,43 @@ class ModelConfig:
         if self.prefix_len >= self.block_size:
             raise ConfigError(f"model.prefix_len={self.prefix_len} must be smaller than the context "
                               f"model.block_size={self.block_size}")
-        if self.n_sink_tokens < 0:
-            raise ConfigError(f"model.n_sink_tokens={self.n_sink_tokens} must be >= 0")
-        if self.sink_logit != "none" and self.attn_op != "softmax":
-            raise ConfigError(f"model.sink_logit={self.sink_logit} needs model.attn_op=softmax, "
-                              f"got attn_op={self.attn_op}")
-        if self.attn_bias_fixed_value_scale is not None and self.attn_bias != "k":
-            raise ConfigError("model.attn_bias_fixed_value_scale fixes the value of a K bias; it needs "
-                              f"model.attn_bias=k, got attn_bias={self.attn_bias}")
-        if self.attn_normalize and self.attn_op in ("softmax", "softpick"):
-            raise ConfigError(f"model.attn_normalize applies to sigmoid, elu and kernel; "
-                              f"attn_op={self.attn_op} is normalised by construction (set attn_normalize=false)")
-        if self.attn_op == "kernel" and self.pos in ("alibi", "relative"):
-            raise ConfigError(f"model.attn_op=kernel has no logits to add a model.pos={self.pos} bias to; "
-                              "allowed pos with kernel attention: nope, sinusoidal, learnable, rope")
-        if self.softmax_scale <= 0:
-            raise ConfigError(f"model.softmax_scale={self.softmax_scale} must be > 0")
-        if self.rope_base <= 0:
-            raise ConfigError(f"model.rope_base={self.rope_base} must be > 0 (RoPE frequencies base^(-2i/d); "
-                              "LLaMA uses 10000)")
-        if self.norm_eps <= 0:
-            raise ConfigError(f"model.norm_eps={self.norm_eps} must be > 0 (e.g. 1e-5)")
-        if not isinstance(self.relative_buckets, int) or self.relative_buckets < 4:
-            # a prefix LM splits the buckets by direction, and each half needs at least one exact distance
-            raise ConfigError(f"model.relative_buckets={self.relative_buckets!r} must be an integer >= 4")
-        if self.relative_max_distance <= self.relative_buckets // 2:
-            # T5 buckets: the first buckets // 2 distances are exact, the rest log-spaced up to max_distance
-            raise ConfigError(f"model.relative_max_distance={self.relative_max_distance} must exceed the "
-                              f"{self.relative_buckets // 2} exact distances of model.relative_buckets="
-                              f"{self.relative_buckets}; allowed: > {self.relative_buckets // 2}")
-        if self.attn_bias_fixed_value_scale is not None and self.attn_bias_fixed_value_scale < 0:
-            raise ConfigError(f"model.attn_bias_fixed_value_scale={self.attn_bias_fixed_value_scale} is the norm "
-                              "of the fixed value; allowed: >= 0 or null")
-        # switches that would silently do nothing
-        if self.sigmoid_bias != 0 and self.attn_op != "sigmoid":
-            raise ConfigError(f"model.sigmoid_bias={self.sigmoid_bias} applies to model.attn_op=sigmoid only, "
-                              f"got attn_op={self.attn_op}; set sigmoid_bias=0")
-        if self.attn_bias_shared and self.attn_bias == "none":
-            raise ConfigError("model.attn_bias_shared=true shares a K, KV or V bias across heads, but "
-                              "model.attn_bias=none; allowed: attn_bias=k, kv or v, or attn_bias_shared=false")
-        if self.kernel_map != "elu" and self.attn_op != "kernel":
-            raise ConfigError(f"model.kernel_map={self.kernel_map} applies to model.attn_op=kernel only, "
-                              f"got attn_op={self.attn_op}; leave kernel_map at its default elu")
-        return self
+
+    def validate_knob_owners(self) -> None:
+        """A knob away from its default whose component is not selected would silently do nothing: refused."""
+        for key, (f, owners) in KNOBS.items():
+            value = getattr(self, key)
+            if value == f.default:
+                continue
+            registry = owners[0].registry
+            if registry.get(getattr(self, registry.key)) not in owners:
+                names = ", ".join(dict.fromkeys(c.name for c in owners))
+                raise ConfigError(f"model.{key}={_show(value)} applies to model.{registry.key}={names} only, got "
+                                  f"{registry.key}={getattr(self, registry.key)}; set {key}={_show(f.default)}")
 
     # ------------------------------------------------------------------ construction
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
         names = {f.name for f in fields(cls)}
-        unknown = sorted(set(d) - names - {"_target_", "preset"})
+        unknown = sorted(set(d) - names - {"_target_"})
         if unknown:
             raise ConfigError(f"unknown model option(s) {', '.join('model.' + u for u in unknown)}; "
                               f"allowed: {', '.join(sorted(names))}")
-        return cls(**{k: v for k, v in d.items() if k in names}).validate()
+        return cls(**{k: v for k, v in d.items() if k in names})
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    def build(self):
+        """The model this config describes."""
+        return transformer.Transformer(self)
 
-# Size presets (also in conf/model/*.yaml): name -> overrides.
+
+ModelConfig = dataclasses.make_dataclass(
+    "ModelConfig", [(name, f.type, f) for name, (f, _) in KNOBS.items()], bases=(ModelConfigMethods, BaseModelConfig),
+    namespace={"__doc__": "Every architecture switch: the base fields and each registered component's knobs.",
+               "__module__": __name__})
+
+# Size presets, stored as the options of the `model` config group (model=tiny, model=60m, ...): name -> overrides.
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(n_layer=4, n_head=4, d_model=128, d_ff=352, block_size=64),
     "14m": dict(n_layer=6, n_head=6, d_model=384, d_ff=1024, block_size=256),
@@ -223,8 +219,13 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
-def preset(name: str, **overrides: Any) -> ModelConfig:
+def preset(name: str, **overrides: Any) -> "ModelConfig":
     if name not in PRESETS:
         raise ConfigError(f"model preset {name!r} is unknown; allowed: {', '.join(PRESETS)}")
-    return ModelConfig(**{**PRESETS[name], **overrides}).validate()
+    return ModelConfig(**{**PRESETS[name], **overrides})
 
+
+def register(cs) -> None:
+    """The `model` group's options: one structured config per size preset."""
+    for name, sizes in PRESETS.items():
+        cs.store(group="model", name=name, node=ModelConfig(**sizes))

@@ -1,14 +1,58 @@
-"""Positional encodings: absolute ones added to the embeddings, RoPE on q/k, additive biases on the logits."""
+"""Positional encodings, chosen by `model.pos`: absolute ones added to the embeddings (sinusoidal, learnable), RoPE
+on q / k (rope), additive biases on the attention logits (alibi, relative), or none (nope).
+
+Each is a `PositionalEncoding`: the model asks it for an absolute table (`absolute`), a rotation (`rotary`) and a
+logit bias (`logit_bias`) for a sequence, and uses whichever it returns.
+"""
 from __future__ import annotations
 
+import dataclasses
 import math
+from typing import Any, Optional
 
 import torch
 from torch import nn
 
+from .registry import POSITIONS, Component, ConfigError
 
-class SinusoidalPositions(nn.Module):
+
+class PositionalEncoding(Component, nn.Module):
+    """No positional information (NoPE), and the interface of every positional encoding."""
+
+    adds_logit_bias = False  # needs attention logits to add to (kernel attention has none)
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> "PositionalEncoding":
+        return cls()
+
+    def absolute(self, n: int) -> Optional[torch.Tensor]:
+        """(n, d) table added to the embeddings of positions 0..n-1, or None."""
+        return None
+
+    def rotary(self, n: int) -> Optional["RotaryAt"]:
+        """The rotation of q and k at positions 0..n-1, or None."""
+        return None
+
+    logit_bias = None  # or a method (q_pos (R,), k_pos (N,)) -> (H, R, N) additive logits
+
+
+@POSITIONS.register("nope")
+class NoPositions(PositionalEncoding):
+    """NoPE: the causal mask is the only source of position information."""
+
+
+@POSITIONS.register("sinusoidal")
+class SinusoidalPositions(PositionalEncoding):
     """Absolute sinusoidal encoding cat(sin, cos), added to the token embeddings (no parameters)."""
+
+    @classmethod
+    def validate(cls, cfg: Any) -> None:
+        if cfg.d_model % 2:
+            raise ConfigError(f"model.pos=sinusoidal needs an even d_model, got {cfg.d_model}")
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> "SinusoidalPositions":
+        return cls(cfg.d_model, cfg.block_size + cfg.n_sink_tokens)
 
     def __init__(self, d_model: int, max_len: int):
         super().__init__()
@@ -16,21 +60,50 @@ class SinusoidalPositions(nn.Module):
         inv = torch.exp(torch.arange(0, d_model // 2, dtype=torch.float32) * (-math.log(10000.0) / (d_model // 2)))
         self.register_buffer("table", torch.cat([torch.sin(pos * inv), torch.cos(pos * inv)], dim=-1), persistent=False)
 
-    def forward(self, T: int) -> torch.Tensor:  # (T, d)
-        return self.table[:T]
+    def absolute(self, n: int) -> torch.Tensor:  # (n, d)
+        return self.table[:n]
 
 
-class LearnablePositions(nn.Module):
+@POSITIONS.register("learnable")
+class LearnablePositions(PositionalEncoding):
+    """A learned absolute position embedding, added to the token embeddings."""
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> "LearnablePositions":
+        return cls(cfg.d_model, cfg.block_size + cfg.n_sink_tokens)
+
     def __init__(self, d_model: int, max_len: int):
         super().__init__()
         self.table = nn.Embedding(max_len, d_model)
 
-    def forward(self, T: int) -> torch.Tensor:  # (T, d)
-        return self.table.weight[:T]
+    def absolute(self, n: int) -> torch.Tensor:  # (n, d)
+        return self.table.weight[:n]
 
 
-class Rotary(nn.Module):
+@POSITIONS.register("rope")
+class Rotary(PositionalEncoding):
     """RoPE over the whole head (rotate-half convention, as LLaMA / HF transformers)."""
+
+    @dataclasses.dataclass
+    class Knobs:
+        rope_base: float = 10000.0
+
+    @classmethod
+    def validate(cls, cfg: Any) -> None:
+        if cfg.hd % 2:
+            raise ConfigError(f"model.pos=rope needs an even head size, got head size {cfg.hd} "
+                              f"(d_model={cfg.d_model} / n_head={cfg.n_head}); change n_head or head_dim")
+        if cfg.rope_base <= 0:
+            raise ConfigError(f"model.rope_base={cfg.rope_base} must be > 0 (RoPE frequencies base^(-2i/d); "
+                              "LLaMA uses 10000)")
+
+    @classmethod
+    def llama_ok(cls, cfg: Any) -> bool:
+        return True
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> "Rotary":
+        return cls(cfg.hd, cfg.block_size + cfg.n_sink_tokens, cfg.rope_base)
 
     def __init__(self, head_dim: int, max_len: int, base: float = 10000.0):
         super().__init__()
@@ -43,11 +116,11 @@ class Rotary(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (B, H, T, hd) -> rotated, positions 0..T-1."""
-        return self.at(x.shape[-2])(x)
+        return self.rotary(x.shape[-2])(x)
 
-    def at(self, T: int) -> "RotaryAt":
-        """The tables for positions 0..T-1, sliced once: the model binds them once per forward for every layer."""
-        return RotaryAt(self.cos[:T], self.sin[:T])
+    def rotary(self, n: int) -> "RotaryAt":
+        """The tables for positions 0..n-1, sliced once: the model binds them once per forward for every layer."""
+        return RotaryAt(self.cos[:n], self.sin[:n])
 
 
 class RotaryAt:
@@ -79,19 +152,52 @@ def alibi_slopes(n_head: int) -> torch.Tensor:
     return torch.tensor(pow2(closest) + pow2(2 * closest)[0::2][: n_head - closest])
 
 
-class ALiBi(nn.Module):
+@POSITIONS.register("alibi")
+class ALiBi(PositionalEncoding):
+    """Attention with linear biases (Press et al.): -slope_h * |i - j| added to the logits."""
+
+    adds_logit_bias = True
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> "ALiBi":
+        return cls(cfg.n_head)
+
     def __init__(self, n_head: int):
         super().__init__()
         self.register_buffer("slopes", alibi_slopes(n_head), persistent=False)
 
-    def forward(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+    def logit_bias(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
         """Additive logit bias (H, R, Tk) = -slope * |i - j|."""
         dist = (q_pos[:, None] - k_pos[None, :]).abs().to(self.slopes.dtype)
         return -self.slopes[:, None, None] * dist
 
 
-class RelativeBias(nn.Module):
-    """T5-style bucketed relative position bias, one table per model (shared by the layers, as in T5)."""
+@POSITIONS.register("relative")
+class RelativeBias(PositionalEncoding):
+    """T5-style bucketed relative position bias, one table per model (shared by the layers, as in T5); a prefix LM
+    splits the buckets by direction (its prefix sees later keys)."""
+
+    adds_logit_bias = True
+
+    @dataclasses.dataclass
+    class Knobs:
+        relative_buckets: int = 32
+        relative_max_distance: int = 128
+
+    @classmethod
+    def validate(cls, cfg: Any) -> None:
+        if not isinstance(cfg.relative_buckets, int) or cfg.relative_buckets < 4:
+            # a prefix LM splits the buckets by direction, and each half needs at least one exact distance
+            raise ConfigError(f"model.relative_buckets={cfg.relative_buckets!r} must be an integer >= 4")
+        if cfg.relative_max_distance <= cfg.relative_buckets // 2:
+            # T5 buckets: the first buckets // 2 distances are exact, the rest log-spaced up to max_distance
+            raise ConfigError(f"model.relative_max_distance={cfg.relative_max_distance} must exceed the "
+                              f"{cfg.relative_buckets // 2} exact distances of model.relative_buckets="
+                              f"{cfg.relative_buckets}; allowed: > {cfg.relative_buckets // 2}")
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> "RelativeBias":
+        return cls(cfg.n_head, cfg.relative_buckets, cfg.relative_max_distance, bidirectional=cfg.prefix_len > 0)
 
     def __init__(self, n_head: int, num_buckets: int = 32, max_distance: int = 128, bidirectional: bool = False):
         super().__init__()
@@ -116,7 +222,7 @@ class RelativeBias(nn.Module):
         large = torch.clamp(large, max=n - 1)
         return out + torch.where(is_small, rel, large)
 
-    def forward(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+    def logit_bias(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
         """Additive logit bias (H, R, Tk)."""
         rel = k_pos[None, :] - q_pos[:, None]  # (R, Tk)
         return self.table(self.bucket(rel)).permute(2, 0, 1)  # (R, Tk, H) -> (H, R, Tk)

@@ -1,86 +1,114 @@
 """The LLaMA2-style decoder: embeddings, blocks (pre- or post-norm), final norm, untied LM head."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from torch import nn
 
-from .attention import Attention, Layout
-from .config import ModelConfig
-from .layers import FeedForward, make_norm
-from .positional import ALiBi, LearnablePositions, RelativeBias, Rotary, SinusoidalPositions
+from .attention import Attention
+from .legacy import upgrade_state_dict
+from .masks import Layout, compose_mask
+from .registry import FFNS, NORM_POSITIONS, NORMS, POSITIONS, Component
 
 
-class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+@NORM_POSITIONS.register("pre")
+class Block(Component, nn.Module):
+    """x = x + attn(norm(x)); x = x + ffn(norm(x)); the model ends with a final norm."""
+
+    final_norm = True
+
+    def __init__(self, cfg: Any):
         super().__init__()
-        self.post = cfg.norm_position == "post"
-        self.norm1 = make_norm(cfg.norm, cfg.d_model, cfg.norm_eps)
+        self.norm1 = NORMS.selected(cfg).build(cfg)
         self.attn = Attention(cfg)
-        self.norm2 = make_norm(cfg.norm, cfg.d_model, cfg.norm_eps)
-        self.ffn = FeedForward(cfg.ffn, cfg.d_model, cfg.d_ff)
+        self.norm2 = NORMS.selected(cfg).build(cfg)
+        self.ffn = FFNS.selected(cfg).build(cfg)
 
-    def forward(self, x, layout: Layout, rope=None, record: Optional[dict] = None, return_probs: bool = False):
-        if self.post:  # x = norm(x + attn(x)); x = norm(x + ffn(x))
-            a = self.attn(x, layout, rope, record, return_probs)
-            a, probs = a if return_probs else (a, None)
-            x = self.norm1(x + a)
-            x = self.norm2(x + self.ffn(x))
-        else:  # x = x + attn(norm(x)); x = x + ffn(norm(x))
-            a = self.attn(self.norm1(x), layout, rope, record, return_probs)
-            a, probs = a if return_probs else (a, None)
-            x = x + a
-            x = x + self.ffn(self.norm2(x))
-        return x, probs
+    @classmethod
+    def llama_ok(cls, cfg: Any) -> bool:
+        return True
+
+    def attend(self, x, layout: Layout, record: Optional[dict], return_probs: bool):
+        """The attention output and maps (None unless return_probs)."""
+        a = self.attn(x, layout, record, return_probs)
+        return a if return_probs else (a, None)
+
+    def forward(self, x, layout: Layout, record: Optional[dict] = None, return_probs: bool = False):
+        a, probs = self.attend(self.norm1(x), layout, record, return_probs)
+        x = x + a
+        return x + self.ffn(self.norm2(x)), probs
+
+
+@NORM_POSITIONS.register("post")
+class PostNormBlock(Block):
+    """x = norm(x + attn(x)); x = norm(x + ffn(x)); no final norm."""
+
+    final_norm = False
+
+    @classmethod
+    def llama_ok(cls, cfg: Any) -> bool:
+        return False
+
+    def forward(self, x, layout: Layout, record: Optional[dict] = None, return_probs: bool = False):
+        a, probs = self.attend(x, layout, record, return_probs)
+        x = self.norm1(x + a)
+        return self.norm2(x + self.ffn(x)), probs
 
 
 class Transformer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg):
         super().__init__()
-        self.cfg = cfg.validate()
-        n_pos = cfg.block_size + cfg.n_sink_tokens
+        cfg.require_vocab()
+        self.cfg = cfg
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.sink_tokens = nn.Parameter(torch.zeros(cfg.n_sink_tokens, cfg.d_model)) if cfg.n_sink_tokens else None
-        self.abs_pos = {"sinusoidal": SinusoidalPositions, "learnable": LearnablePositions}.get(cfg.pos)
-        self.abs_pos = self.abs_pos(cfg.d_model, n_pos) if self.abs_pos else None
-        self.rope = Rotary(cfg.hd, n_pos, cfg.rope_base) if cfg.pos == "rope" else None
-        if cfg.pos == "alibi":
-            self.pos_bias = ALiBi(cfg.n_head)
-        elif cfg.pos == "relative":
-            self.pos_bias = RelativeBias(cfg.n_head, cfg.relative_buckets, cfg.relative_max_distance,
-                                         bidirectional=cfg.prefix_len > 0)
-        else:
-            self.pos_bias = None
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
-        self.norm = make_norm(cfg.norm, cfg.d_model, cfg.norm_eps) if cfg.norm_position == "pre" else nn.Identity()
+        self.pos = POSITIONS.selected(cfg).from_config(cfg)
+        block = NORM_POSITIONS.selected(cfg)
+        self.blocks = nn.ModuleList(block(cfg) for _ in range(cfg.n_layer))
+        self.norm = NORMS.selected(cfg).build(cfg) if block.final_norm else nn.Identity()
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.mask_mod = compose_mask(cfg.n_sink_tokens, cfg.prefix_len, cfg.window)
+        self.register_load_state_dict_pre_hook(upgrade_state_dict)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """N(0, sqrt(2 / (5 d))) for linear and embedding weights; N(0, 0.02) for attention biases and sinks."""
-        for name, p in self.named_parameters():
-            if name.endswith(("k_bias", "v_bias", "v_out_bias", "sink_tokens")):
-                nn.init.normal_(p, std=self.cfg.bias_init_std)
-            elif p.dim() >= 2:
-                nn.init.normal_(p, std=self.cfg.std)
-            elif name.endswith("bias") and "phi" in name:
-                nn.init.zeros_(p)
+        """N(0, model.init_std) for matrices and embeddings (default sqrt(2 / (5 d)), the reference study's);
+        N(0, model.bias_init_std) for sink tokens; a component with `init_parameters(std, bias_std)` initialises its
+        own subtree (attention biases: small; kernel MLP: zero biases). Parameters are drawn in registration order."""
+        std, bias_std = self.cfg.std, self.cfg.bias_init_std
+        if self.sink_tokens is not None:
+            nn.init.normal_(self.sink_tokens, std=bias_std)
+
+        def init(module: nn.Module) -> None:
+            own = getattr(module, "init_parameters", None)
+            if own is not None:
+                own(std, bias_std)
+                return
+            for p in module.parameters(recurse=False):
+                if p.dim() >= 2:
+                    nn.init.normal_(p, std=std)
+            for child in module.children():
+                init(child)
+
+        for child in self.children():
+            init(child)
 
     def layout(self, T: int, device: torch.device) -> Layout:
         if T > self.cfg.block_size:
             raise ValueError(f"sequence length {T} exceeds the model context model.block_size={self.cfg.block_size}")
-        return Layout(n_pos=self.cfg.n_sink_tokens + T, n_sink=self.cfg.n_sink_tokens, n_slots=self.cfg.n_slots,
-                      prefix_len=self.cfg.prefix_len, window=self.cfg.window, pos_bias=self.pos_bias, device=device)
+        n_pos = self.cfg.n_sink_tokens + T
+        return Layout(n_pos=n_pos, n_sink=self.cfg.n_sink_tokens, n_slots=self.cfg.n_slots,
+                      mask_mod=self.mask_mod, plain_causal=self.cfg.prefix_len == 0 and self.cfg.window is None,
+                      logit_bias=self.pos.logit_bias, rope=self.pos.rotary(n_pos), device=device)
 
     def embed(self, idx: torch.Tensor) -> torch.Tensor:
         """idx (B, T) -> x (B, S + T, d) with the learned sink tokens prepended."""
         x = self.tok_emb(idx)
         if self.sink_tokens is not None:
             x = torch.cat([self.sink_tokens[None].expand(idx.shape[0], -1, -1).to(x.dtype), x], dim=1)
-        if self.abs_pos is not None:
-            x = x + self.abs_pos(x.shape[1]).to(x.dtype)
-        return x
+        table = self.pos.absolute(x.shape[1])
+        return x + table.to(x.dtype) if table is not None else x
 
     def forward(self, idx: torch.Tensor, records: Optional[list] = None, return_probs: bool = False,
                 return_hidden: bool = False):
@@ -92,11 +120,10 @@ class Transformer(nn.Module):
         """
         layout = self.layout(idx.shape[1], idx.device)
         x = self.embed(idx)
-        rope = self.rope.at(x.shape[1]) if self.rope is not None else None  # sliced once, not per layer
         all_probs = []
         for block in self.blocks:
             rec = {} if records is not None else None
-            x, probs = block(x, layout, rope, rec, return_probs)
+            x, probs = block(x, layout, rec, return_probs)
             if rec is not None:
                 rec["h"] = x
                 records.append(rec)

@@ -1,0 +1,108 @@
+"""Which key each query sees, composed from small mask functions, and the per-sequence `Layout`.
+
+Mask functions take FlexAttention's `mask_mod` signature (batch, head, q_idx, kv_idx) -> bool and broadcast over
+index tensors, so the same functions build the explicit path's boolean mask and a fused kernel's block mask.
+Sequence layout inside a layer: keys are [bias slots (0 or 1)] + [sink tokens (S)] + [real tokens (T)]; queries are
+the S + T sequence positions; mask functions index sequence positions (the slots are prepended, always visible).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+MaskMod = Callable[[Any, Any, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def causal(b, h, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
+    return kv_idx <= q_idx
+
+
+def sliding_window(window: int) -> MaskMod:
+    """Only the `window` most recent positions, the query's own included."""
+    def mask(b, h, q_idx, kv_idx):
+        return q_idx - kv_idx < window
+    return mask
+
+
+def prefix_block(start: int, end: int) -> MaskMod:
+    """Queries in [start, end) see every key before `end` (a prefix LM's bidirectional prefix)."""
+    def mask(b, h, q_idx, kv_idx):
+        return (q_idx >= start) & (q_idx < end) & (kv_idx < end)
+    return mask
+
+
+def sink_tokens_visible(n_sink: int) -> MaskMod:
+    """The first `n_sink` positions (learned sink tokens) stay visible to every later query."""
+    def mask(b, h, q_idx, kv_idx):
+        return (kv_idx < n_sink) & (kv_idx <= q_idx)
+    return mask
+
+
+def and_masks(*mods: MaskMod) -> MaskMod:
+    def mask(b, h, q_idx, kv_idx):
+        out = mods[0](b, h, q_idx, kv_idx)
+        for m in mods[1:]:
+            out = out & m(b, h, q_idx, kv_idx)
+        return out
+    return mask
+
+
+def or_masks(*mods: MaskMod) -> MaskMod:
+    def mask(b, h, q_idx, kv_idx):
+        out = mods[0](b, h, q_idx, kv_idx)
+        for m in mods[1:]:
+            out = out | m(b, h, q_idx, kv_idx)
+        return out
+    return mask
+
+
+def compose_mask(n_sink: int, prefix_len: int, window: Optional[int]) -> MaskMod:
+    """causal, cut to the window; the prefix block and the sink tokens added back (sink-token rows stay causal)."""
+    mask = causal if window is None else and_masks(causal, sliding_window(window))
+    if prefix_len:
+        mask = or_masks(mask, prefix_block(n_sink, n_sink + prefix_len))
+    if n_sink and window is not None:
+        mask = or_masks(mask, sink_tokens_visible(n_sink))
+    return mask
+
+
+LogitBias = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (q_pos (R,), k_pos (N,)) -> (H, R, N)
+
+
+@dataclass
+class Layout:
+    """Which key each query may see, the additive logit bias and RoPE, for a sequence of n_sink + T positions."""
+
+    n_pos: int  # sink tokens + real tokens
+    n_sink: int
+    n_slots: int  # K / KV bias slots prepended to the keys
+    mask_mod: MaskMod
+    plain_causal: bool  # mask_mod is `causal` and nothing is prepended: a fused kernel's is_causal
+    logit_bias: Optional[LogitBias]  # ALiBi / relative positions
+    rope: Optional[Callable[[torch.Tensor], torch.Tensor]]  # rotates q or k (B, H, N, hd)
+    device: torch.device
+
+    @property
+    def n_keys(self) -> int:
+        return self.n_slots + self.n_pos
+
+    @property
+    def is_plain_causal(self) -> bool:
+        return self.plain_causal and self.n_slots == 0 and self.logit_bias is None
+
+    def mask(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows: (R,) query positions -> (R, n_keys) bool, True where the query sees the key."""
+        seen = self.mask_mod(None, None, rows[:, None], torch.arange(self.n_pos, device=self.device)[None, :])
+        if self.n_slots:
+            seen = torch.cat([torch.ones(len(rows), self.n_slots, dtype=torch.bool, device=self.device), seen], 1)
+        return seen
+
+    def bias(self, rows: torch.Tensor) -> Optional[torch.Tensor]:
+        """(H, R, n_keys) additive logit bias from ALiBi / relative positions, zero on the bias slot."""
+        if self.logit_bias is None:
+            return None
+        b = self.logit_bias(rows, torch.arange(self.n_pos, device=self.device))
+        return F.pad(b, (self.n_slots, 0)) if self.n_slots else b

@@ -1,0 +1,76 @@
+"""The interface of an attention operation: what it computes, what it declares, and how it runs fused."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar, Optional
+
+import torch
+
+from ..masks import Layout
+from ..registry import Component
+
+
+class AttentionOp(Component, torch.nn.Module):
+    """Turns queries and keys into an attention map for a set of query rows.
+
+    A subclass registers itself with `@ATTENTION_OPS.register(name)` and defines `normalise` (logits -> map), or
+    `probs` for an operation without logits. It declares:
+      row_normalised(cfg)  whether every row of its map sums to one (else the metric also reports Sink*)
+      has_logits           whether it has logits that ALiBi / relative biases can be added to
+      fused(...)           a fused kernel's output, or None to use the explicit map
+      llama_ok(cfg)        whether transformers' LLaMA can represent it (export-hf asks)
+    Its parameters (a learned sink logit, a feature map) are submodules / parameters of the op.
+    """
+
+    has_logits: ClassVar[bool] = True
+
+    def __init__(self, cfg: Any):
+        super().__init__()
+        self.n_head = cfg.n_head
+
+    @classmethod
+    def row_normalised(cls, cfg: Any) -> bool:
+        return False
+
+    @classmethod
+    def fusable(cls, cfg: Any) -> bool:
+        """Whether `fused` computes this operation (checked without building it)."""
+        return False
+
+    def fused(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Layout,
+              scale: float) -> Optional[torch.Tensor]:
+        """q (B, H, N, hd), k and v (B, H, n_keys, hd) -> (B, H, N, hd), or None where there is no fused path."""
+        return None
+
+    def probs(self, q: torch.Tensor, k: torch.Tensor, layout: Layout, rows: torch.Tensor,
+              scale: float) -> torch.Tensor:
+        """Explicit map for query rows: q (B, H, R, hd), k (B, H, n_keys, hd) -> A (B, H, R, n_keys)."""
+        seen = layout.mask(rows)  # (R, n_keys)
+        s = (q @ k.transpose(-1, -2)) * scale  # (B, H, R, n_keys)
+        bias = layout.bias(rows)
+        if bias is not None:
+            s = s + bias.to(s.dtype)
+        return self.normalise(s, seen)
+
+    def normalise(self, s: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
+        """logits s (B, H, R, n_keys) and visibility seen (R, n_keys) -> the map, zero where not seen."""
+        raise NotImplementedError
+
+
+class NormalisableOp(AttentionOp):
+    """An operation whose rows may be divided by their sum (`model.attn_normalize`)."""
+
+    @dataclasses.dataclass
+    class Knobs:
+        attn_normalize: bool = False  # divide each row by its sum
+
+    def __init__(self, cfg: Any):
+        super().__init__(cfg)
+        self.normalize = cfg.attn_normalize
+
+    @classmethod
+    def row_normalised(cls, cfg: Any) -> bool:
+        return cfg.attn_normalize
+
+    def rows_to_one(self, a: torch.Tensor) -> torch.Tensor:
+        return a / (a.sum(-1, keepdim=True) + 1e-8) if self.normalize else a

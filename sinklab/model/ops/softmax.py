@@ -1,0 +1,88 @@
+"""softmax(alpha q.k / sqrt(d_h) + position bias), with an optional extra logit that absorbs attention: a learned
+one per head (`model.sink_logit=learned`, gpt-oss style) or a zero (`sink_logit=zero`, softmax-off-by-one)."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+
+from ..masks import Layout
+from ..registry import ATTENTION_OPS
+from .base import AttentionOp
+
+
+@ATTENTION_OPS.register("softmax")
+class Softmax(AttentionOp):
+    @dataclasses.dataclass
+    class Knobs:
+        sink_logit: str = dataclasses.field(default="none", metadata={"choices": ("none", "learned", "zero")})
+
+    @classmethod
+    def resolve(cls, cfg: Any) -> type:
+        return {"none": Softmax, "learned": LearnedSinkLogitSoftmax, "zero": OffByOneSoftmax}[cfg.sink_logit]
+
+    @classmethod
+    def row_normalised(cls, cfg: Any) -> bool:
+        return True
+
+    @classmethod
+    def llama_ok(cls, cfg: Any) -> bool:
+        return True
+
+    @classmethod
+    def fusable(cls, cfg: Any) -> bool:
+        return True
+
+    def fused(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Layout,
+              scale: float) -> Optional[torch.Tensor]:
+        """SDPA: is_causal for plain causal attention, else a boolean mask, or an additive one with position biases."""
+        if layout.is_plain_causal:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+        rows = torch.arange(layout.n_pos, device=q.device)
+        mask, bias = layout.mask(rows), layout.bias(rows)
+        if bias is not None:
+            mask = bias.to(q.dtype).masked_fill(~mask, float("-inf"))
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+    def normalise(self, s: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
+        return torch.softmax(s.masked_fill(~seen, float("-inf")), dim=-1)
+
+
+class OffByOneSoftmax(Softmax):
+    """softmax over the keys and one extra zero logit, dropped from the map: rows sum to less than one."""
+
+    @classmethod
+    def row_normalised(cls, cfg: Any) -> bool:
+        return False
+
+    @classmethod
+    def fusable(cls, cfg: Any) -> bool:
+        return False
+
+    @classmethod
+    def llama_mismatch(cls, cfg: Any) -> Optional[str]:
+        return f"model.sink_logit={cfg.sink_logit} (LLaMA needs none)"
+
+    def fused(self, q, k, v, layout, scale) -> None:
+        return None
+
+    def extra_logit(self, s: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(self.n_head, device=s.device)
+
+    def normalise(self, s: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
+        s = s.masked_fill(~seen, float("-inf"))
+        extra = self.extra_logit(s).to(s.dtype)[None, :, None, None].expand(*s.shape[:-1], 1)
+        return torch.softmax(torch.cat([s, extra], dim=-1), dim=-1)[..., :-1]
+
+
+class LearnedSinkLogitSoftmax(OffByOneSoftmax):
+    """The extra logit is learned, one per head."""
+
+    def __init__(self, cfg: Any):
+        super().__init__(cfg)
+        self.sink_logit = torch.nn.Parameter(torch.zeros(cfg.n_head))
+
+    def extra_logit(self, s: torch.Tensor) -> torch.Tensor:
+        return self.sink_logit

@@ -1,0 +1,100 @@
+"""Components chosen by name, resolved in one place (litgpt style).
+
+Every architecture family (attention operation, positional encoding, norm, feed-forward, gate, attention bias, block
+layout) is a `Registry`: a component class registers itself under the name that selects it in the config
+(`model.attn_op=sigmoid`). A component declares its config knobs as a `Knobs` dataclass; `ModelConfig` gathers them,
+so one module adds an op together with its knobs, its parameters and its behaviour.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, ClassVar, Generic, Iterator, Optional, TypeVar
+
+from sinklab.errors import UserError
+
+
+class ConfigError(UserError):
+    """A user error in the configuration: one line naming the key, the value and what is allowed."""
+
+
+class Component:
+    """What every registered component class provides to the config and the generic tests.
+
+    name:       the registered name (set by `Registry.register`)
+    Knobs:      a dataclass of the config keys this component reads; `ModelConfig` gets one field per knob
+    validate:   cross-field rules of this component, raising ConfigError naming the key (called once per config)
+    llama_ok:   whether LLaMA (transformers LlamaForCausalLM) can represent this component with these knobs
+    """
+
+    name: ClassVar[str] = ""
+    registry: ClassVar["Registry"]
+
+    @dataclasses.dataclass
+    class Knobs:
+        pass
+
+    @classmethod
+    def validate(cls, cfg: Any) -> None:
+        """Refuse impossible settings of this component (the chosen one only) with one ConfigError line."""
+
+    @classmethod
+    def llama_ok(cls, cfg: Any) -> bool:
+        return False
+
+    @classmethod
+    def llama_mismatch(cls, cfg: Any) -> Optional[str]:
+        """None when LLaMA can represent this component as configured, else 'model.key=value (LLaMA needs ...)'."""
+        if cls.llama_ok(cfg):
+            return None
+        return f"model.{cls.registry.key}={getattr(cfg, cls.registry.key)} (LLaMA needs {cls.registry.llama})"
+
+
+C = TypeVar("C", bound=type)
+
+
+class Registry(Generic[C]):
+    """name -> component class for one family, selected by the config key `key`."""
+
+    def __init__(self, key: str, what: str, llama: str):
+        self.key, self.what, self.llama = key, what, llama  # llama: the option LLaMA has
+        self._classes: dict[str, C] = {}
+
+    def register(self, name: str) -> Callable[[C], C]:
+        def add(cls: C) -> C:
+            if name in self._classes:
+                raise ValueError(f"{self.what} {name!r} is registered twice ({self._classes[name]} and {cls})")
+            cls.name, cls.registry = name, self
+            self._classes[name] = cls
+            return cls
+        return add
+
+    def get(self, name: str) -> C:
+        if name not in self._classes:
+            raise ConfigError(f"model.{self.key}={name!r} is not supported; allowed: {', '.join(self._classes)}")
+        return self._classes[name]
+
+    def selected(self, cfg: Any) -> C:
+        """The class chosen by the config (a component may pick a subclass for its variant: `resolve`)."""
+        cls = self.get(getattr(cfg, self.key))
+        resolve: Optional[Callable[[Any], C]] = getattr(cls, "resolve", None)
+        return resolve(cfg) if resolve is not None else cls
+
+    def names(self) -> list[str]:
+        return list(self._classes)
+
+    def __iter__(self) -> Iterator[C]:
+        return iter(self._classes.values())
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._classes
+
+
+ATTENTION_OPS: Registry = Registry("attn_op", "attention operation", llama="softmax")
+POSITIONS: Registry = Registry("pos", "positional encoding", llama="rope")
+NORMS: Registry = Registry("norm", "norm", llama="rms")
+NORM_POSITIONS: Registry = Registry("norm_position", "block layout", llama="pre")
+FFNS: Registry = Registry("ffn", "feed-forward network", llama="swiglu")
+GATES: Registry = Registry("gate", "attention-output gate", llama="none")
+ATTN_BIASES: Registry = Registry("attn_bias", "attention bias", llama="none")
+
+FAMILIES: tuple[Registry, ...] = (POSITIONS, NORMS, NORM_POSITIONS, FFNS, ATTENTION_OPS, ATTN_BIASES, GATES)
