@@ -29,3 +29,44 @@ def test_initialisation_and_training_steps_are_bit_identical(option):
     # sink logit starts at zero) may sit elsewhere in the order
     assert {n: tuple(v) for n, *v in got["params"]} == {upgrade_key(n): tuple(v) for n, *v in want["params"]}
     assert got["losses"] == want["losses"]
+
+
+FAST = ["trainer.max_steps=40", "trainer.val_check_interval=20", "callbacks.sink.every_n_steps=20",
+        "callbacks.checkpoint.every_n_train_steps=20", "trainer.enable_progress_bar=false",
+        "trainer.enable_model_summary=false", "seed=0"]
+ABLATION = ["model/bias=kv", "model/attn=sigmoid_norm", "model/pos=alibi"]
+RUNS = {"fast_plain": FAST, "fast_abl": FAST + ABLATION,
+        "steps200_plain": ["trainer.max_steps=200", "seed=0"],
+        "steps200_abl": ["trainer.max_steps=200", "seed=0"] + ABLATION}
+
+
+def train_metrics(tmp_path: Path, overrides: list[str]):
+    """metrics.csv of a sinklab-train run with 2 torch threads (as recorded), without the timing columns."""
+    import os
+    import subprocess
+    import sys
+
+    import pandas as pd
+
+    out = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "2", "WANDB_MODE": "offline"}
+    proc = subprocess.run([sys.executable, "-m", "sinklab.train.entry", *overrides, f"paths.output_dir={out}"],
+                          capture_output=True, text=True, env=env, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return pd.read_csv(out / "metrics.csv")
+
+
+def drop_timing(df):
+    return df[[c for c in df.columns if not c.startswith("perf/")]]
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n.startswith("steps200") else n
+                                  for n in RUNS])
+def test_training_runs_are_bit_identical(tmp_path, name):
+    """Every logged value (losses, learning rate, sink metric, activation statistics) equals sinklab 0.1's, exactly;
+    only the timing columns (perf/tokens_per_sec, perf/mfu) may differ."""
+    import pandas as pd
+
+    want = pd.read_csv(GOLDEN / f"{name}.csv")
+    got = train_metrics(tmp_path, RUNS[name])
+    pd.testing.assert_frame_equal(drop_timing(got), drop_timing(want), check_exact=True)

@@ -7,7 +7,7 @@ sinklab.data.config, ...); `store.register_configs()` puts them all in the Confi
 from sinklab.errors import UserError
 
 from .store import CONF_DIR, compose, register_configs
-from .validate import OPTIM_KEYS, PREEMPTION_SIGNALS, check_devices, hydra_error_message, validate_config
+from .validate import PREEMPTION_SIGNALS, built, check_devices, hydra_error_message, validate_config
 
 __all__ = ["CONF_DIR", "UserError", "compose", "register_configs", "validate_config", "check_devices",
-           "hydra_error_message", "OPTIM_KEYS", "PREEMPTION_SIGNALS"]
+           "hydra_error_message", "built", "PREEMPTION_SIGNALS"]

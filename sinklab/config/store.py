@@ -20,6 +20,8 @@ CONF_DIR = Path(os.environ.get("SINKLAB_CONF", Path(__file__).resolve().parents[
 
 # modules with a register(cs) function, one per config group that has a schema
 SCHEMA_MODULES = (
+    "sinklab.model.config",
+    "sinklab.train.optim",
 )
 
 _registered = False

@@ -20,7 +20,7 @@ from sinklab.model.config import ModelConfig
 
 from .store import CONF_DIR
 
-__all__ = ["validate_config", "check_devices", "hydra_error_message", "OPTIM_KEYS", "PREEMPTION_SIGNALS"]
+__all__ = ["validate_config", "built", "check_devices", "hydra_error_message", "PREEMPTION_SIGNALS"]
 
 
 # ---------------------------------------------------------------------------------------------- value checks
@@ -107,8 +107,6 @@ def either(*checks: Check) -> Check:
 PRECISIONS = ("auto", "64-true", "64", "32-true", "32", "16-mixed", "16", "bf16-mixed", "bf16", "16-true",
               "bf16-true", "transformer-engine", "transformer-engine-float16")
 PREEMPTION_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT", "SIGCONT", "SIGHUP")
-OPTIM_KEYS = ("lr", "weight_decay", "betas", "eps", "exclude_norm_and_embedding", "warmup_steps", "schedule",
-              "min_lr_ratio")
 DEBUG_KEYS = ("nan_at_step",)
 
 # key -> (check, required). A key whose parent node is absent or null (callbacks.sink=null) is not checked.
@@ -117,15 +115,6 @@ SCHEMA: dict[str, tuple[Check, bool]] = {
     "ckpt_path": (string(optional=True), False),
     "peak_flops": (either(choice("auto"), number(gt=0, optional=True)), False),
     "compile_backend": (string(), False),
-    # optim
-    "optim.lr": (number(gt=0), True),
-    "optim.weight_decay": (number(ge=0), True),
-    "optim.betas": (numbers(number(ge=0, lt=1), 2, "numbers in [0, 1)"), False),
-    "optim.eps": (number(gt=0), False),
-    "optim.exclude_norm_and_embedding": (boolean, False),
-    "optim.warmup_steps": (integer(0), False),
-    "optim.schedule": (choice("cosine", "constant"), True),
-    "optim.min_lr_ratio": (number(ge=0, le=1), False),
     # trainer (the train loader is endless: steps, not epochs)
     "trainer.max_steps": (integer(1), True),
     "trainer.val_check_interval": (integer(1), False),
@@ -292,17 +281,29 @@ def _check_target_keys(cfg: DictConfig, key: str, injected: Sequence[str] = ()) 
         _check_keys(node, key, [a for a in allowed if a not in injected])
 
 
+def built(cfg: DictConfig, key: str) -> Any:
+    """The dataclass instance of a structured-config node (its `__post_init__` checks the values), or the node as
+    plain types when it has no schema. An interpolation that does not resolve is one line naming the key."""
+    node = _select(cfg, key)
+    if not isinstance(node, DictConfig):
+        return _plain(node)
+    try:
+        return OmegaConf.to_object(node)
+    except UserError:
+        raise
+    except Exception as err:
+        full_key = getattr(err, "full_key", None) or key
+        raise UserError(f"{full_key} does not resolve: {str(err).splitlines()[0]}") from None
+
+
 def validate_config(cfg: DictConfig) -> ModelConfig:
     """Refuse bad training configs with one line naming the key, the value and what is allowed."""
     model_node = _select(cfg, "model")
     if not isinstance(model_node, DictConfig):
         raise UserError(f"model={_show(_plain(model_node))} is not a model config; choose a preset: model=tiny, "
                         "model=14m, model=60m or model=1b")
-    try:
-        model = OmegaConf.to_container(model_node, resolve=True, throw_on_missing=True)
-    except Exception as err:  # an interpolation that does not resolve
-        raise UserError(f"model config does not resolve: {str(err).splitlines()[0]}") from None
-    mcfg = ModelConfig.from_dict(model)
+    mcfg = built(cfg, "model")
+    built(cfg, "optim")
     # the hydra node (present in configs composed with return_hydra_config) is Hydra's: its sweep dir
     # interpolates hydra.job.num, which is only set inside a job, so it is not searched
     missing = sorted(OmegaConf.missing_keys(OmegaConf.masked_copy(cfg, [k for k in cfg.keys() if k != "hydra"])))
@@ -313,7 +314,6 @@ def validate_config(cfg: DictConfig) -> ModelConfig:
     for key, (check, required) in SCHEMA.items():
         _check_value(cfg, key, check, required)
     # option names: Hydra refuses unknown keys on the command line; these catch them in preset files too
-    _check_keys(_select(cfg, "optim"), "optim", OPTIM_KEYS)
     _check_keys(_select(cfg, "debug"), "debug", DEBUG_KEYS)
     _check_target_keys(cfg, "trainer", injected=("callbacks", "logger"))
     _check_target_keys(cfg, "data")

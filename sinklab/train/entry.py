@@ -10,7 +10,7 @@ from typing import Any, Optional
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from sinklab.config import CONF_DIR, UserError, check_devices, validate_config
+from sinklab.config import CONF_DIR, UserError, built, check_devices, validate_config
 
 log = logging.getLogger("sinklab")
 
@@ -146,15 +146,14 @@ def train(cfg: DictConfig) -> dict[str, Any]:
 
     dm = instantiate_user(cfg.data, _recursive_=False)
     dm.prepare()
-    model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
-    if model_cfg["vocab_size"] != dm.vocab_size:
-        model_cfg["vocab_size"] = dm.vocab_size
+    OmegaConf.update(cfg, "model.vocab_size", dm.vocab_size)  # the data's, padded: the saved config records it
+    model_cfg = built(cfg, "model")
     if resume is not None:
-        check_same_model(resume, model_cfg, ckpt)
+        check_same_model(resume, model_cfg.to_dict(), ckpt)
         log.info("resuming from %s (step %d)", ckpt, resume_step)
     del resume
     debug = OmegaConf.to_container(cfg.debug, resolve=True) if cfg.get("debug") else None
-    module = LitLM(model=model_cfg, optim=OmegaConf.to_container(cfg.optim, resolve=True),
+    module = LitLM(model=model_cfg, optim=OmegaConf.to_container(cfg.optim, resolve=True, enum_to_str=True),
                    max_steps=cfg.trainer.max_steps, peak_flops=cfg.get("peak_flops"), debug=debug,
                    compile_backend=cfg.get("compile_backend") or "inductor")
     log.info("model: %.2fM non-embedding parameters; data: %s", module.net.num_params() / 1e6, dm.describe())

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import random
 import time
 import warnings
@@ -43,27 +42,23 @@ def set_rng_states(state: dict[str, Any]) -> None:
     random.setstate((version, tuple(internal), gauss_next))
 
 
-def lr_lambda(step: int, warmup_steps: int, max_steps: int, schedule: str, min_lr_ratio: float) -> float:
-    """Multiplier of the peak lr: linear warmup, then cosine decay to min_lr_ratio, or constant."""
-    if warmup_steps and step < warmup_steps:
-        return (step + 1) / warmup_steps
-    if schedule == "constant":
-        return 1.0
-    progress = min(1.0, (step - warmup_steps) / max(1, max_steps - warmup_steps))
-    return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-
 class LitLM(L.LightningModule):
-    def __init__(self, model: dict[str, Any], optim: dict[str, Any], max_steps: int,
+    """The language model in training. `model`: the architecture (a built ModelConfig, or its dict as a checkpoint
+    saves it); `optim`: the optimizer node (conf/optim/, a `_target_` with `_partial_: true`; keys it leaves out take
+    sinklab.train.optim.AdamWConfig's defaults), instantiated in configure_optimizers."""
+
+    def __init__(self, model: Union[ModelConfig, dict[str, Any]], optim: dict[str, Any], max_steps: int,
                  peak_flops: Union[float, str, None] = None, debug: Optional[dict[str, Any]] = None,
                  compile_backend: str = "inductor"):
         super().__init__()
-        self.save_hyperparameters(ignore=["debug"])
-        self.cfg = ModelConfig.from_dict(dict(model))
-        self.model = Transformer(self.cfg)
+        self.cfg = model if isinstance(model, ModelConfig) else ModelConfig.from_dict(dict(model))
+        self.optim = optimizer_config(optim)
+        # plain types only, so that checkpoints load with weights_only=True
+        self.save_hyperparameters({"model": self.cfg.to_dict(), "optim": self.optim, "max_steps": max_steps,
+                                   "peak_flops": peak_flops, "compile_backend": compile_backend})
+        self.model = self.cfg.build()
         if self.cfg.compile:
             self.model = compile_model(self.model, self.cfg, compile_backend)
-        self.optim = dict(optim)
         self.max_steps = max_steps
         # peak dense FLOP/s of one device for perf/mfu: a number, None (no perf/mfu), or "auto" (measured when
         # training starts, sinklab.perf.peak_matmul_flops at the training precision's matmul dtype)
@@ -176,20 +171,22 @@ class LitLM(L.LightningModule):
         self.log("val/loss", self.loss(batch), prog_bar=True, sync_dist=True)
 
     def configure_optimizers(self):
-        o = self.optim
-        decay, no_decay = [], []
-        for name, p in self.model.named_parameters():
-            exempt = o.get("exclude_norm_and_embedding", False) and (
-                p.dim() < 2 or "emb" in name or "sink_tokens" in name or "pos" in name)
-            (no_decay if exempt else decay).append(p)
-        groups = [{"params": decay, "weight_decay": o["weight_decay"]}]
-        if no_decay:
-            groups.append({"params": no_decay, "weight_decay": 0.0})
-        opt = torch.optim.AdamW(groups, lr=o["lr"], betas=tuple(o.get("betas", (0.9, 0.95))),
-                                eps=o.get("eps", 1e-8), fused=None)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_lambda(
-            s, o.get("warmup_steps", 0), self.max_steps, o.get("schedule", "cosine"), o.get("min_lr_ratio", 0.1)))
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+        from hydra.utils import instantiate
+
+        return instantiate(self.optim)(self.model, self.max_steps)
+
+
+def optimizer_config(optim: dict[str, Any]) -> dict[str, Any]:
+    """The optimizer node with the schema's defaults filled in, checked, as plain types."""
+    from omegaconf import OmegaConf
+
+    from sinklab.train.optim import AdamWConfig
+
+    node = OmegaConf.create(dict(optim))
+    if node.get("_target_", AdamWConfig._target_) == AdamWConfig._target_:
+        node = OmegaConf.merge(OmegaConf.structured(AdamWConfig), node)  # defaults and types
+        OmegaConf.to_object(node)  # AdamWConfig.__post_init__ checks the values
+    return OmegaConf.to_container(node, resolve=True, enum_to_str=True)
 
 
 def model_key(key: str, compiled: bool) -> str:
