@@ -3,7 +3,7 @@
     sinklab export-hf CKPT_OR_RUN_DIR OUT_DIR [--dtype float32] [--no-check] [--tokenizer PATH | --no-tokenizer]
     python -m sinklab.export_hf ...                                                          (the same)
 
-Every config that LLaMA can represent (`ModelConfig.llama_compatible`: RoPE, pre-RMSNorm, SwiGLU, softmax, causal,
+Every config that LLaMA can represent (`ModelConfig.llama_mismatches()` is empty: RoPE, pre-RMSNorm, SwiGLU, softmax, causal,
 no biases, sinks or gates; grouped-query attention is fine) is written with `save_pretrained` (config.json +
 model.safetensors) and, unless --no-check, loaded back with transformers and compared with the sinklab model on
 random tokens (max |logit difference| <= 1e-4 in fp32). Other configs are refused with one line listing the
@@ -45,27 +45,9 @@ class ParityError(RuntimeError):
 
 
 def unrepresentable(cfg: ModelConfig) -> list[str]:
-    """The config keys LLaMA cannot represent, as 'model.key=value (LLaMA needs ...)'; empty when exportable."""
-    hd_default = cfg.d_model // cfg.n_head
-    checks = (
-        ("pos", cfg.pos == "rope", "rope"),
-        ("norm", cfg.norm == "rms", "rms"),
-        ("norm_position", cfg.norm_position == "pre", "pre"),
-        ("ffn", cfg.ffn == "swiglu", "swiglu"),
-        ("attn_op", cfg.attn_op == "softmax", "softmax"),
-        ("softmax_scale", cfg.softmax_scale == 1.0, "1.0"),
-        ("attn_bias", cfg.attn_bias == "none", "none"),
-        ("n_sink_tokens", cfg.n_sink_tokens == 0, "0"),
-        ("sink_logit", cfg.sink_logit == "none", "none"),
-        ("gate", cfg.gate == "none", "none"),
-        ("prefix_len", cfg.prefix_len == 0, "0 (causal)"),
-        ("window", cfg.window is None, "null (full causal attention)"),
-        ("head_dim", cfg.head_dim in (None, hd_default), f"null or d_model / n_head = {hd_default}"),
-    )
-    bad = [f"model.{key}={getattr(cfg, key)} (LLaMA needs {need})" for key, ok, need in checks if not ok]
-    if not bad and not cfg.llama_compatible:  # keep in step with ModelConfig.llama_compatible
-        bad.append("the config (ModelConfig.llama_compatible is false)")
-    return bad
+    """The config keys LLaMA cannot represent, as 'model.key=value (LLaMA needs ...)'; empty when exportable. Each
+    component says whether LLaMA can represent it (`llama_ok` in sinklab/model/)."""
+    return cfg.llama_mismatches()
 
 
 def llama_state_dict(state: dict[str, torch.Tensor], n_layer: int) -> dict[str, torch.Tensor]:

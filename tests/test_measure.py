@@ -66,8 +66,8 @@ def planted(where: str = "token1", **overrides) -> Transformer:
             emb[0, 0] = 10.0
             attn.k_proj.weight[r, 0] = 30.0
         elif where == "bias":
-            attn.k_bias[h].zero_()
-            attn.k_bias[h, hd // 2 - 1] = 60.0
+            attn.attn_bias.k_bias[h].zero_()
+            attn.attn_bias.k_bias[h, hd // 2 - 1] = 60.0
         elif where == "sink":
             m.sink_tokens.zero_()
             m.sink_tokens[0, 0], m.sink_tokens[0, 1] = 10.0, 1.0

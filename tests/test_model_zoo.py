@@ -459,17 +459,18 @@ SIZES = ["tiny", "14m", "60m", "1b"]
 GROUP_FILES = sorted(p.relative_to(CONF).with_suffix("").as_posix() for p in CONF.glob("*/*.yaml"))
 
 
+def test_switch_files_only_set_model_keys():
+    for name in GROUP_FILES:
+        assert (CONF / f"{name}.yaml").read_text().startswith("# @package model"), name
+
+
 def compose(name: str, **overrides) -> dict:
-    """conf/model/<name>.yaml merged onto tiny.yaml, as Hydra's defaults list composes them (without Hydra)."""
-    base = OmegaConf.load(CONF / "tiny.yaml")
-    path = CONF / f"{name}.yaml"
-    node = OmegaConf.load(path)
-    if "/" in name:  # a switch file: `# @package model`, its keys go straight into model.*
-        assert path.read_text().startswith("# @package model"), name
-    elif name != "tiny":  # a size preset: `defaults: [tiny, _self_]`
-        assert OmegaConf.to_container(node.pop("defaults")) == ["tiny", "_self_"], name
-    cfg = OmegaConf.merge(base, node, {"vocab_size": V, **overrides})  # vocab_size: ${data.vocab_size} in tiny
-    return OmegaConf.to_container(cfg, resolve=True)
+    """The model node as `sinklab-train model=<size>` or `model/<group>=<option>` composes it (Hydra)."""
+    from sinklab.config import compose as hydra_compose
+
+    choice = "model/{}={}".format(*name.split("/")) if "/" in name else f"model={name}"
+    extra = [f"model.{k}={v}" for k, v in {"vocab_size": V, **overrides}.items()]
+    return OmegaConf.to_container(hydra_compose([choice, *extra]).model, resolve=True)
 
 
 def forward_backward(cfg: ModelConfig, T: int) -> None:

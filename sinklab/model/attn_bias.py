@@ -53,6 +53,10 @@ class LearnedBias(AttentionBias):
     class Knobs:
         attn_bias_shared: bool = False  # one bias for all heads instead of one per head
 
+    @classmethod
+    def llama_ok(cls, cfg: Any) -> bool:
+        return False
+
     def new_bias(self, cfg: Any) -> nn.Parameter:
         return nn.Parameter(torch.zeros(1 if cfg.attn_bias_shared else cfg.n_head, cfg.hd))
 
