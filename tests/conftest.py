@@ -1,3 +1,7 @@
+"""Shared fixtures and helpers: small models, token batches, and the configurations that select every registered
+component (the generic contract tests run over them)."""
+import dataclasses
+import itertools
 import os
 
 os.environ.setdefault("WANDB_MODE", "offline")
@@ -8,15 +12,45 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from sinklab.model import ModelConfig, Transformer  # noqa: E402
+from sinklab.model import FAMILIES, ModelConfig, Transformer  # noqa: E402
+from sinklab.model.config import KNOBS  # noqa: E402
 
 SMALL = dict(vocab_size=97, n_layer=2, n_head=4, d_model=32, d_ff=64, block_size=24)
 
 
+def small_model(**overrides) -> Transformer:
+    """A 2-layer, d 32 model with seed 0, in eval mode."""
+    torch.manual_seed(0)
+    return Transformer(ModelConfig(**{**SMALL, **overrides})).eval()
+
+
+def token_ids(B: int = 2, T: int = 24, seed: int = 0, vocab: int = 97) -> torch.Tensor:
+    return torch.randint(0, vocab, (B, T), generator=torch.Generator().manual_seed(seed))
+
+
 @pytest.fixture
 def make_model():
-    def make(**overrides):
-        torch.manual_seed(0)
-        return Transformer(ModelConfig(**{**SMALL, **overrides})).eval()
+    return small_model
 
-    return make
+
+def component_cases() -> list[dict]:
+    """One config (overrides of SMALL) per registered component of every family, and per value of each choice or
+    boolean knob it owns (softmax x sink_logit, kernel x kernel_map x attn_normalize, ...). A component that needs
+    logits is paired with a position that works with it (the registry's defaults otherwise)."""
+    cases = []
+    for registry in FAMILIES:
+        for cls in registry:
+            owned = [(k, f) for k, (f, owners) in KNOBS.items() if cls in owners]
+            axes = [[(k, c) for c in f.metadata["choices"]] for k, f in owned if "choices" in f.metadata]
+            axes += [[(k, False), (k, True)] for k, f in owned if f.type in (bool, "bool")]
+            for combo in itertools.product(*axes):
+                case = {registry.key: cls.name, **dict(combo)}
+                if case.get("attn_bias_shared") and cls.name == "none":
+                    continue
+                cases.append(case)
+    return cases
+
+
+def case_id(case: dict) -> str:
+    return ",".join(f"{k}={v}" for k, v in case.items())
+

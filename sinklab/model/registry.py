@@ -55,8 +55,9 @@ C = TypeVar("C", bound=type)
 class Registry(Generic[C]):
     """name -> component class for one family, selected by the config key `key`."""
 
-    def __init__(self, key: str, what: str, llama: str):
-        self.key, self.what, self.llama = key, what, llama  # llama: the option LLaMA has
+    def __init__(self, key: str, what: str, llama: str, group: str):
+        # llama: the option LLaMA has; group: the config group whose files select an option (conf/model/<group>/)
+        self.key, self.what, self.llama, self.group = key, what, llama, group
         self._classes: dict[str, C] = {}
 
     def register(self, name: str) -> Callable[[C], C]:
@@ -89,12 +90,12 @@ class Registry(Generic[C]):
         return name in self._classes
 
 
-ATTENTION_OPS: Registry = Registry("attn_op", "attention operation", llama="softmax")
-POSITIONS: Registry = Registry("pos", "positional encoding", llama="rope")
-NORMS: Registry = Registry("norm", "norm", llama="rms")
-NORM_POSITIONS: Registry = Registry("norm_position", "block layout", llama="pre")
-FFNS: Registry = Registry("ffn", "feed-forward network", llama="swiglu")
-GATES: Registry = Registry("gate", "attention-output gate", llama="none")
-ATTN_BIASES: Registry = Registry("attn_bias", "attention bias", llama="none")
+ATTENTION_OPS: Registry = Registry("attn_op", "attention operation", llama="softmax", group="attn")
+POSITIONS: Registry = Registry("pos", "positional encoding", llama="rope", group="pos")
+NORMS: Registry = Registry("norm", "norm", llama="rms", group="norm")
+NORM_POSITIONS: Registry = Registry("norm_position", "block layout", llama="pre", group="norm")
+FFNS: Registry = Registry("ffn", "feed-forward network", llama="swiglu", group="ffn")
+GATES: Registry = Registry("gate", "attention-output gate", llama="none", group="gate")
+ATTN_BIASES: Registry = Registry("attn_bias", "attention bias", llama="none", group="bias")
 
 FAMILIES: tuple[Registry, ...] = (POSITIONS, NORMS, NORM_POSITIONS, FFNS, ATTENTION_OPS, ATTN_BIASES, GATES)

@@ -1,0 +1,110 @@
+"""The contract every registered component passes (sinklab/model/registry.py). A newly registered attention
+operation, positional encoding, norm, FFN, gate or attention bias is tested here without new test code: its fused,
+chunked and explicit paths agree (forward and gradients), it is causal, its rows sum to one where it says so, the
+chunked sink metric equals the brute-force one, it trains a step, and a file of its config group selects it."""
+from functools import lru_cache
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from sinklab.metrics.sink import attention_scores, brute_force_alpha
+from sinklab.model import FAMILIES
+from tests.conftest import case_id, component_cases, small_model, token_ids
+
+CASES = component_cases()
+MASKS = {"causal": {}, "prefix": {"prefix_len": 4}, "window": {"window": 5}, "sinks": {"n_sink_tokens": 2, "window": 4}}
+CONF = Path(__file__).resolve().parents[1] / "conf" / "model"
+
+
+def logits_and_grads(m, idx, **kw):
+    m.zero_grad()
+    out = m(idx, **kw)
+    logits = out[0] if isinstance(out, tuple) else out
+    (logits * torch.linspace(-1, 1, logits.shape[-1])).sum().backward()
+    return logits.detach(), {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("mask", MASKS)
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_fused_chunked_and_explicit_paths_agree(case, mask):
+    m = small_model(**case, **MASKS[mask]).train()
+    idx = token_ids()
+    fused = logits_and_grads(m, idx)  # the op's fused kernel where it has one
+    explicit = logits_and_grads(m, idx, return_probs=True)  # whole maps
+    for block in m.blocks:
+        block.attn.use_fused, block.attn.row_chunk = False, 5  # query rows in chunks of 5
+    chunked = logits_and_grads(m, idx)
+    for other in (explicit, chunked):
+        torch.testing.assert_close(other[0], fused[0], atol=2e-5, rtol=1e-5)
+        assert other[1].keys() == fused[1].keys()
+        for name in fused[1]:
+            torch.testing.assert_close(other[1][name], fused[1][name], atol=1e-4, rtol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_no_information_from_the_future(case):
+    m = small_model(**case)
+    idx = token_ids()
+    changed = idx.clone()
+    changed[:, 15] = (changed[:, 15] + 1) % 97
+    before, after = m(idx), m(changed)
+    torch.testing.assert_close(after[:, :15], before[:, :15], atol=0, rtol=0)
+    assert (after[:, 15:] - before[:, 15:]).abs().max() > 1e-6
+
+
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_rows_sum_to_one_where_claimed(case):
+    m = small_model(**case, n_sink_tokens=1, window=6)
+    _, maps = m(token_ids(), return_probs=True)
+    for a in maps:  # (B, H, S + T, n_keys): every map is zero where a key is not visible
+        layout = m.layout(24, a.device)
+        assert torch.all(a[..., ~layout.mask(torch.arange(layout.n_pos))] == 0)
+        if m.cfg.row_normalised:
+            torch.testing.assert_close(a.sum(-1), torch.ones_like(a.sum(-1)))
+
+
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_chunked_sink_metric_equals_brute_force(case):
+    m = small_model(**case, n_sink_tokens=1 if "attn_bias" not in case else 0)
+    tokens = token_ids(B=3, T=20, seed=1)
+    fast, ref = attention_scores(m, tokens, k=3, batch_size=2, chunk=7), brute_force_alpha(m, tokens, k=3)
+    torch.testing.assert_close(fast.alpha, ref.alpha, atol=1e-5, rtol=1e-5)
+    for name in ("slot", "alpha_star", "slot_star"):
+        mine, want = getattr(fast, name), getattr(ref, name)
+        assert (mine is None) == (want is None), name
+        if want is not None:
+            torch.testing.assert_close(mine, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_trains_a_step(case):
+    m = small_model(**case).train()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    idx = token_ids(B=4, T=25)
+    losses = []
+    for _ in range(2):
+        loss = torch.nn.functional.cross_entropy(m(idx[:, :-1]).flatten(0, 1), idx[:, 1:].flatten())
+        opt.zero_grad()
+        loss.backward()
+        for name, p in m.named_parameters():
+            assert p.grad is not None and torch.isfinite(p.grad).all() and p.grad.abs().max() > 0, name
+        opt.step()
+        losses.append(loss.item())
+    assert all(torch.isfinite(torch.tensor(losses))) and losses[1] < losses[0]
+
+
+@lru_cache(maxsize=None)
+def composed(group: str, option: str) -> dict:
+    from sinklab.config import compose
+
+    return OmegaConf.to_container(compose([f"model/{group}={option}"]).model, resolve=True)
+
+
+@pytest.mark.parametrize("registry", FAMILIES, ids=lambda r: r.key)
+def test_a_config_file_selects_every_component(registry):
+    files = sorted(p.stem for p in (CONF / registry.group).glob("*.yaml"))
+    selected = {composed(registry.group, f)[registry.key] for f in files}
+    assert set(registry.names()) <= selected, f"no conf/model/{registry.group}/*.yaml selects " \
+                                              f"{sorted(set(registry.names()) - selected)}"
