@@ -416,7 +416,7 @@ def test_values_outside_their_physical_range_are_ignored(tmp_path, caplog):
     (["--paper-tables", "missing.yaml"], "--paper-tables missing.yaml cannot be read"),
     (["--paper-tables", "bad.yaml"], "table weight_decay: sink1=120 is not allowed; allowed: a number in [0, 100]"),
     (["--paper-tables", "list.yaml"], "holds a list; expected a mapping of table names to rows"),
-    (["--out", "a_file"], "--out a_file is a file; expected a directory"),
+    (["--out", "a_file"], "--out a_file cannot be made a directory (File exists)"),
 ])
 def test_bad_input_is_one_line(tmp_path, monkeypatch, capsys, args, message):
     sweep = make_sweep(tmp_path)

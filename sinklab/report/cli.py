@@ -23,10 +23,13 @@ def build_report(sweep_dir, out_dir=None, *, paper_tables: Optional[Path] = None
     """
     sweep_dir = Path(sweep_dir)
     out_dir = Path(out_dir) if out_dir is not None else sweep_dir / "report"
-    if out_dir.exists() and not out_dir.is_dir():
-        raise UserError(f"--out {out_dir} is a file; expected a directory (made if missing)")
     sweep = load_sweep(sweep_dir, now=now, stale_minutes=stale_minutes)
     tables = load_paper_tables(paper_tables)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"--out {out_dir} cannot be made a directory ({e.strerror}); allowed: a directory or a new "
+                        "path in a writable one") from e
     jobs, metrics = job_table(sweep, tables)
     agg = aggregate(jobs, sweep.swept, metrics)
     csv_path = write_csv(out_dir / "report.csv", jobs)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+import numpy as np
 import pandas as pd
 import yaml
 from omegaconf import DictConfig, OmegaConf
@@ -45,17 +46,19 @@ def as_number(v: Any) -> Optional[float]:
 
 
 def numbers(raw: pd.DataFrame, source: Path) -> pd.DataFrame:
-    """``raw`` cells (text or values; one column per logged name) as floats. A cell that is not a number within its
-    column's physical range (see ``columns.bounds``) is blank, with one warning per column that had any."""
-    values = raw.apply(pd.to_numeric, errors="coerce").astype(float)
-    lo = pd.Series({c: bounds(c)[0] for c in values}, dtype=float)
-    hi = pd.Series({c: bounds(c)[1] for c in values}, dtype=float)
-    ok = values.ge(lo) & values.le(hi) & values.abs().lt(math.inf)
-    for col, n in (raw.notna() & raw.ne("") & ~ok).sum().items():
+    """``raw`` cells (numbers, or text where a column is not all numbers; one column per logged name) as floats. A
+    cell that is not a number within its column's physical range (see ``columns.bounds``) is blank, with one warning
+    per column that had any."""
+    text = [c for c, dtype in raw.dtypes.items() if not pd.api.types.is_numeric_dtype(dtype)]
+    values = raw.assign(**{c: pd.to_numeric(raw[c], errors="coerce") for c in text}).to_numpy(float)
+    ranges = [bounds(c) for c in raw.columns]
+    lo, hi = np.array(ranges, dtype=float).reshape(-1, 2).T
+    ok = (values >= lo) & (values <= hi) & np.isfinite(values)
+    for col, (low, high), n in zip(raw.columns, ranges, (raw.notna().to_numpy(bool) & ~ok).sum(axis=0)):
         if n:
-            allowed = "a finite number" + (f" in [{lo[col]:g}, {hi[col]:g}]" if bounds(col) != ANY else "")
+            allowed = "a finite number" + (f" in [{low:g}, {high:g}]" if (low, high) != ANY else "")
             log.warning("%s: %d value(s) of %s ignored; allowed: %s", source, n, col, allowed)
-    return values.where(ok)
+    return pd.DataFrame(np.where(ok, values, np.nan), index=raw.index, columns=raw.columns)
 
 
 # ----------------------------------------------------------------------------------------------- reading a job
@@ -77,16 +80,19 @@ def read_metrics(path: Path) -> Metrics:
     except OSError:
         return Metrics()
     try:
-        raw = pd.read_csv(io.StringIO(text[: text.rfind("\n") + 1]), dtype=str, keep_default_na=False,
+        raw = pd.read_csv(io.StringIO(text[: text.rfind("\n") + 1]), keep_default_na=False, na_values=[""],
                           index_col=False, on_bad_lines="skip")
     except pd.errors.EmptyDataError:
         return Metrics()
     values = numbers(raw, path)
     step = values.pop("step") if "step" in values else pd.Series(math.nan, index=values.index)
     stepped = step.notna() & step.eq(step.round())
-    by_step = values[stepped].groupby(step[stepped].astype(int)).last()
+    by_step = values[stepped].groupby(step[stepped].astype(int)).last()  # a step's last value of each column
+    steps, table = by_step.index.to_numpy(), by_step.to_numpy()
+    logged = ~np.isnan(table)
     return Metrics(final=values.ffill().iloc[-1].dropna().to_dict() if len(values) else {},
-                   series={c: pts for c in by_step if (pts := list(by_step[c].dropna().items()))},
+                   series={c: list(zip(steps[logged[:, j]].tolist(), table[logged[:, j], j].tolist()))
+                           for j, c in enumerate(by_step.columns) if logged[:, j].any()},
                    max_step=int(step.max()) if step.notna().any() else None)
 
 

@@ -114,22 +114,27 @@ def status_counts(statuses: Iterable[Status]) -> str:
     return ", ".join(f"{s} {counts[s]}" for s in STATUS_ORDER if s in counts)
 
 
+def _paper_table_line(exp: dict[str, Any], tables: dict) -> list[str]:
+    """The report.md line on the experiment's paper table and how its rows were matched; none without a table."""
+    name = exp["paper_table"]
+    if not name:
+        return []
+    table = tables.get(name)
+    if table is None:
+        return [f"- Paper table: `{name}` (not in paper_tables.yaml)"]
+    if isinstance(table, dict) and "figure_only" in table:
+        return [f"- Paper table: `{name}`: figure only in the paper: {table['figure_only']}"]
+    how = ", ".join(f"`{f}` = `{k}`" for f, k in exp["paper_match"].items())
+    return [f"- Paper table: `{name}`" + (f", matched on {how}" if how else "")
+            + f"; {PAPER_CITE}. Reference points, not targets at this scale."]
+
+
 def write_markdown(path: Path, sweep: Sweep, jobs: pd.DataFrame, metrics: list[Metric], agg: Optional[pd.DataFrame],
                    plots: list[Path], out_dir: Path, tables: dict) -> Path:
     """report.md: what was swept and how it was matched to the paper, the jobs table, mean ± std over seeds, plots."""
     exp = experiment_info(sweep.cfg)
     lines = [f"# Sweep report: {exp['name'] or sweep.dir.name}", "", f"- Sweep dir: `{sweep.dir}`",
-             f"- Experiment: `{exp['name'] or '-'}`"]
-    if exp["paper_table"]:
-        table = tables.get(exp["paper_table"])
-        how = ", ".join(f"`{f}` = `{k}`" for f, k in exp["paper_match"].items())
-        if table is None:
-            lines.append(f"- Paper table: `{exp['paper_table']}` (not in paper_tables.yaml)")
-        elif isinstance(table, dict) and "figure_only" in table:
-            lines.append(f"- Paper table: `{exp['paper_table']}`: figure only in the paper: {table['figure_only']}")
-        else:
-            lines.append(f"- Paper table: `{exp['paper_table']}`" + (f", matched on {how}" if how else "")
-                         + f"; {PAPER_CITE}. Reference points, not targets at this scale.")
+             f"- Experiment: `{exp['name'] or '-'}`", *_paper_table_line(exp, tables)]
     regen = f"sinklab report {sweep.dir} --out {out_dir}"
     lines += [f"- Swept: {', '.join(f'`{k}`' for k in sweep.swept) or 'nothing (single setting)'}",
               f"- Jobs: {len(jobs)} ({status_counts(jobs['status'])})",
