@@ -100,6 +100,14 @@ def read_csv(path: Path) -> list[dict]:
         return list(csv.DictReader(f))
 
 
+def report_figures(sweep: Path, now=None) -> dict:
+    """The report's figures of a sweep by file name, to look into."""
+    from sinklab.report import plots, table
+
+    loaded = report.load_sweep(sweep, now=now)
+    return plots.figures(loaded, table.job_table(loaded, report.load_paper_tables())[0])
+
+
 def test_report_table_status_and_paper_values(tmp_path):
     sweep = make_sweep(tmp_path)
     res = report.build_report(sweep, tmp_path / "out")
@@ -357,3 +365,65 @@ def test_single_run_dir(tmp_path):
     assert [p.name for p in res["plots"]] == ["sink1_over_steps.png"]
     assert "nothing (single setting)" in res["md"].read_text()
     assert len(report.build_report(run)["rows"]) == 1  # its own report/ dir is not taken for a job
+
+
+def test_preempted_job_is_preempted_in_the_table_and_on_the_plots(tmp_path):
+    """A job that saved last.ckpt on a signal and exited (status.json "preempted") waits to be requeued: the report
+    says preempted, however long ago that was, and draws it as preempted, not as running."""
+    from sinklab.status import Status, write_status
+
+    sweep = make_sweep(tmp_path)
+    write_status(sweep / "3" / "status.json", Status.PREEMPTED, step=100)
+    later = time.time() + 3600
+    res = report.build_report(sweep, tmp_path / "out", now=later)
+    assert [r["status"] for r in res["rows"]] == ["completed", "completed", "failed", "preempted", "pending"]
+    assert "Jobs: 5 (completed 2, preempted 1, failed 1, pending 1)" in res["md"].read_text()
+
+    figures = report_figures(sweep, now=later)
+    legend = [t.get_text() for t in figures["sink1_vs_optim.weight_decay.png"].axes[0].get_legend().get_texts()]
+    assert "preempted" in legend and "failed / killed" in legend and "running" not in legend
+    over_steps = [t.get_text() for t in figures["sink1_over_steps.png"].axes[0].get_legend().get_texts()]
+    assert "weight_decay=1 (preempted)" in over_steps
+
+
+def test_values_outside_their_physical_range_are_ignored(tmp_path, caplog):
+    """A rate outside [0, 100] %, a negative or non-finite loss or a negative step is not a measurement: it is left
+    out (with a warning naming the file), and the mean ± std bars of a rate stay within [0, 100]."""
+    p = tmp_path / "metrics.csv"
+    p.write_text("epoch,sink/sink1,step,val/loss\n0,4.5,9,5.2\n0,7.0,19,4.8\n0,150.0,29,-1.0\n0,3.0,-5,nan\n")
+    m = report.read_metrics(p)
+    assert m.final == {"epoch": 0.0, "sink/sink1": 3.0, "val/loss": 4.8} and m.max_step == 29
+    assert m.series["sink/sink1"] == [(9, 4.5), (19, 7.0)]
+    assert f"{p}: 1 value(s) of sink/sink1 ignored; allowed: a finite number in [0, 100]" in caplog.text
+    assert "2 value(s) of val/loss ignored" in caplog.text and "1 value(s) of step ignored" in caplog.text
+
+    sweep = tmp_path / "sweep"
+    for i, (wd, s1) in enumerate(((0.1, 0.0), (0.1, 0.0), (0.1, 10.0), (0.5, 20.0))):  # wd 0.1: mean 3.3, std 5.8
+        write_hydra(sweep / str(i), base_config(wd, seed=i), [f"optim.weight_decay={wd}", f"seed={i}"])
+        write_metrics(sweep / str(i) / "metrics.csv", 100, lambda s, v=s1: v, lambda s: 4.0)
+        status = {"status": "completed", "step": 100, "final": {"sink/sink1_star": 101.0}}
+        (sweep / str(i) / "status.json").write_text(json.dumps(status))
+    res = report.build_report(sweep, tmp_path / "out")
+    assert "sink1_star" not in res["columns"]  # status.json's final values are checked the same way
+    assert res["aggregate"][0]["sink1_std"] == pytest.approx(np.std([0, 0, 10], ddof=1))
+    ax = report_figures(sweep)["sink1_vs_optim.weight_decay.png"].axes[0]
+    bars = [seg for c in ax.collections for seg in c.get_segments()]
+    assert bars and min(y for seg in bars for _, y in seg) == 0.0
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--stale-minutes", "-1"], "--stale-minutes -1.0 is not allowed; allowed: a number of minutes > 0"),
+    (["--paper-tables", "missing.yaml"], "--paper-tables missing.yaml cannot be read"),
+    (["--paper-tables", "bad.yaml"], "table weight_decay: sink1=120 is not allowed; allowed: a number in [0, 100]"),
+    (["--paper-tables", "list.yaml"], "holds a list; expected a mapping of table names to rows"),
+    (["--out", "a_file"], "--out a_file cannot be made a directory (File exists)"),
+])
+def test_bad_input_is_one_line(tmp_path, monkeypatch, capsys, args, message):
+    sweep = make_sweep(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    Path("bad.yaml").write_text("weight_decay:\n  - {wd: 0.1, sink1: 120}\n")
+    Path("list.yaml").write_text("- 1\n")
+    Path("a_file").write_text("")
+    assert report.main([str(sweep), *args]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("sinklab report: error: ") and message in err and err.count("\n") == 1, err

@@ -1,0 +1,23 @@
+"""Sweep report: one table row per job of a Hydra multirun, plots, and the paper's numbers beside ours.
+
+    sinklab report SWEEP_DIR [--out DIR]          # or: python -m sinklab.report SWEEP_DIR [--out DIR]
+
+A sweep dir holds ``multirun.yaml`` and one dir per job (``0/``, ``1/``, ...) with ``.hydra/config.yaml``,
+``.hydra/overrides.yaml``, ``metrics.csv`` (Lightning CSVLogger format, sparse rows) and ``status.json``.
+Any of these may be missing: the report works on a sweep that is still running or where jobs failed.
+Jobs that ``multirun.yaml`` promises but that have no dir yet are listed as ``pending``.
+
+Outputs in DIR (default SWEEP_DIR/report): ``report.md``, ``report.csv``, ``report_aggregate.csv`` (when some
+swept setting has several seeds), ``sink1_vs_<key>.png``, ``val_loss_vs_<key>.png``, ``sink1_over_steps.png``.
+
+Modules: ``jobs`` reads the sweep (job dirs, status, overrides, metrics.csv), ``paper`` matches each job to the
+paper's table, ``columns`` says which metrics are shown and how, ``table`` aggregates and writes the CSV and
+markdown, ``plots`` draws, ``cli`` is the command.
+"""
+from sinklab.report.cli import build_report, main
+from sinklab.report.jobs import load_sweep, read_metrics
+from sinklab.report.paper import load_paper_tables, match_paper_row, paper_values, values_match
+from sinklab.report.plots import x_scale
+
+__all__ = ["build_report", "main", "load_sweep", "read_metrics", "load_paper_tables", "match_paper_row",
+           "paper_values", "values_match", "x_scale"]

@@ -1,0 +1,84 @@
+"""The report's metric columns: which logged metrics it shows, their labels, physical ranges and number formats."""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+from sinklab.keys import SINK1, SINK_PREFIX, TRAIN_LOSS, VAL_LOSS
+
+PERCENT = (0.0, 100.0)
+NON_NEGATIVE = (0.0, math.inf)
+ANY = (-math.inf, math.inf)
+_RATE = re.compile(rf"^{re.escape(SINK_PREFIX)}(layer\d+/)?(sink|slot)")  # Sink_k, Sink*_k, slot scores: in %
+_SLOT = re.compile(rf"^{re.escape(SINK_PREFIX)}(slot(?:_[A-Za-z0-9_]+)?)$")
+
+
+def bounds(name: str) -> tuple[float, float]:
+    """Physical range of a logged value: sink rates and slot scores in [0, 100] %, losses (nats) and steps >= 0;
+    anything else any finite number."""
+    if _RATE.match(name):
+        return PERCENT
+    if name == "step" or name.endswith("loss"):
+        return NON_NEGATIVE
+    return ANY
+
+
+@dataclass(frozen=True)
+class Metric:
+    """A final value per job: ``col`` in report.csv, ``src`` in metrics.csv / status.json, ``label`` in report.md;
+    ``always`` ones are shown even before any job logged them."""
+
+    col: str
+    src: str
+    label: str
+    always: bool = False
+
+    @property
+    def bounds(self) -> tuple[float, float]:
+        return bounds(self.src)
+
+
+def _sink(k: int, star: str = "") -> Metric:
+    return Metric(f"sink{k}{star}", f"{SINK_PREFIX}sink{k}{star}", f"Sink{'*' if star else ''}_{k} (%)")
+
+
+SINK1_METRIC = Metric("sink1", SINK1, "Sink_1 (%)", always=True)
+VAL_LOSS_METRIC = Metric("val_loss", VAL_LOSS, "val loss (nats)", always=True)
+SINK_METRICS = (SINK1_METRIC, *(_sink(k) for k in (2, 3, 4)), _sink(1, "_star"))
+LOSS_METRICS = (VAL_LOSS_METRIC, Metric("train_loss", TRAIN_LOSS, "train loss (nats)"))
+
+
+def metric_columns(logged: Iterable[str]) -> list[Metric]:
+    """The metrics to report, given every metric name some job logged: the Sink_k, then slot scores
+    (sink/slot, sink/slot_<name>), then the losses."""
+    logged = set(logged)
+    slots = [m for m in map(_SLOT.match, sorted(logged)) if m]
+    return [m for m in SINK_METRICS if m.always or m.src in logged] + \
+        [Metric(m.group(1), m.group(0), f"{m.group(1).replace('_', ' ')} score (%)") for m in slots] + \
+        [m for m in LOSS_METRICS if m.always or m.src in logged]
+
+
+def fmt(v: Any, col: str = "") -> str:
+    """A value as shown in report.md and on plots: rates with 2 decimals, losses with 3, the paper's numbers at the
+    paper's precision, other numbers in %g; missing values (None, NaN) empty."""
+    if v is None or isinstance(v, float) and math.isnan(v):
+        return ""
+    if isinstance(v, bool):
+        return str(v).lower()
+    if isinstance(v, float):
+        if col.startswith("paper_"):
+            return f"{v:.2f}"
+        if col.endswith(("loss", "loss_mean", "loss_std")):
+            return f"{v:.3f}"
+        if col.startswith(("sink", "slot")):
+            return f"{v:.2f}"
+        return f"{v:g}"
+    return str(v)
+
+
+def short_keys(keys: list[str]) -> dict[str, str]:
+    """Last component of each dotted key where that is unambiguous (optim.weight_decay -> weight_decay)."""
+    last = [k.rsplit(".", 1)[-1] for k in keys]
+    return {k: (s if last.count(s) == 1 else k) for k, s in zip(keys, last)}

@@ -1,0 +1,287 @@
+"""Reading a sweep: its job dirs, each job's status, overrides, config and logged metrics.
+
+A sweep dir holds ``multirun.yaml`` and one dir per job (``0/``, ``1/``, ...) with ``.hydra/config.yaml``,
+``.hydra/overrides.yaml``, ``metrics.csv`` (Lightning CSVLogger format, sparse rows) and ``status.json``. Any of these
+may be missing: a sweep may still be running, or jobs may have failed. Jobs that ``multirun.yaml`` promises but that
+have no dir yet are ``pending``.
+"""
+from __future__ import annotations
+
+import io
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import numpy as np
+import pandas as pd
+import yaml
+from omegaconf import DictConfig, OmegaConf
+
+from sinklab.errors import UserError
+from sinklab.report.columns import ANY, bounds
+from sinklab.status import Status, read_status
+
+log = logging.getLogger(__name__)
+STALE_MINUTES = 10.0
+JOB_FILES = (".hydra", "metrics.csv", "status.json")
+_SUFFIX = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9}
+
+
+def as_number(v: Any) -> Optional[float]:
+    """A number from a config, table or file value: 4e-4, "300", "0.25M" (k, M, B suffixes); None for booleans,
+    None and other text."""
+    if isinstance(v, bool) or v is None:
+        return None
+    if isinstance(v, (int, float)):
+        return float(v)
+    s = str(v).strip().lower()
+    scale = _SUFFIX.get(s[-1:], 1.0) if len(s) > 1 else 1.0
+    try:
+        return float(s[:-1] if scale != 1.0 else s) * scale
+    except ValueError:
+        return None
+
+
+def numbers(raw: pd.DataFrame, source: Path) -> pd.DataFrame:
+    """``raw`` cells (numbers, or text where a column is not all numbers; one column per logged name) as floats. A
+    cell that is not a number within its column's physical range (see ``columns.bounds``) is blank, with one warning
+    per column that had any."""
+    text = [c for c, dtype in raw.dtypes.items() if not pd.api.types.is_numeric_dtype(dtype)]
+    values = raw.assign(**{c: pd.to_numeric(raw[c], errors="coerce") for c in text}).to_numpy(float)
+    ranges = [bounds(c) for c in raw.columns]
+    lo, hi = np.array(ranges, dtype=float).reshape(-1, 2).T
+    ok = (values >= lo) & (values <= hi) & np.isfinite(values)
+    for col, (low, high), n in zip(raw.columns, ranges, (raw.notna().to_numpy(bool) & ~ok).sum(axis=0)):
+        if n:
+            allowed = "a finite number" + (f" in [{low:g}, {high:g}]" if (low, high) != ANY else "")
+            log.warning("%s: %d value(s) of %s ignored; allowed: %s", source, n, col, allowed)
+    return pd.DataFrame(np.where(ok, values, np.nan), index=raw.index, columns=raw.columns)
+
+
+# ----------------------------------------------------------------------------------------------- reading a job
+@dataclass
+class Metrics:
+    """What a job logged: the last value of each metric, each metric per step, and the last step."""
+
+    final: dict[str, float] = field(default_factory=dict)  # metrics.csv column -> last value
+    series: dict[str, list[tuple[int, float]]] = field(default_factory=dict)  # column -> [(step, value)], by step
+    max_step: Optional[int] = None
+
+
+def read_metrics(path: Path) -> Metrics:
+    """Parse a CSVLogger metrics.csv. "Final" is the last non-empty cell of a column in file order; a step logged
+    twice (a resumed run) keeps its later value. A last line without its newline (the file was being written, or the
+    job was killed mid-write), cells that are not numbers and values outside their physical range are ignored."""
+    try:
+        text = Path(path).read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return Metrics()
+    try:
+        raw = pd.read_csv(io.StringIO(text[: text.rfind("\n") + 1]), keep_default_na=False, na_values=[""],
+                          index_col=False, on_bad_lines="skip")
+    except pd.errors.EmptyDataError:
+        return Metrics()
+    values = numbers(raw, path)
+    step = values.pop("step") if "step" in values else pd.Series(math.nan, index=values.index)
+    stepped = step.notna() & step.eq(step.round())
+    by_step = values[stepped].groupby(step[stepped].astype(int)).last()  # a step's last value of each column
+    steps, table = by_step.index.to_numpy(), by_step.to_numpy()
+    logged = ~np.isnan(table)
+    return Metrics(final=values.ffill().iloc[-1].dropna().to_dict() if len(values) else {},
+                   series={c: list(zip(steps[logged[:, j]].tolist(), table[logged[:, j], j].tolist()))
+                           for j, c in enumerate(by_step.columns) if logged[:, j].any()},
+                   max_step=int(step.max()) if step.notna().any() else None)
+
+
+def job_status(job_dir: Path, now: float, stale_s: float) -> tuple[Status, str, Optional[int], dict[str, float]]:
+    """(status, error, step, final values) from status.json; without a readable one (not started, killed hard, or
+    caught mid-write) the status is inferred from how recently metrics.csv was written: running, else killed. A
+    status.json that says running while nothing in the dir changed for ``stale_s`` seconds is stalled (killed
+    without a chance to write "failed")."""
+    status_path, metrics_path = job_dir / "status.json", job_dir / "metrics.csv"
+    mtimes = [p.stat().st_mtime for p in (status_path, metrics_path) if p.is_file()]
+    fresh = bool(mtimes) and now - max(mtimes) < stale_s
+    data = read_status(status_path)
+    if data is None or data["status"] is Status.UNKNOWN:
+        inferred = (Status.RUNNING if fresh else Status.KILLED) if metrics_path.is_file() else Status.UNKNOWN
+        return inferred, "", None, {}
+    status = Status.STALLED if data["status"] is Status.RUNNING and not fresh else data["status"]
+    step = as_number(data.get("step"))
+    final = pd.DataFrame([data.get("final") if isinstance(data.get("final"), dict) else {}], dtype=object)
+    return (status, " ".join(str(data.get("error") or "").split()),
+            int(step) if step is not None and 0 <= step < math.inf else None,
+            numbers(final, status_path).iloc[0].dropna().to_dict())
+
+
+def _parse_overrides(lines: Sequence[str]) -> list[tuple[str, Any, str, bool]]:
+    """[(key, typed value, value as written, is_sweep)] with Hydra's own override grammar. Deletions (~key) are
+    dropped. Falls back to splitting at '=' for a line Hydra cannot parse."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parser = OverridesParser.create()
+    out = []
+    for line in map(str, lines):
+        try:
+            o = parser.parse_override(line)
+        except Exception:
+            key, _, val = line.partition("=")
+            out.append((key.lstrip("+~"), _coerce(val), val, "," in val))
+            continue
+        if o.is_delete():
+            continue
+        if o.is_sweep_override():
+            out.append((o.key_or_group, None, line.partition("=")[2], True))
+        else:
+            out.append((o.key_or_group, o.value(), o.get_value_element_as_str(), False))
+    return out
+
+
+def _coerce(s: str) -> Any:
+    try:
+        return yaml.safe_load(s)
+    except yaml.YAMLError:
+        return s
+
+
+def _load_yaml(path: Path) -> Any:
+    """A YAML file as an OmegaConf object; None when it is missing or unreadable."""
+    try:
+        return OmegaConf.load(path) if path.is_file() else None
+    except Exception:
+        return None
+
+
+def select(cfg: Any, key: str) -> Any:
+    """Value at a dotted key of a config, interpolations resolved where possible; None when absent."""
+    if cfg is None:
+        return None
+    try:
+        v = OmegaConf.select(cfg, key, default=None, throw_on_resolution_failure=False)
+    except Exception:
+        return None
+    if isinstance(v, DictConfig) or OmegaConf.is_list(v):
+        return OmegaConf.to_container(v, resolve=False)
+    return v
+
+
+@dataclass
+class Job:
+    """One job of a sweep: where it is, what it overrides, its config, status and logged metrics."""
+
+    name: str
+    path: Optional[Path]
+    overrides: dict[str, Any]  # key -> typed value (from overrides.yaml, or multirun.yaml for pending jobs)
+    override_text: dict[str, str]
+    cfg: Any = None  # OmegaConf config of the job, None when .hydra/config.yaml is missing
+    status: Status = Status.PENDING
+    error: str = ""
+    steps: Optional[int] = None
+    metrics: Metrics = field(default_factory=Metrics)
+    final: dict[str, float] = field(default_factory=dict)  # metrics.csv's final values, else status.json's
+
+    def value(self, key: str) -> Any:
+        """The job's setting for a key: the composed config's value, else the override as written."""
+        v = select(self.cfg, key)
+        if v is None or isinstance(v, (dict, list)) and key in self.overrides:
+            v = self.overrides.get(key, v)
+        return v
+
+
+def _is_job_dir(p: Path) -> bool:
+    return p.is_dir() and any((p / n).exists() for n in JOB_FILES)
+
+
+def _job_sort_key(name: str) -> tuple:
+    return (0, int(name), "") if name.isdigit() else (1, 0, name)
+
+
+def _new_job(name: str, path: Optional[Path], override_lines: Sequence[str], cfg: Any = None) -> Job:
+    parsed = _parse_overrides(override_lines)
+    return Job(name, path, {k: v for k, v, _, _ in parsed}, {k: t for k, _, t, _ in parsed}, cfg)
+
+
+def load_job(path: Path, now: float, stale_s: float) -> Job:
+    """Read one job dir; see ``job_status`` for how its status is decided."""
+    lines = _load_yaml(path / ".hydra" / "overrides.yaml")
+    job = _new_job(path.name, path, OmegaConf.to_container(lines) if OmegaConf.is_list(lines) else [],
+                   _load_yaml(path / ".hydra" / "config.yaml"))
+    job.status, job.error, status_step, status_final = job_status(path, now, stale_s)
+    job.metrics = read_metrics(path / "metrics.csv")
+    steps = [s for s in (job.metrics.max_step, status_step) if s is not None]
+    job.steps = max(steps) if steps else None
+    job.final = {**status_final, **job.metrics.final}  # status.json's final values fill columns metrics.csv lacks
+    return job
+
+
+# ---------------------------------------------------------------------------------------------- the sweep
+@dataclass
+class Sweep:
+    """The jobs of a sweep dir, the keys it sweeps and its config."""
+
+    dir: Path
+    jobs: list[Job]
+    swept: list[str]  # swept keys, in Hydra's sweep order
+    cfg: Any  # sweep-level config (multirun.yaml, else the first job's)
+
+
+def _multirun_overrides(mr: Any) -> list[str]:
+    """The override list BasicSweeper expanded: hydra.sweeper.params first, then the command line."""
+    params = select(mr, "hydra.sweeper.params") or {}
+    task = select(mr, "hydra.overrides.task") or []
+    return [f"{k}={v}" for k, v in params.items()] + [str(t) for t in task]
+
+
+def _expected_jobs(mr: Any, lines: list[str]) -> Optional[list[list[str]]]:
+    """Override lists of all jobs of a BasicSweeper sweep, in job-number order; None for other sweepers."""
+    target = str(select(mr, "hydra.sweeper._target_") or "")
+    if not lines or not target.endswith("BasicSweeper"):
+        return None
+    try:
+        from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+        from hydra.core.override_parser.overrides_parser import OverridesParser
+
+        overrides = OverridesParser.create().parse_overrides(lines)
+        return [list(b) for b in BasicSweeper.split_arguments(overrides, None)[0]]
+    except Exception:
+        return None
+
+
+def load_sweep(sweep_dir: Path, now: Optional[float] = None, stale_minutes: float = STALE_MINUTES) -> Sweep:
+    """Every job of a multirun dir (or a single run dir), the pending ones included, in job-number order. A job
+    whose files have not changed for ``stale_minutes`` is not running any more."""
+    sweep_dir = Path(sweep_dir)
+    if not sweep_dir.is_dir():
+        raise UserError(f"SWEEP_DIR {sweep_dir} is not a directory; expected a Hydra multirun dir (multirun.yaml, "
+                        "0/, 1/, ...) or a run dir")
+    if not (isinstance(stale_minutes, (int, float)) and 0 < stale_minutes < math.inf):
+        raise UserError(f"--stale-minutes {stale_minutes} is not allowed; allowed: a number of minutes > 0")
+    now = time.time() if now is None else now
+    mr = _load_yaml(sweep_dir / "multirun.yaml")
+    dirs = [p for p in sweep_dir.iterdir() if not p.name.startswith(".") and _is_job_dir(p)]
+    if not dirs and mr is None and (sweep_dir / ".hydra").is_dir():
+        dirs = [sweep_dir]  # a single (non-multirun) run dir
+    jobs = [load_job(p, now, 60.0 * stale_minutes) for p in dirs]
+
+    mr_lines = _multirun_overrides(mr) if mr is not None else []
+    swept = list(dict.fromkeys(key for key, _, _, is_sweep in _parse_overrides(mr_lines) if is_sweep))
+    have = {j.name for j in jobs}
+    jobs += [_new_job(str(i), None, lines) for i, lines in enumerate(_expected_jobs(mr, mr_lines) or [])
+             if str(i) not in have]
+    jobs.sort(key=lambda j: _job_sort_key(j.name))
+    # keys whose override differs between jobs are swept too (other sweepers, or no multirun.yaml)
+    for job in jobs:
+        swept += [k for k in job.override_text
+                  if k not in swept and len({j.override_text.get(k) for j in jobs}) > 1]
+    if not jobs:
+        raise UserError(f"SWEEP_DIR {sweep_dir} has no job dirs (with {', '.join(JOB_FILES)}) and no multirun.yaml "
+                        "promising any")
+    cfg = mr if mr is not None else next((j.cfg for j in jobs if j.cfg is not None), None)
+    return Sweep(sweep_dir, jobs, swept, cfg)
+
+
+def is_seed_key(key: str) -> bool:
+    """Seeds are averaged over, not compared."""
+    return key == "seed" or key.endswith(".seed")

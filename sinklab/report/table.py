@@ -1,0 +1,158 @@
+"""The report's tables: one row per job and the mean ± std over seeds, written as CSV and as report.md."""
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Iterable, Optional
+
+import numpy as np
+import pandas as pd
+
+from sinklab.io import atomic_write
+from sinklab.keys import SINK1, VAL_LOSS
+from sinklab.report.columns import Metric, fmt, metric_columns
+from sinklab.report.jobs import Sweep, is_seed_key
+from sinklab.report.paper import PAPER_CITE, PAPER_COLUMNS, PAPER_LABELS, experiment_info, match_paper_row, \
+    paper_values
+from sinklab.status import Status
+
+STATUS_ORDER = (Status.COMPLETED, Status.RUNNING, Status.PREEMPTED, Status.FAILED, Status.STALLED, Status.KILLED,
+                Status.UNKNOWN, Status.PENDING)
+
+
+def job_table(sweep: Sweep, tables: dict) -> tuple[pd.DataFrame, list[Metric]]:
+    """One row per job: job, swept keys, status, steps, final metrics, paper values, error, dir; and the metrics.
+    Missing values are None."""
+    metrics = metric_columns(name for j in sweep.jobs for name in j.final)
+    sweep_exp = experiment_info(sweep.cfg)
+    records = []
+    for job in sweep.jobs:
+        exp = experiment_info(job.cfg) if job.cfg is not None else sweep_exp
+        table = tables.get(exp["paper_table"]) if exp["paper_table"] else None
+        records.append({"job": job.name, **{k: job.value(k) for k in sweep.swept}, "status": job.status,
+                        "steps": job.steps, **{m.col: job.final.get(m.src) for m in metrics},
+                        **paper_values(match_paper_row(table, exp["paper_match"], job.value)),
+                        "error": job.error, "dir": str(job.path) if job.path else ""})
+    wanted = {c for r in records for c in r if c.startswith("paper_")}
+    if sweep_exp["paper_table"] and isinstance(tables.get(sweep_exp["paper_table"]), list):
+        wanted |= {"paper_sink1", "paper_loss"}  # shown even where no row matched
+    columns = ["job", *sweep.swept, "status", "steps", *[m.col for m in metrics],
+               *[c for c in PAPER_COLUMNS if c in wanted], "error", "dir"]
+    return none_for_missing(pd.DataFrame(records, columns=columns, dtype=object)), metrics
+
+
+def none_for_missing(df: pd.DataFrame) -> pd.DataFrame:
+    """``df`` as Python objects, with None where a value is missing."""
+    df = df.astype(object)
+    return df.where(df.notna(), None)
+
+
+def _hashable(v: Any) -> Any:
+    return json.dumps(v, sort_keys=True, default=str) if isinstance(v, (list, dict)) else v
+
+
+def group_ids(df: pd.DataFrame, keys: list[str]) -> np.ndarray:
+    """For each row, the number of its setting of ``keys`` (lists compared as JSON), numbered in order of first
+    appearance; all rows are one group when there are no keys."""
+    settings = df[keys].map(_hashable).itertuples(index=False, name=None)
+    return pd.factorize(pd.Series(list(settings), index=df.index, dtype=object))[0]
+
+
+def aggregate(df: pd.DataFrame, swept: list[str], metrics: list[Metric]) -> Optional[pd.DataFrame]:
+    """Per setting of the non-seed swept keys: the number of jobs and of completed ones, then the mean and sample
+    std over the completed jobs of each metric (``<col>_mean``, ``<col>_std``), then the paper's values. None when no
+    setting has more than one job."""
+    keys = [k for k in swept if not is_seed_key(k)]
+    ids = group_ids(df, keys)
+    if np.bincount(ids).max() < 2:
+        return None
+    done = df["status"].eq(Status.COMPLETED)
+    stats = df[[m.col for m in metrics]].astype(float).where(done, axis=0).groupby(ids).agg(["mean", "std"])
+    stats.columns = [f"{col}_{stat}" for col, stat in stats.columns]
+    firsts = df.groupby(ids).head(1).reset_index(drop=True)  # a setting's keys and paper values
+    counts = pd.DataFrame({"jobs": np.bincount(ids), "completed": done.groupby(ids).sum().to_numpy()})
+    return pd.concat([firsts[keys], counts, stats.reset_index(drop=True),
+                      firsts[[c for c in df if c.startswith("paper_")]]], axis=1)
+
+
+# ------------------------------------------------------------------------------------------------- writing
+def _csv_cell(v: Any) -> str:
+    if isinstance(v, bool):
+        return str(v).lower()
+    if isinstance(v, (list, dict)):
+        return json.dumps(v)
+    return str(v)  # floats as their repr
+
+
+def write_csv(path: Path, df: pd.DataFrame) -> Path:
+    """``df`` as CSV: missing values empty, numbers as written, booleans lower case, lists and dicts as JSON."""
+    return atomic_write(path, df.map(_csv_cell, na_action="ignore").to_csv(index=False, lineterminator="\r\n"))
+
+
+def _md_cell(s: str, limit: int = 0) -> str:
+    s = " ".join(str(s).split())
+    if limit and len(s) > limit:
+        s = s[: limit - 1] + "…"
+    return s.replace("|", "\\|")
+
+
+def _cells(df: pd.DataFrame) -> pd.DataFrame:
+    """Every value formatted for markdown by its column (see ``columns.fmt``); errors cut at 80 characters."""
+    return df.apply(lambda c: c.map(lambda v: _md_cell(fmt(v, c.name), 80 if c.name == "error" else 0)))
+
+
+def _markdown(cells: pd.DataFrame, labels: dict[str, str]) -> str:
+    """Formatted cells as a markdown pipe table, headers renamed by ``labels``."""
+    cells = cells.rename(columns=lambda c: _md_cell(labels.get(c, c)))
+    return cells.to_markdown(index=False, disable_numparse=True)
+
+
+def status_counts(statuses: Iterable[Status]) -> str:
+    """'completed 2, running 1, failed 1' in STATUS_ORDER."""
+    counts = pd.Series(list(statuses), dtype=object).value_counts()
+    return ", ".join(f"{s} {counts[s]}" for s in STATUS_ORDER if s in counts)
+
+
+def _paper_table_line(exp: dict[str, Any], tables: dict) -> list[str]:
+    """The report.md line on the experiment's paper table and how its rows were matched; none without a table."""
+    name = exp["paper_table"]
+    if not name:
+        return []
+    table = tables.get(name)
+    if table is None:
+        return [f"- Paper table: `{name}` (not in paper_tables.yaml)"]
+    if isinstance(table, dict) and "figure_only" in table:
+        return [f"- Paper table: `{name}`: figure only in the paper: {table['figure_only']}"]
+    how = ", ".join(f"`{f}` = `{k}`" for f, k in exp["paper_match"].items())
+    return [f"- Paper table: `{name}`" + (f", matched on {how}" if how else "")
+            + f"; {PAPER_CITE}. Reference points, not targets at this scale."]
+
+
+def write_markdown(path: Path, sweep: Sweep, jobs: pd.DataFrame, metrics: list[Metric], agg: Optional[pd.DataFrame],
+                   plots: list[Path], out_dir: Path, tables: dict) -> Path:
+    """report.md: what was swept and how it was matched to the paper, the jobs table, mean ± std over seeds, plots."""
+    exp = experiment_info(sweep.cfg)
+    lines = [f"# Sweep report: {exp['name'] or sweep.dir.name}", "", f"- Sweep dir: `{sweep.dir}`",
+             f"- Experiment: `{exp['name'] or '-'}`", *_paper_table_line(exp, tables)]
+    regen = f"sinklab report {sweep.dir} --out {out_dir}"
+    lines += [f"- Swept: {', '.join(f'`{k}`' for k in sweep.swept) or 'nothing (single setting)'}",
+              f"- Jobs: {len(jobs)} ({status_counts(jobs['status'])})",
+              f"- Generated: {datetime.now().strftime('%Y-%m-%d %H:%M:%S')}",
+              f"- Regenerate: `{regen}` (or `python -m sinklab.report {sweep.dir} --out {out_dir}`)",
+              "", "Final values are the last logged ones; Sink_k in %, losses in nats.", "", "## Jobs", ""]
+    labels = {m.col: m.label for m in metrics} | PAPER_LABELS
+    lines.append(_markdown(_cells(jobs.drop(columns="dir")), labels))
+    if agg is not None:
+        cells = _cells(agg)
+        for m in metrics:  # "mean ± std"; the mean alone when there is no std, empty when there is no mean
+            mean, std = cells.pop(f"{m.col}_mean"), cells.pop(f"{m.col}_std")
+            cells[m.col] = mean.where(mean.eq("") | std.eq(""), mean + " ± " + std)
+        order = [k for k in sweep.swept if not is_seed_key(k)] + ["jobs", "completed", *(m.col for m in metrics)]
+        cells = cells[order + [c for c in cells if c not in order]]  # then the paper's values
+        lines += ["", "## Mean ± std over seeds (completed jobs)", "", _markdown(cells, labels)]
+    if plots:
+        lines += ["", "## Plots", "", *(f"![{p.stem}]({p.name})" for p in plots)]
+    else:
+        lines += ["", f"No plots: no job has logged {SINK1} or {VAL_LOSS} yet."]
+    return atomic_write(path, "\n".join(lines) + "\n")
