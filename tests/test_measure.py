@@ -12,7 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sinklab.measure import main, make_tokens
+from sinklab.measure import main
+from sinklab.probe_inputs import make_tokens
 from sinklab.metrics import activation_stats, attention_scores, brute_force_alpha, sink_rate
 from sinklab.metrics.activations import NORM_KEYS, STAT_KEYS
 from sinklab.model import ModelConfig, Transformer

@@ -9,8 +9,6 @@ from __future__ import annotations
 import difflib
 import inspect
 import math
-import os
-from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 from omegaconf import DictConfig, ListConfig, OmegaConf

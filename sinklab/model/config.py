@@ -13,7 +13,7 @@ import math
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Optional
 
-from . import attn_bias, ffn, gates, norms, ops, positional, transformer  # noqa: F401  (registers the components)
+from . import components  # noqa: F401  (registers every component)
 from .registry import ATTENTION_OPS, ATTN_BIASES, FAMILIES, POSITIONS, ConfigError
 
 
@@ -202,7 +202,9 @@ class ModelConfigMethods:
 
     def build(self):
         """The model this config describes."""
-        return transformer.Transformer(self)
+        from .transformer import Transformer
+
+        return Transformer(self)
 
 
 ModelConfig = dataclasses.make_dataclass(

@@ -1,0 +1,2 @@
+"""Importing this module registers every component: each module registers its classes when it is imported."""
+from . import attn_bias, ffn, gates, norms, ops, positional, transformer  # noqa: F401

@@ -1,0 +1,135 @@
+"""What `sinklab measure` measures on: random or repeated token ids, a .npy file of ids, or a run's own probe set
+(held-out natural text, read through the run's data config)."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+
+from sinklab.errors import UserError
+
+DEFAULT_SEQ_LEN = 64
+DEFAULT_NUM_SEQS = 100
+INPUTS = ("natural", "random", "repeat")
+
+
+def make_tokens(kind: str, num_seqs: int, seq_len: int, vocab_size: int, seed: int = 0) -> torch.Tensor:
+    """random: uniform ids in [0, vocab); repeat: one uniform id per sequence repeated seq_len times. (N, T) long."""
+    g = torch.Generator().manual_seed(seed)
+    if kind == "random":
+        return torch.randint(0, vocab_size, (num_seqs, seq_len), generator=g)
+    if kind == "repeat":
+        return torch.randint(0, vocab_size, (num_seqs, 1), generator=g).expand(num_seqs, seq_len).contiguous()
+    raise ValueError(f"unknown input kind {kind!r}")
+
+
+def load_tokens(path: str, vocab_size: int) -> torch.Tensor:
+    """An integer .npy of shape (N, T) with ids in [0, vocab_size) -> LongTensor; one-line errors otherwise."""
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"--tokens {path}: no such file")
+    try:
+        arr = np.load(p, allow_pickle=False)
+    except Exception as err:
+        raise UserError(f"--tokens {path}: not a readable .npy file ({type(err).__name__})") from None
+    if not isinstance(arr, np.ndarray):
+        raise UserError(f"--tokens {path}: holds an archive, not one array; save one (N, T) array with np.save")
+    if arr.dtype.kind not in "iu":
+        raise UserError(f"--tokens {path}: dtype {arr.dtype} is not an integer type; save token ids as int64")
+    if arr.ndim != 2 or arr.shape[0] < 1 or arr.shape[1] < 1:
+        raise UserError(f"--tokens {path}: shape {tuple(arr.shape)} is not (N, T) with N, T >= 1")
+    lo, hi = int(arr.min()), int(arr.max())
+    if lo < 0 or hi >= vocab_size:
+        raise UserError(f"--tokens {path}: token ids span [{lo}, {hi}], the model's vocabulary is "
+                        f"[0, {vocab_size - 1}]")
+    return torch.from_numpy(arr.astype(np.int64))
+
+
+def run_dir_of(ckpt: Path) -> Optional[Path]:
+    """The training run dir (holding .hydra/config.yaml) of a checkpoint, if there is one."""
+    for d in (ckpt.parent, ckpt.parent.parent):
+        if (d / ".hydra" / "config.yaml").is_file():
+            return d
+    return None
+
+
+def probe_tokens(run_dir: Path, num_seqs: Optional[int], seq_len: Optional[int]) -> torch.Tensor:
+    """The run's probe set through its data config: instantiate(cfg.data).prepare().probe_tokens().
+
+    --num-seqs / --seq-len set the data module's own probe size (data.probe_num_seqs / data.probe_seq_len), so a
+    different size is still the data module's probe set (evenly spaced held-out windows), not a slice of it."""
+    from omegaconf import OmegaConf
+
+    cfg_path = run_dir / ".hydra" / "config.yaml"
+    cfg = OmegaConf.load(cfg_path)
+    if "data" not in cfg or cfg.data is None:
+        raise UserError(f"--input natural: {cfg_path} has no data section; pass --tokens or --input random|repeat")
+    try:
+        from sinklab.data import LMDataModule  # noqa: F401
+    except ImportError as err:
+        raise UserError(f"--input natural: the data module is not available ({err}); "
+                        "pass --tokens or --input random|repeat") from None
+    from hydra.utils import instantiate
+
+    data = cfg.data
+    for key, value in (("probe_num_seqs", num_seqs), ("probe_seq_len", seq_len)):
+        if value is not None:
+            OmegaConf.update(data, key, value, force_add=True)
+    try:
+        dm = instantiate(data, _recursive_=False)
+        dm.prepare()
+        tokens = torch.as_tensor(dm.probe_tokens()).long()
+    except Exception as err:
+        first = (str(err).strip().splitlines() or [""])[0][:200]
+        raise UserError(f"--input natural: cannot read the probe set of {run_dir} ({type(err).__name__}: {first}); "
+                        "pass --tokens or --input random|repeat") from None
+    if tokens.ndim != 2 or (num_seqs is not None and tokens.shape[0] != num_seqs) or \
+            (seq_len is not None and tokens.shape[1] != seq_len):
+        raise UserError(f"--input natural: the data module returned a probe set of shape {tuple(tokens.shape)}, "
+                        f"asked for ({num_seqs}, {seq_len})")
+    return tokens
+
+
+def positive(name: str, value: Optional[int]) -> None:
+    if value is not None and value < 1:
+        raise UserError(f"{name} {value} must be a positive integer")
+
+
+def choose_tokens(args, vocab_size: int, context: Optional[int], run_dir: Optional[Path]) -> tuple[torch.Tensor, str]:
+    """The (N, T) tokens to measure and the input's name."""
+    if args.tokens is not None:
+        for flag, value in (("--seq-len", args.seq_len), ("--num-seqs", args.num_seqs)):
+            if value is not None:
+                raise UserError(f"{flag} does not apply with --tokens (the file's shape (N, T) is measured as is)")
+        tokens, kind = load_tokens(args.tokens, vocab_size), "tokens"
+        if context is not None and tokens.shape[1] > context:
+            raise UserError(f"--tokens {args.tokens}: sequence length {tokens.shape[1]} exceeds the model context "
+                            f"{context}")
+        return tokens, kind
+    if context is not None and args.seq_len is not None and args.seq_len > context:
+        raise UserError(f"--seq-len {args.seq_len} exceeds the model context {context}")
+    kind = args.input
+    if kind is None:
+        if run_dir is None:
+            where = "an HF model has no probe set" if args.hf_model else \
+                f"{args.target} has no run config (.hydra/config.yaml) to read the probe set from"
+            raise UserError(f"choose the input: {where}; pass --tokens FILE.npy or --input random|repeat")
+        kind = "natural"
+    if kind == "natural":
+        if run_dir is None:
+            where = "an HF model has no probe set" if args.hf_model else \
+                f"{args.target} has no run config (.hydra/config.yaml)"
+            raise UserError(f"--input natural: {where}; pass --tokens FILE.npy or --input random|repeat")
+        tokens = probe_tokens(run_dir, args.num_seqs, args.seq_len)
+        if context is not None and tokens.shape[1] > context:
+            raise UserError(f"--seq-len {tokens.shape[1]} (the probe set's) exceeds the model context {context}")
+        if int(tokens.max()) >= vocab_size:
+            raise UserError(f"--input natural: the probe set has token id {int(tokens.max())}, the model's "
+                            f"vocabulary is [0, {vocab_size - 1}] (was the model trained on this data?)")
+        return tokens, kind
+    seq_len = args.seq_len if args.seq_len is not None else \
+        (min(DEFAULT_SEQ_LEN, context) if context is not None else DEFAULT_SEQ_LEN)
+    num_seqs = args.num_seqs if args.num_seqs is not None else DEFAULT_NUM_SEQS
+    return make_tokens(kind, num_seqs, seq_len, vocab_size, args.seed), kind
