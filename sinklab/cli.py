@@ -10,6 +10,7 @@ COMMANDS = {
     "report": ("sinklab.report", "tables and plots from a (finished or running) sweep dir"),
     "export-hf": ("sinklab.export_hf", "write a checkpoint as a transformers LlamaForCausalLM directory"),
     "prepare": ("sinklab.data.prepare", "tokenise a corpus once into sharded memmaps"),
+    "components": ("sinklab.components", "every registered architecture component, its knobs and config files"),
 }
 
 

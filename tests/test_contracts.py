@@ -108,3 +108,17 @@ def test_a_config_file_selects_every_component(registry):
     selected = {composed(registry.group, f)[registry.key] for f in files}
     assert set(registry.names()) <= selected, f"no conf/model/{registry.group}/*.yaml selects " \
                                               f"{sorted(set(registry.names()) - selected)}"
+
+
+def test_components_command_lists_every_registered_component(capsys):
+    import json
+
+    from sinklab.cli import main
+
+    assert main(["components", "--json"]) == 0
+    listed = {(e["key"], e["name"]): e for e in json.loads(capsys.readouterr().out)}
+    for registry in FAMILIES:
+        for name in registry.names():
+            entry = listed[(f"model.{registry.key}", name)]
+            assert entry["files"] and entry["about"], entry
+    assert listed[("model.attn_op", "sigmoid")]["knobs"] == {"attn_normalize": False, "sigmoid_bias": 0.0}

@@ -41,26 +41,36 @@ class GatedMLP(MLP):
 
 @FFNS.register("relu")
 class ReLU(MLP):
+    """relu(x W1) W2."""
+
     act = staticmethod(F.relu)
 
 
 @FFNS.register("gelu")
 class GELU(MLP):
+    """gelu(x W1) W2."""
+
     act = staticmethod(F.gelu)
 
 
 @FFNS.register("swish")
 class Swish(MLP):
+    """silu(x W1) W2."""
+
     act = staticmethod(F.silu)
 
 
 @FFNS.register("reglu")
 class ReGLU(GatedMLP):
+    """relu(x W1) * (x W3) W2."""
+
     act = staticmethod(F.relu)
 
 
 @FFNS.register("geglu")
 class GeGLU(GatedMLP):
+    """gelu(x W1) * (x W3) W2."""
+
     act = staticmethod(F.gelu)
 
 

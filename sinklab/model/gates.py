@@ -13,6 +13,8 @@ from .registry import GATES, Component
 
 @GATES.register("none")
 class NoGate(Component, nn.Module):
+    """No gate: the heads' outputs go to the output projection as they are."""
+
     def __init__(self, cfg: Any):
         super().__init__()
 

@@ -21,6 +21,8 @@ class Norm(Component):
 
 @NORMS.register("rms")
 class RMSNorm(Norm, nn.Module):
+    """x / rms(x) * weight (LLaMA's)."""
+
     def __init__(self, d: int, eps: float = 1e-5):
         super().__init__()
         self.eps = eps

@@ -10,5 +10,7 @@ from .base import NormalisableOp
 
 @ATTENTION_OPS.register("elu")
 class EluPlusOne(NormalisableOp):
+    """elu(logit) + 1 per key (positive), rows optionally normalised."""
+
     def normalise(self, s: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
         return self.rows_to_one((F.elu(s) + 1.0) * seen)

@@ -31,6 +31,8 @@ class KernelMLP(nn.Module):
 
 @ATTENTION_OPS.register("kernel")
 class KernelAttention(NormalisableOp):
+    """phi(q) phi(k)^T on the visible keys (linear attention), phi chosen by kernel_map."""
+
     has_logits = False
 
     @dataclasses.dataclass

@@ -12,6 +12,8 @@ from .base import NormalisableOp
 
 @ATTENTION_OPS.register("sigmoid")
 class Sigmoid(NormalisableOp):
+    """sigmoid(logit + b) per key, no competition between keys unless rows are normalised."""
+
     @dataclasses.dataclass
     class Knobs(NormalisableOp.Knobs):
         sigmoid_bias: float = 0.0  # b in sigmoid(q.k / sqrt(d_h) + b), e.g. -log(n)

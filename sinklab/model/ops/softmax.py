@@ -15,6 +15,8 @@ from .base import AttentionOp
 
 @ATTENTION_OPS.register("softmax")
 class Softmax(AttentionOp):
+    """softmax over the visible keys; fused through scaled_dot_product_attention."""
+
     @dataclasses.dataclass
     class Knobs:
         sink_logit: str = dataclasses.field(default="none", metadata={"choices": ("none", "learned", "zero")})

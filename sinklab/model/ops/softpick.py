@@ -11,6 +11,8 @@ from .base import AttentionOp
 
 @ATTENTION_OPS.register("softpick")
 class Softpick(AttentionOp):
+    """relu(e^x - 1) / sum |e^x - 1|: rows sum to at most one."""
+
     def normalise(self, s: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
         # shifted by m = max(0, max visible logit) for stability: the ratio is unchanged
         m = s.masked_fill(~seen, float("-inf")).amax(-1, keepdim=True).clamp(min=0).detach()

@@ -1,0 +1,49 @@
+"""`sinklab components`: every registered architecture component, the config key and value that select it, its knobs
+with their defaults, and the conf/model/ files that select it. Generated from the registries, so it is complete."""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Optional, Sequence
+
+from omegaconf import OmegaConf
+
+
+def catalog(conf_dir: Optional[Path] = None) -> list[dict]:
+    """One entry per registered component, in registry order."""
+    from sinklab.config import CONF_DIR
+    from sinklab.model import FAMILIES
+    from sinklab.model.config import KNOBS
+
+    conf = (conf_dir or CONF_DIR) / "model"
+    entries = []
+    for registry in FAMILIES:
+        files = {p: OmegaConf.load(p) for p in sorted((conf / registry.group).glob("*.yaml"))}
+        for cls in registry:
+            doc = (cls.__doc__ or "").strip().splitlines()
+            entries.append({
+                "key": f"model.{registry.key}", "name": cls.name, "family": registry.what,
+                "about": doc[0] if doc else "",
+                "knobs": {k: f.default for k, (f, owners) in KNOBS.items() if cls in owners},
+                "files": [f"model/{registry.group}={p.stem}" for p, node in files.items()
+                          if node.get(registry.key) == cls.name],
+            })
+    return entries
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="sinklab components", description=__doc__)
+    ap.add_argument("--json", action="store_true", help="one JSON list instead of a table")
+    args = ap.parse_args(argv)
+    entries = catalog()
+    if args.json:
+        print(json.dumps(entries, indent=1, default=str))
+        return 0
+    for e in entries:
+        knobs = ", ".join(f"{k}={v}" for k, v in e["knobs"].items())
+        print(f"{e['key'] + '=' + e['name']:<27} {e['about']}")
+        if knobs:
+            print(f"{'':<28}knobs: {knobs}")
+        print(f"{'':<28}files: {', '.join(e['files']) or '(none: set ' + e['key'] + ' on the command line)'}")
+    return 0
