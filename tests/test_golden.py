@@ -13,10 +13,11 @@ GOLDEN = Path(__file__).parent / "golden"
 RECORDED = json.loads((GOLDEN / "components.json").read_text())
 
 
-def test_every_model_option_is_recorded():
+def test_every_recorded_model_option_still_exists():
+    """Every option of sinklab 0.1 is still here (options added since have no 0.1 numbers to equal)."""
     from tests.golden.record_components import options
 
-    assert set(options()) == set(RECORDED)
+    assert set(RECORDED) <= set(options())
 
 
 @pytest.mark.parametrize("option", sorted(RECORDED))
