@@ -122,3 +122,6 @@ def test_components_command_lists_every_registered_component(capsys):
             entry = listed[(f"model.{registry.key}", name)]
             assert entry["files"] and entry["about"], entry
     assert listed[("model.attn_op", "sigmoid")]["knobs"] == {"attn_normalize": False, "sigmoid_bias": 0.0}
+    assert main(["components"]) == 0  # the table the README points to
+    table = capsys.readouterr().out
+    assert "model.attn_op=sigmoid" in table and "knobs: attn_normalize=False, sigmoid_bias=0.0" in table
