@@ -24,9 +24,7 @@ class AttentionBias(Component, nn.Module):
         super().__init__()
         self.n_head, self.hd = cfg.n_head, cfg.hd
 
-    @classmethod
-    def llama_ok(cls, cfg: Any) -> bool:
-        return True
+    llama = True
 
     def init_parameters(self, std: float, bias_std: float) -> None:
         """Biases start small: N(0, model.bias_init_std)."""
@@ -53,22 +51,21 @@ class LearnedBias(AttentionBias):
     class Knobs:
         attn_bias_shared: bool = False  # one bias for all heads instead of one per head
 
-    @classmethod
-    def llama_ok(cls, cfg: Any) -> bool:
-        return False
+    llama = False
 
-    def new_bias(self, cfg: Any) -> nn.Parameter:
-        return nn.Parameter(torch.zeros(1 if cfg.attn_bias_shared else cfg.n_head, cfg.hd))
+    learned: tuple[str, ...] = ()  # the parameters, each (1 or H, hd), created in this order
+
+    def __init__(self, cfg: Any):
+        super().__init__(cfg)
+        for name in self.learned:
+            setattr(self, name, nn.Parameter(torch.zeros(1 if cfg.attn_bias_shared else cfg.n_head, cfg.hd)))
 
 
 class SlotBias(LearnedBias):
     """A learned key slot, prepended to the keys after RoPE (so never rotated), with the value `slot_value`."""
 
     n_slots = 1
-
-    def __init__(self, cfg: Any):
-        super().__init__(cfg)
-        self.k_bias = self.new_bias(cfg)
+    learned = ("k_bias",)
 
     def slot_value(self, v: torch.Tensor) -> torch.Tensor:
         """(H, hd) value of the slot."""
@@ -113,9 +110,7 @@ class KeyBias(SlotBias):
 class KeyValueBias(SlotBias):
     """A learned key slot with a learned value."""
 
-    def __init__(self, cfg: Any):
-        super().__init__(cfg)
-        self.v_bias = self.new_bias(cfg)
+    learned = ("k_bias", "v_bias")
 
     def slot_value(self, v: torch.Tensor) -> torch.Tensor:
         return self.per_head(self.v_bias)
@@ -125,9 +120,7 @@ class KeyValueBias(SlotBias):
 class ValueBias(LearnedBias):
     """A learned bias added to each head's output (before the output projection)."""
 
-    def __init__(self, cfg: Any):
-        super().__init__(cfg)
-        self.v_out_bias = self.new_bias(cfg)
+    learned = ("v_out_bias",)
 
     def output(self, o: torch.Tensor) -> torch.Tensor:
         return o + self.per_head(self.v_out_bias)[None, :, None, :]

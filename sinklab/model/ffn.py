@@ -39,39 +39,15 @@ class GatedMLP(MLP):
     gated = True
 
 
-@FFNS.register("relu")
-class ReLU(MLP):
-    """relu(x W1) W2."""
-
-    act = staticmethod(F.relu)
-
-
-@FFNS.register("gelu")
-class GELU(MLP):
-    """gelu(x W1) W2."""
-
-    act = staticmethod(F.gelu)
+def activation_variant(name: str, base: type, act: Callable[[torch.Tensor], torch.Tensor]) -> type:
+    """Register `base` with activation `act` under `name` (a subclass named after it)."""
+    doc = f"{act.__name__}(x W1)" + (" * (x W3)" if base.gated else "") + " W2."
+    return FFNS.register(name)(type(name, (base,), {"act": staticmethod(act), "__doc__": doc, "__module__": __name__}))
 
 
-@FFNS.register("swish")
-class Swish(MLP):
-    """silu(x W1) W2."""
-
-    act = staticmethod(F.silu)
-
-
-@FFNS.register("reglu")
-class ReGLU(GatedMLP):
-    """relu(x W1) * (x W3) W2."""
-
-    act = staticmethod(F.relu)
-
-
-@FFNS.register("geglu")
-class GeGLU(GatedMLP):
-    """gelu(x W1) * (x W3) W2."""
-
-    act = staticmethod(F.gelu)
+for _name, _base, _act in (("relu", MLP, F.relu), ("gelu", MLP, F.gelu), ("swish", MLP, F.silu),
+                           ("reglu", GatedMLP, F.relu), ("geglu", GatedMLP, F.gelu)):
+    activation_variant(_name, _base, _act)
 
 
 @FFNS.register("swiglu")
@@ -80,6 +56,4 @@ class SwiGLU(GatedMLP):
 
     act = staticmethod(F.silu)
 
-    @classmethod
-    def llama_ok(cls, cfg: Any) -> bool:
-        return True
+    llama = True

@@ -28,9 +28,7 @@ class RMSNorm(Norm, nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(d))
 
-    @classmethod
-    def llama_ok(cls, cfg: Any) -> bool:
-        return True
+    llama = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)

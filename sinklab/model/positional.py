@@ -97,9 +97,7 @@ class Rotary(PositionalEncoding):
             raise ConfigError(f"model.rope_base={cfg.rope_base} must be > 0 (RoPE frequencies base^(-2i/d); "
                               "LLaMA uses 10000)")
 
-    @classmethod
-    def llama_ok(cls, cfg: Any) -> bool:
-        return True
+    llama = True
 
     @classmethod
     def from_config(cls, cfg: Any) -> "Rotary":

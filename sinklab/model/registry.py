@@ -23,11 +23,13 @@ class Component:
     name:       the registered name (set by `Registry.register`)
     Knobs:      a dataclass of the config keys this component reads; `ModelConfig` gets one field per knob
     validate:   cross-field rules of this component, raising ConfigError naming the key (called once per config)
-    llama_ok:   whether LLaMA (transformers LlamaForCausalLM) can represent this component with these knobs
+    llama_ok:   whether LLaMA (transformers LlamaForCausalLM) can represent this component with these knobs (the
+                class attribute `llama` unless overridden)
     """
 
     name: ClassVar[str] = ""
     registry: ClassVar["Registry"]
+    llama: ClassVar[bool] = False  # LLaMA has this component (with default knobs)
 
     @dataclasses.dataclass
     class Knobs:
@@ -39,7 +41,7 @@ class Component:
 
     @classmethod
     def llama_ok(cls, cfg: Any) -> bool:
-        return False
+        return cls.llama
 
     @classmethod
     def llama_mismatch(cls, cfg: Any) -> Optional[str]:

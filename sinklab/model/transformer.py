@@ -25,9 +25,7 @@ class Block(Component, nn.Module):
         self.norm2 = NORMS.selected(cfg).build(cfg)
         self.ffn = FFNS.selected(cfg).build(cfg)
 
-    @classmethod
-    def llama_ok(cls, cfg: Any) -> bool:
-        return True
+    llama = True
 
     def attend(self, x, layout: Layout, record: Optional[dict], return_probs: bool):
         """The attention output and maps (None unless return_probs)."""
@@ -46,9 +44,7 @@ class PostNormBlock(Block):
 
     final_norm = False
 
-    @classmethod
-    def llama_ok(cls, cfg: Any) -> bool:
-        return False
+    llama = False
 
     def forward(self, x, layout: Layout, record: Optional[dict] = None, return_probs: bool = False):
         a, probs = self.attend(x, layout, record, return_probs)

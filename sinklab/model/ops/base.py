@@ -23,6 +23,8 @@ class AttentionOp(Component, torch.nn.Module):
     """
 
     has_logits: ClassVar[bool] = True
+    rows_sum_to_one: ClassVar[bool] = False  # what row_normalised says unless a knob decides
+    fuses: ClassVar[bool] = False  # what fusable says: `fused` computes this operation
 
     def __init__(self, cfg: Any):
         super().__init__()
@@ -30,12 +32,12 @@ class AttentionOp(Component, torch.nn.Module):
 
     @classmethod
     def row_normalised(cls, cfg: Any) -> bool:
-        return False
+        return cls.rows_sum_to_one
 
     @classmethod
     def fusable(cls, cfg: Any) -> bool:
         """Whether `fused` computes this operation (checked without building it)."""
-        return False
+        return cls.fuses
 
     def fused(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Layout,
               scale: float) -> Optional[torch.Tensor]:

@@ -25,17 +25,7 @@ class Softmax(AttentionOp):
     def resolve(cls, cfg: Any) -> type:
         return {"none": Softmax, "learned": LearnedSinkLogitSoftmax, "zero": OffByOneSoftmax}[cfg.sink_logit]
 
-    @classmethod
-    def row_normalised(cls, cfg: Any) -> bool:
-        return True
-
-    @classmethod
-    def llama_ok(cls, cfg: Any) -> bool:
-        return True
-
-    @classmethod
-    def fusable(cls, cfg: Any) -> bool:
-        return True
+    rows_sum_to_one = fuses = llama = True
 
     def fused(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Layout,
               scale: float) -> Optional[torch.Tensor]:
@@ -55,13 +45,7 @@ class Softmax(AttentionOp):
 class OffByOneSoftmax(Softmax):
     """softmax over the keys and one extra zero logit, dropped from the map: rows sum to less than one."""
 
-    @classmethod
-    def row_normalised(cls, cfg: Any) -> bool:
-        return False
-
-    @classmethod
-    def fusable(cls, cfg: Any) -> bool:
-        return False
+    rows_sum_to_one = fuses = llama = False
 
     @classmethod
     def llama_mismatch(cls, cfg: Any) -> Optional[str]:
