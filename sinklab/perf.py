@@ -1,5 +1,5 @@
-"""This machine's dense matmul FLOP/s: the limit that MFU is measured against (training's perf/mfu with
-peak_flops=auto, and scripts/bench.py). A measured limit, not a datasheet figure."""
+"""The dense matmul FLOP/s that MFU is measured against (training's perf/mfu with peak_flops=auto, and
+scripts/bench.py): the datasheet figure of a known GPU at 16-bit precision, else this machine's measured limit."""
 from __future__ import annotations
 
 import time
@@ -11,6 +11,19 @@ import torch
 PRECISION_DTYPES = {"64": torch.float64, "64-true": torch.float64, "32": torch.float32, "32-true": torch.float32,
                     "16": torch.float16, "16-mixed": torch.float16, "16-true": torch.float16,
                     "bf16": torch.bfloat16, "bf16-mixed": torch.bfloat16, "bf16-true": torch.bfloat16}
+
+
+# dense (not sparse) bf16 / fp16 tensor-core FLOP/s from NVIDIA's datasheets; the first name found in the device name
+DATASHEET_16BIT = (("H200", 989.4e12), ("H100 PCIe", 756.0e12), ("H100", 989.4e12), ("A100", 312.0e12),
+                   ("L40S", 362.1e12), ("A10G", 70.0e12), ("A10", 125.0e12), ("L4", 121.0e12))
+
+
+def datasheet_peak(device: torch.device, dtype: torch.dtype) -> Optional[float]:
+    """The datasheet's dense 16-bit FLOP/s of a known NVIDIA GPU, None for other devices and dtypes."""
+    if torch.device(device).type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((flops for key, flops in DATASHEET_16BIT if key in name), None)
 
 
 def matmul_dtype(precision: Optional[str]) -> torch.dtype:

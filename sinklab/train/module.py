@@ -57,6 +57,7 @@ class LitLM(L.LightningModule):
         self.save_hyperparameters({"model": self.cfg.to_dict(), "optim": self.optim, "max_steps": max_steps,
                                    "peak_flops": peak_flops, "compile_backend": compile_backend})
         self.model = self.cfg.build()
+        self.example_input_array = torch.zeros(1, self.cfg.block_size, dtype=torch.long)  # FLOPs in the summary
         if self.cfg.compile:
             self.model = compile_model(self.model, self.cfg, compile_backend)
         self.max_steps = max_steps
@@ -103,15 +104,32 @@ class LitLM(L.LightningModule):
 
     def on_fit_start(self) -> None:
         if self.peak_flops == "auto":
-            from sinklab.perf import matmul_dtype, peak_matmul_flops
+            from sinklab.perf import datasheet_peak, matmul_dtype, peak_matmul_flops
 
             dtype = matmul_dtype(self.trainer.precision if self._trainer is not None else None)
+            self._peak = datasheet_peak(self.device, dtype)
+            if self._peak is not None:
+                log.info("peak_flops=auto: %.4g FLOP/s (the datasheet's, %s) for perf/mfu", self._peak,
+                         torch.cuda.get_device_name(self.device))
+                return
             t0 = time.perf_counter()
             self._peak = peak_matmul_flops(self.device, dtype)
             log.info("peak_flops=auto: %.4g FLOP/s (%s matmuls on %s, measured in %.2f s) for perf/mfu", self._peak,
                      str(dtype).replace("torch.", ""), self.device, time.perf_counter() - t0)
         else:
             self._peak = self.peak_flops
+
+    def log_mfu(self, flops_per_sec: float) -> None:
+        """perf/mfu = achieved / peak FLOP/s, never above 1: a step faster than the peak means the peak was measured
+        while the machine was busy, and perf/mfu is dropped for the rest of the run, with one warning."""
+        mfu = flops_per_sec / self._peak
+        if mfu <= 1.0:
+            self.log("perf/mfu", mfu)
+            return
+        warnings.warn(f"perf/mfu dropped: a step ran at {flops_per_sec:.3g} FLOP/s, above the peak {self._peak:.3g} "
+                      f"(peak_flops={self.peak_flops}; measured on a busy machine?); set peak_flops to the device's "
+                      "datasheet FLOP/s to log it", PeakFlopsWarning, stacklevel=2)
+        self._peak = None
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         loss = self.loss(batch)
@@ -128,10 +146,8 @@ class LitLM(L.LightningModule):
             world = self.trainer.world_size if self._trainer is not None else 1
             tps = batch.shape[0] * (batch.shape[1] - 1) * world / (now - self._t_last)
             self.log("perf/tokens_per_sec", tps, prog_bar=True)
-            peak = getattr(self, "_peak", None)
-            if peak:
-                flops = self.net.flops_per_token(batch.shape[1] - 1) * tps
-                self.log("perf/mfu", flops / (peak * world))
+            if getattr(self, "_peak", None):
+                self.log_mfu(self.net.flops_per_token(batch.shape[1] - 1) * tps / world)
         self._t_last = now
         return loss
 
@@ -195,6 +211,10 @@ def model_key(key: str, compiled: bool) -> str:
         return key
     plain = "model." + key[len("model."):].removeprefix("_orig_mod.")
     return "model._orig_mod." + plain[len("model."):] if compiled else plain
+
+
+class PeakFlopsWarning(UserWarning):
+    """perf/mfu cannot be logged within its bounds (the peak FLOP/s is not reliable)."""
 
 
 class CompileFallbackWarning(UserWarning):
