@@ -209,6 +209,9 @@ BAD_OVERRIDES = [
     ("data.block_size=128", "data.block_size=128 exceeds the model context model.block_size=64; allowed: 1..64"),
     ("trainer.val_check_interval=0.5", "trainer.val_check_interval=0.5 is not allowed; allowed: an integer >= 1"),
     ("+trainer.max_stepz=3", "trainer.max_stepz is not an option of trainer (did you mean trainer.max_steps?)"),
+    ("trainer.bogus=1", "trainer.bogus is not an option of trainer; allowed: accelerator, "),
+    ("trainer.max_steps=abc", "trainer.max_steps='abc' is not allowed; allowed: an integer >= 1 (the train loader is "
+                              "endless, so training is bounded by steps)"),
     ("trainer.precision=fp8", "trainer.precision='fp8' is not allowed; allowed: one of auto, 64-true"),
     ("trainer=gpu", "trainer.accelerator=gpu: this machine has no CUDA GPU; allowed here: trainer=cpu or "
                     "trainer=ddp_cpu (or trainer.accelerator=cpu)"),
@@ -609,7 +612,7 @@ def test_ckpt_path_auto_takes_the_latest_checkpoint(reference, tmp_path, monkeyp
     """ckpt_path=auto: none -> a fresh start; else the checkpoint with the most steps among checkpoints/last.ckpt
     and Lightning's SLURM requeue checkpoints hpc_ckpt_N.ckpt (an unreadable one is never preferred). Under SLURM
     Lightning resumes from hpc_ckpt_N.ckpt even with ckpt_path=null: the entry names it, so that it is checked."""
-    from sinklab.train.entry import resolve_ckpt_path
+    from sinklab.train.resume import resolve_ckpt_path
 
     assert resolve_ckpt_path("auto", tmp_path) is None
     ckpt = torch.load(reference / "checkpoints" / "last.ckpt", weights_only=True)
