@@ -255,6 +255,28 @@ def test_console_script_reports_hydra_errors_in_one_line(tmp_path):
     assert error_lines(err) == [f"error: {BAD_OVERRIDES[0][1]}"]
 
 
+def test_preset_file_with_an_unknown_or_mistyped_trainer_key_is_one_line(tmp_path, monkeypatch):
+    """A preset file is checked against the trainer's schema like the command line: an unknown key or a value of the
+    wrong type is one line naming the file and the key, exit 2 (a copy of conf/ with two bad presets,
+    SINKLAB_CONF)."""
+    import shutil
+
+    conf = tmp_path / "conf"
+    shutil.copytree(REPO / "conf", conf)
+    (conf / "trainer" / "typo.yaml").write_text("defaults:\n  - default\nmax_stepss: 3\n")
+    (conf / "trainer" / "words.yaml").write_text("defaults:\n  - default\nmax_steps: many\n")
+    monkeypatch.setenv("SINKLAB_CONF", str(conf))
+    for preset, expected in (
+            ("typo", "conf/trainer/typo.yaml: trainer.max_stepss is not an option of trainer (did you mean "
+                     "trainer.max_steps?); allowed: accelerator, "),
+            ("words", "conf/trainer/words.yaml: trainer.max_steps='many' is not allowed; allowed: an integer >= 1")):
+        proc = run_cli([f"paths.output_dir={tmp_path / preset}", f"trainer={preset}"])
+        out, err = proc.communicate(timeout=300)
+        lines = error_lines(err)
+        assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith(f"error: {expected}"), err[-3000:]
+        assert not (tmp_path / preset / "metrics.csv").exists()
+
+
 def test_gpu_presets_compose_and_validate():
     from hydra.utils import instantiate
     from lightning.pytorch.strategies import FSDPStrategy
