@@ -209,6 +209,9 @@ BAD_OVERRIDES = [
     ("data.block_size=128", "data.block_size=128 exceeds the model context model.block_size=64; allowed: 1..64"),
     ("trainer.val_check_interval=0.5", "trainer.val_check_interval=0.5 is not allowed; allowed: an integer >= 1"),
     ("+trainer.max_stepz=3", "trainer.max_stepz is not an option of trainer (did you mean trainer.max_steps?)"),
+    ("trainer.bogus=1", "trainer.bogus is not an option of trainer; allowed: accelerator, "),
+    ("trainer.max_steps=abc", "trainer.max_steps='abc' is not allowed; allowed: an integer >= 1 (the train loader is "
+                              "endless, so training is bounded by steps)"),
     ("trainer.precision=fp8", "trainer.precision='fp8' is not allowed; allowed: one of auto, 64-true"),
     ("trainer=gpu", "trainer.accelerator=gpu: this machine has no CUDA GPU; allowed here: trainer=cpu or "
                     "trainer=ddp_cpu (or trainer.accelerator=cpu)"),
@@ -250,6 +253,28 @@ def test_console_script_reports_hydra_errors_in_one_line(tmp_path):
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 2, err
     assert error_lines(err) == [f"error: {BAD_OVERRIDES[0][1]}"]
+
+
+def test_preset_file_with_an_unknown_or_mistyped_trainer_key_is_one_line(tmp_path, monkeypatch):
+    """A preset file is checked against the trainer's schema like the command line: an unknown key or a value of the
+    wrong type is one line naming the file and the key, exit 2 (a copy of conf/ with two bad presets,
+    SINKLAB_CONF)."""
+    import shutil
+
+    conf = tmp_path / "conf"
+    shutil.copytree(REPO / "conf", conf)
+    (conf / "trainer" / "typo.yaml").write_text("defaults:\n  - default\nmax_stepss: 3\n")
+    (conf / "trainer" / "words.yaml").write_text("defaults:\n  - default\nmax_steps: many\n")
+    monkeypatch.setenv("SINKLAB_CONF", str(conf))
+    for preset, expected in (
+            ("typo", "conf/trainer/typo.yaml: trainer.max_stepss is not an option of trainer (did you mean "
+                     "trainer.max_steps?); allowed: accelerator, "),
+            ("words", "conf/trainer/words.yaml: trainer.max_steps='many' is not allowed; allowed: an integer >= 1")):
+        proc = run_cli([f"paths.output_dir={tmp_path / preset}", f"trainer={preset}"])
+        out, err = proc.communicate(timeout=300)
+        lines = error_lines(err)
+        assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith(f"error: {expected}"), err[-3000:]
+        assert not (tmp_path / preset / "metrics.csv").exists()
 
 
 def test_gpu_presets_compose_and_validate():
@@ -609,7 +634,7 @@ def test_ckpt_path_auto_takes_the_latest_checkpoint(reference, tmp_path, monkeyp
     """ckpt_path=auto: none -> a fresh start; else the checkpoint with the most steps among checkpoints/last.ckpt
     and Lightning's SLURM requeue checkpoints hpc_ckpt_N.ckpt (an unreadable one is never preferred). Under SLURM
     Lightning resumes from hpc_ckpt_N.ckpt even with ckpt_path=null: the entry names it, so that it is checked."""
-    from sinklab.train.entry import resolve_ckpt_path
+    from sinklab.train.resume import resolve_ckpt_path
 
     assert resolve_ckpt_path("auto", tmp_path) is None
     ckpt = torch.load(reference / "checkpoints" / "last.ckpt", weights_only=True)

@@ -6,8 +6,9 @@ sinklab.data.config, ...); `store.register_configs()` puts them all in the Confi
 """
 from sinklab.errors import UserError
 
+from .messages import hydra_error_message
 from .store import CONF_DIR, compose, register_configs
-from .validate import PREEMPTION_SIGNALS, built, check_devices, hydra_error_message, validate_config
+from .validate import built, check_devices, validate_config
 
 __all__ = ["CONF_DIR", "UserError", "compose", "register_configs", "validate_config", "check_devices",
-           "hydra_error_message", "built", "PREEMPTION_SIGNALS"]
+           "hydra_error_message", "built"]

@@ -22,7 +22,9 @@ CONF_DIR = Path(os.environ.get("SINKLAB_CONF", Path(__file__).resolve().parents[
 SCHEMA_MODULES = (
     "sinklab.model.config",
     "sinklab.train.optim",
+    "sinklab.train.config",  # trainer, callbacks/{sink,checkpoint,preemption,status}
 )
+SCHEMA_NAME = "schema"  # a schema's name in its group ends so (schema, adamw_schema): `defaults: [schema, _self_]`
 
 _registered = False
 

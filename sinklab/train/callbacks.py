@@ -1,7 +1,6 @@
 """Callbacks: the sink metric during training, and the run's status file."""
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
@@ -13,8 +12,10 @@ import lightning as L
 import numpy as np
 import torch
 
-from sinklab.errors import UserError
+from sinklab.errors import describe
+from sinklab.keys import ACT_PREFIX, SINK_PREFIX
 from sinklab.metrics import activation_stats, attention_scores, flatten_activation_stats, slot_names, summarise
+from sinklab.status import Status, write_status
 
 log = logging.getLogger("sinklab")
 
@@ -22,18 +23,11 @@ log = logging.getLogger("sinklab")
 class SinkCallback(L.Callback):
     """Logs Sink_k, alpha_k, Sink*, slot scores (sink/...) and activation statistics (act/...) on the probe set
     every `every_n_steps` optimizer steps and at the end of training; a layer x head heatmap of alpha_1 at each
-    validation. Runs on rank 0 only; its last measurement survives a resume."""
+    validation. Runs on rank 0 only; its last measurement survives a resume. The allowed values of its arguments:
+    sinklab.train.config.SinkCallbackConfig."""
 
     def __init__(self, every_n_steps: int = 250, k: int = 4, eps: Sequence[float] = (0.3,),
                  activations: bool = True, heatmap: bool = True, batch_size: int = 50):
-        for key, value in (("every_n_steps", every_n_steps), ("k", k), ("batch_size", batch_size)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise UserError(f"callbacks.sink.{key}={value!r} is not allowed; allowed: an integer >= 1")
-        if isinstance(eps, (int, float)):
-            eps = [eps]
-        if not eps or any(isinstance(e, bool) or not isinstance(e, (int, float)) or not 0 < e < 1 for e in eps):
-            raise UserError(f"callbacks.sink.eps={list(eps)!r} is not allowed; allowed: a list of one or more "
-                            "thresholds in (0, 1)")
         self.every_n_steps = every_n_steps
         self.k, self.eps = k, list(eps)
         self.activations, self.heatmap = activations, heatmap
@@ -60,10 +54,10 @@ class SinkCallback(L.Callback):
         try:
             tokens = self.probe(trainer).to(pl_module.device)
             scores = attention_scores(net, tokens, k=self.k, batch_size=self.batch_size)
-            out = {f"sink/{k}": v for k, v in summarise(scores, self.eps, slot_names(net.cfg)).items()}
+            out = {SINK_PREFIX + k: v for k, v in summarise(scores, self.eps, slot_names(net.cfg)).items()}
             if self.activations:
                 stats = activation_stats(net, tokens, batch_size=self.batch_size)
-                out.update({f"act/{k}": v for k, v in flatten_activation_stats(stats).items()})
+                out.update({ACT_PREFIX + k: v for k, v in flatten_activation_stats(stats).items()})
         finally:
             net.train(was_training)
         self._alpha1 = scores.alpha[..., 0].mean(0).cpu()  # (N, L, H) -> (L, H), for the heatmap
@@ -145,7 +139,7 @@ def log_heatmap(loggers: Sequence[Any], path: Path, step: int) -> None:
         return
     for logger in loggers:
         if isinstance(logger, WandbLogger):
-            logger.log_image("sink/alpha1_heatmap", [str(path)], step=step)
+            logger.log_image(SINK_PREFIX + "alpha1_heatmap", [str(path)], step=step)
 
 
 def save_heatmap(alpha1: torch.Tensor, out_dir: Path, step: int, eps: float) -> Path:
@@ -176,31 +170,26 @@ def save_heatmap(alpha1: torch.Tensor, out_dir: Path, step: int, eps: float) -> 
 
 
 class StatusFile(L.Callback):
-    """Writes status.json in the run dir: running / completed / failed, with the error and final metrics,
-    so that a sweep report can read the state of every job, even a failed or unfinished one."""
+    """Writes status.json in the run dir (sinklab.status): running / completed / failed / preempted, with the error
+    and final metrics, so that a sweep report can read the state of every job, even a failed or unfinished one."""
 
     def __init__(self, path: Optional[str] = None):
         self.path = path
 
-    def write(self, trainer: Optional[L.Trainer], status: str, error: Optional[str] = None,
-              final: Optional[dict] = None, step: Optional[int] = None) -> None:
-        if trainer is not None and not trainer.is_global_zero:
+    def write(self, trainer: L.Trainer, status: Status, error: Optional[str] = None,
+              final: Optional[dict[str, float]] = None, step: Optional[int] = None) -> None:
+        """The whole state from rank 0: `step` defaults to the trainer's, `final` to none."""
+        if not trainer.is_global_zero:
             return
-        path = Path(self.path or (Path(trainer.default_root_dir) / "status.json"))
-        if step is None:
-            step = trainer.global_step if trainer else 0
-        data = {"status": status, "error": error, "step": step,
-                "final": final or {}, "time": time.time()}
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(data, indent=1))
-        os.replace(tmp, path)
+        write_status(self.path or Path(trainer.default_root_dir) / "status.json", status, error=error,
+                     step=trainer.global_step if step is None else step, final=final or {})
 
     def on_fit_start(self, trainer, pl_module) -> None:
-        self.write(trainer, "running")
+        self.write(trainer, Status.RUNNING)
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
-        status = "preempted" if isinstance(exception, Preempted) else "failed"
-        self.write(trainer, status, error=f"{type(exception).__name__}: {exception}".splitlines()[0])
+        status = Status.PREEMPTED if isinstance(exception, Preempted) else Status.FAILED
+        self.write(trainer, status, error=describe(exception))
 
 
 class Preempted(Exception):
@@ -218,14 +207,11 @@ class PreemptionCallback(L.Callback):
     and exits non-zero. A job requeued with `ckpt_path=auto` resumes from that checkpoint.
 
     The handlers are installed when training starts, after Lightning's own, and removed when it ends. With
-    several ranks the decision is all-reduced every step, so all ranks stop at the same step."""
+    several ranks the decision is all-reduced every step, so all ranks stop at the same step. The allowed signals:
+    sinklab.train.config.PreemptionConfig."""
 
     def __init__(self, signals: Sequence[str] = ("SIGTERM", "SIGUSR2")):
-        self.signals = []
-        for name in signals:
-            if not hasattr(signal, str(name)):
-                raise UserError(f"callbacks.preemption.signals: {name!r} is not a signal on this platform")
-            self.signals.append(getattr(signal, str(name)))
+        self.signals = [getattr(signal, str(name)) for name in signals]
         self.received: Optional[int] = None
         self._pending: Optional[Preempted] = None
         self._previous: dict[int, Any] = {}

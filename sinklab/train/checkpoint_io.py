@@ -1,17 +1,15 @@
 """Checkpoint files that are never half-written and never run code when read.
 
 `AtomicCheckpointIO` (a Lightning CheckpointIO plugin, set by the training entry point):
-- save: serialise into a temporary file in the checkpoint's own directory, fsync it, then `os.replace` it over the
-  target and fsync the directory. A process killed during a save leaves the previous `last.ckpt` intact (and at
-  most a stale `.last.ckpt.*.tmp`, removed by the next save).
+- save: `sinklab.io.atomic_write` (serialise into a temporary file in the checkpoint's own directory, fsync it, then
+  `os.replace` it over the target), then fsync the directory. A process killed during a save leaves the previous
+  `last.ckpt` intact (and at most a stale `.last.ckpt.*.tmp`, removed by the next save).
 - load: always `torch.load(weights_only=True)`: a checkpoint holds tensors and plain containers only, so a foreign
   file cannot execute code; Lightning's own resume (`Trainer.fit(ckpt_path=...)`) loads through this plugin.
 """
 from __future__ import annotations
 
-import glob
 import os
-import tempfile
 from pathlib import Path
 from typing import Any, Optional
 
@@ -20,14 +18,7 @@ from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
-
-def _current_umask() -> int:
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
-FILE_MODE = 0o666 & ~_current_umask()  # what open() would give: mkstemp's files are private (0600)
+from sinklab.io import atomic_write, stale_temporaries
 
 
 def _is_local(path: _PATH) -> bool:
@@ -48,27 +39,12 @@ def fsync_dir(path: Path) -> None:
 
 
 def atomic_torch_save(obj: Any, path: _PATH) -> None:
-    """torch.save to `path` through a same-directory temporary file and os.replace."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        os.chmod(tmp, FILE_MODE)
-        with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    """torch.save to `path` through a same-directory temporary file and os.replace; clears the temporary files of
+    saves that a killed process left behind."""
+    path = atomic_write(path, lambda f: torch.save(obj, f))
     fsync_dir(path.parent)
-    for stale in glob.glob(os.path.join(glob.escape(str(path.parent)), f".{glob.escape(path.name)}.*.tmp")):
-        try:  # left by a process killed during an earlier save
-            os.unlink(stale)
-        except OSError:
-            pass
+    for stale in stale_temporaries(path):
+        stale.unlink(missing_ok=True)
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):

@@ -13,14 +13,16 @@ optimizer steps before it, so the rows of steps 0..G-1 come from the G steps ins
 from __future__ import annotations
 
 import csv
+import io
 import logging
-import os
 from typing import Optional
 
 from lightning.fabric.loggers.logger import rank_zero_experiment
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
+
+from sinklab.io import atomic_write
 
 log = logging.getLogger("sinklab")
 
@@ -46,12 +48,11 @@ class ResumableExperimentWriter(ExperimentWriter):
             rows = list(reader)
         keep = [r for r in rows if _step(r) is not None and _step(r) < self.keep_before]
         self.kept_rows, self.dropped_rows = len(keep), len(rows) - len(keep)
-        tmp = self.metrics_file_path + ".tmp"
-        with self._fs.open(tmp, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=header)
-            writer.writeheader()
-            writer.writerows(keep)
-        os.replace(tmp, self.metrics_file_path)
+        text = io.StringIO(newline="")
+        writer = csv.DictWriter(text, fieldnames=header)
+        writer.writeheader()
+        writer.writerows(keep)
+        atomic_write(self.metrics_file_path, text.getvalue())
         log.info("%s: kept %d rows before step %d, dropped %d logged after that checkpoint", self.metrics_file_path,
                  self.kept_rows, self.keep_before, self.dropped_rows)
         self.metrics_keys = header  # later rows are appended under this header (widened when new keys come)
