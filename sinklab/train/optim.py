@@ -6,14 +6,14 @@ of `adamw`, which the LightningModule calls with its model and the run's length.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
 import torch
 from torch import nn
 
-from sinklab.errors import UserError
+from sinklab.config.schema import Schema, integer, number, numbers, rule
 
 
 class Schedule(str, Enum):
@@ -22,27 +22,18 @@ class Schedule(str, Enum):
 
 
 @dataclass
-class AdamWConfig:
+class AdamWConfig(Schema):
+    KEY = "optim"
     _target_: str = "sinklab.train.optim.adamw"
     _partial_: bool = True
-    lr: float = 2e-3
-    weight_decay: float = 0.1
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
-    eps: float = 1e-8
+    lr: float = rule(2e-3, number(gt=0))
+    weight_decay: float = rule(0.1, number(ge=0))
+    betas: list[float] = rule([0.9, 0.95], numbers(number(ge=0, lt=1), 2, "numbers in [0, 1)"))
+    eps: float = rule(1e-8, number(gt=0))
     exclude_norm_and_embedding: bool = False  # true: no weight decay on norms, embeddings, positions, sink tokens
-    warmup_steps: int = 50
+    warmup_steps: int = rule(50, integer(0))
     schedule: Schedule = Schedule.cosine
-    min_lr_ratio: float = 0.1  # cosine decays to min_lr_ratio * lr
-
-    def __post_init__(self) -> None:
-        rules = (("lr", self.lr > 0, "a number > 0"), ("weight_decay", self.weight_decay >= 0, "a number >= 0"),
-                 ("betas", len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas),
-                  "a list of 2 numbers in [0, 1)"),
-                 ("eps", self.eps > 0, "a number > 0"), ("warmup_steps", self.warmup_steps >= 0, "an integer >= 0"),
-                 ("min_lr_ratio", 0 <= self.min_lr_ratio <= 1, "a number >= 0 and <= 1"))
-        for key, ok, allowed in rules:
-            if not ok or (isinstance(getattr(self, key), float) and not math.isfinite(getattr(self, key))):
-                raise UserError(f"optim.{key}={getattr(self, key)} is not allowed; allowed: {allowed}")
+    min_lr_ratio: float = rule(0.1, number(ge=0, le=1))  # cosine decays to min_lr_ratio * lr
 
 
 def register(cs) -> None:
