@@ -179,7 +179,6 @@ def validate_config(cfg: DictConfig) -> ModelConfig:
     if not isinstance(model_node, DictConfig):
         raise UserError(f"model={show(_plain(model_node))} is not a model config; choose a preset: model=tiny, "
                         "model=14m, model=60m or model=1b")
-    mcfg = built(cfg, "model")
     # the hydra node (present in configs composed with return_hydra_config) is Hydra's: its sweep dir
     # interpolates hydra.job.num, which is only set inside a job, so it is not searched
     missing = sorted(OmegaConf.missing_keys(OmegaConf.masked_copy(cfg, [k for k in cfg.keys() if k != "hydra"])))
@@ -191,10 +190,12 @@ def validate_config(cfg: DictConfig) -> ModelConfig:
         _check_value(cfg, key, check, required)
     # every typed node (model, optim, trainer, sinklab's callbacks, ...): no key outside its schema (Hydra lets
     # `+key=value` into a typed node), and its rules (`built` runs the dataclass's __post_init__)
+    objects = {}
     for key, node in _typed_nodes(cfg):
         _check_keys(node, key, [spec.name for spec in dataclasses.fields(_schema_of(node))
                                 if not spec.name.startswith("_")])
-        built(cfg, key)
+        objects[key] = built(cfg, key)
+    mcfg = objects["model"] if isinstance(objects.get("model"), ModelConfig) else built(cfg, "model")
     # option names: Hydra refuses unknown keys on the command line; these catch them in preset files too
     _check_keys(_select(cfg, "debug"), "debug", DEBUG_KEYS)
     _check_target_keys(cfg, "trainer")

@@ -16,7 +16,7 @@ from typing import Any, Optional
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from sinklab.config import CONF_DIR, built, check_devices, validate_config
+from sinklab.config import CONF_DIR, check_devices, validate_config
 from sinklab.config.messages import instantiate_user
 from sinklab.keys import ALPHA1, SINK1, VAL_LOSS
 from sinklab.status import Status
@@ -43,7 +43,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     out = output_dir_of(cfg)
     out.mkdir(parents=True, exist_ok=True)
     OmegaConf.update(cfg, "paths.output_dir", str(out), force_add=True)
-    validate_config(cfg)  # before any data is loaded
+    model_cfg = validate_config(cfg)  # the whole config, and the model's, once, before any data is loaded
     check_devices(cfg)
     ckpt = resolve_ckpt_path(cfg.get("ckpt_path"), out)
     resume = read_training_checkpoint(ckpt) if ckpt else None  # a truncated or foreign file: one clear line
@@ -53,8 +53,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
 
     dm = instantiate_user(cfg.data, _recursive_=False)
     dm.prepare()
-    OmegaConf.update(cfg, "model.vocab_size", dm.vocab_size)  # the data's, padded: the saved config records it
-    model_cfg = built(cfg, "model")
+    model_cfg.vocab_size = dm.vocab_size  # the data's (padded); the logged run config records it too
+    OmegaConf.update(cfg, "model.vocab_size", dm.vocab_size)
     if resume is not None:
         check_same_model(resume, model_cfg.to_dict(), ckpt)
         log.info("resuming from %s (step %d)", ckpt, resume_step)
