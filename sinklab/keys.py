@@ -1,4 +1,7 @@
-"""Names of logged metrics shared by training, callbacks, reports and the benchmark."""
+"""Names of logged metrics shared by training, callbacks, reports and the benchmark, and their physical bounds."""
+import math
+import re
+from typing import Optional
 
 TRAIN_LOSS = "train/loss"
 VAL_LOSS = "val/loss"
@@ -10,3 +13,27 @@ RUN_FAILED = "run/failed"
 SINK_PREFIX = "sink/"
 ACT_PREFIX = "act/"
 
+
+# The physical range of every logged metric family, the first pattern that matches a name; a new metric family gets
+# its line here (tests/test_bounds.py fails for a logged name without one).
+PERCENT = (0.0, 100.0)
+NON_NEGATIVE = (0.0, math.inf)
+UNIT = (0.0, 1.0)
+ANY = (-math.inf, math.inf)
+BOUNDS = (
+    (r"^sink/(layer\d+/)?(sink|slot)", PERCENT),  # Sink_k, Sink*_k and slot scores, in %
+    (r"^sink/(layer\d+/)?alpha", ANY),  # mean attention on token k: [0, 1] for softmax, unbounded for kernel maps
+    (r"^act/(layer\d+/)?cos_", (-1.0, 1.0)),
+    (r"^act/(layer\d+/)?(\w+_norm_ratio|massive_(ratio|top|median|channel|token))$", NON_NEGATIVE),
+    (r"(^|/)loss$", NON_NEGATIVE),  # cross-entropy in nats
+    (r"^lr-", NON_NEGATIVE),
+    (r"^perf/mfu$", UNIT),
+    (r"^perf/tokens_per_sec$", NON_NEGATIVE),
+    (r"^(step|epoch)$", NON_NEGATIVE),
+    (r"^run/failed$", UNIT),
+)
+
+
+def bounds(name: str) -> Optional[tuple[float, float]]:
+    """The physical range of a logged metric, None for a name no family covers."""
+    return next((b for pattern, b in BOUNDS if re.search(pattern, name)), None)

@@ -6,23 +6,15 @@ import re
 from dataclasses import dataclass
 from typing import Any, Iterable
 
-from sinklab.keys import SINK1, SINK_PREFIX, TRAIN_LOSS, VAL_LOSS
+from sinklab.keys import ANY, SINK1, SINK_PREFIX, TRAIN_LOSS, VAL_LOSS
+from sinklab.keys import bounds as metric_bounds
 
-PERCENT = (0.0, 100.0)
-NON_NEGATIVE = (0.0, math.inf)
-ANY = (-math.inf, math.inf)
-_RATE = re.compile(rf"^{re.escape(SINK_PREFIX)}(layer\d+/)?(sink|slot)")  # Sink_k, Sink*_k, slot scores: in %
 _SLOT = re.compile(rf"^{re.escape(SINK_PREFIX)}(slot(?:_[A-Za-z0-9_]+)?)$")
 
 
 def bounds(name: str) -> tuple[float, float]:
-    """Physical range of a logged value: sink rates and slot scores in [0, 100] %, losses (nats) and steps >= 0;
-    anything else any finite number."""
-    if _RATE.match(name):
-        return PERCENT
-    if name == "step" or name.endswith("loss"):
-        return NON_NEGATIVE
-    return ANY
+    """Physical range of a logged value (sinklab.keys.BOUNDS); any number for a name no family covers."""
+    return metric_bounds(name) or ANY
 
 
 @dataclass(frozen=True)

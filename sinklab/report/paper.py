@@ -13,7 +13,7 @@ import yaml
 from omegaconf import OmegaConf
 
 from sinklab.errors import UserError
-from sinklab.report.columns import NON_NEGATIVE, PERCENT
+from sinklab.keys import NON_NEGATIVE, PERCENT
 from sinklab.report.jobs import as_number, select
 
 PAPER_TABLES = Path(__file__).resolve().parents[1] / "reference" / "paper_tables.yaml"

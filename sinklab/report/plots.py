@@ -12,7 +12,8 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 
 from sinklab.io import atomic_write
-from sinklab.report.columns import PERCENT, SINK1_METRIC, VAL_LOSS_METRIC, Metric, fmt, short_keys
+from sinklab.keys import PERCENT
+from sinklab.report.columns import SINK1_METRIC, VAL_LOSS_METRIC, Metric, fmt, short_keys
 from sinklab.report.jobs import Job, Sweep, is_seed_key
 from sinklab.report.paper import experiment_info
 from sinklab.report.table import group_ids

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import lightning as L
+from lightning.pytorch.callbacks import TQDMProgressBar
 import numpy as np
 import torch
 
@@ -167,6 +168,25 @@ def save_heatmap(alpha1: torch.Tensor, out_dir: Path, step: int, eps: float) -> 
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+class StepProgressBar(TQDMProgressBar):
+    """The training bar counts optimizer steps up to trainer.max_steps: the train loader is endless, so Lightning's
+    own bar (batches of an epoch out of an unknown total, "Epoch 0/-2") says nothing about progress."""
+
+    def on_train_epoch_start(self, trainer: L.Trainer, *_: Any) -> None:
+        super().on_train_epoch_start(trainer)
+        bar = self.train_progress_bar
+        bar.reset(total=trainer.max_steps)
+        bar.initial = trainer.global_step  # a resumed run starts where it stopped
+        bar.set_description("steps")
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        bar, step = self.train_progress_bar, trainer.global_step
+        if bar is not None and self._should_update(step, bar.total):
+            bar.n = step
+            bar.refresh()
+            bar.set_postfix(self.get_metrics(trainer, pl_module))
 
 
 class StatusFile(L.Callback):

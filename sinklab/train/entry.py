@@ -66,6 +66,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     log.info("model: %.2fM non-embedding parameters; data: %s", module.net.num_params() / 1e6, dm.describe())
 
     callbacks = [instantiate_user(c) for c in (cfg.get("callbacks") or {}).values() if c is not None]
+    if not cfg.trainer.get("enable_progress_bar", True):  # Lightning refuses a bar it was told not to show
+        callbacks = [c for c in callbacks if not isinstance(c, L.pytorch.callbacks.ProgressBar)]
     set_wandb_names(cfg)
     loggers = [instantiate_user(c) for c in (cfg.get("logger") or {}).values() if c is not None]
     for lg in loggers:

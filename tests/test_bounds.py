@@ -1,0 +1,50 @@
+"""Every logged number is within its physical bounds (sinklab.keys.BOUNDS), in a real training run: shares in
+[0, 100] %, cosines in [-1, 1], norms and losses >= 0, MFU in (0, 1]. A utilisation above 1 is never logged."""
+import math
+import os
+import subprocess
+import sys
+
+import pandas as pd
+import pytest
+
+from sinklab.keys import BOUNDS, bounds
+
+SHORT = ["trainer.max_steps=30", "trainer.val_check_interval=15", "callbacks.sink.every_n_steps=15",
+         "trainer.log_every_n_steps=5", "trainer.enable_progress_bar=false", "data.batch_size=8"]
+
+
+def train(tmp_path, *overrides):
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "sinklab.train.entry", *SHORT, *overrides, f"paths.output_dir={out}"],
+                          capture_output=True, text=True, env={**os.environ, "WANDB_MODE": "offline"}, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return pd.read_csv(out / "metrics.csv"), proc.stderr
+
+
+@pytest.mark.parametrize("switches", [[], ["model/bias=kv", "model/attn=sigmoid"]], ids=["softmax", "kv_sigmoid"])
+def test_every_logged_metric_is_within_its_bounds(tmp_path, switches):
+    metrics, _ = train(tmp_path, *switches)
+    families = {"sink/sink1", "sink/alpha1", "act/cos_q_k1", "act/massive_ratio", "train/loss", "val/loss",
+                "perf/tokens_per_sec", "lr-AdamW"}
+    assert families <= set(metrics.columns)
+    for name in metrics.columns:
+        limits = bounds(name)
+        assert limits is not None, f"{name} has no bounds in sinklab.keys.BOUNDS"
+        values = metrics[name].dropna()
+        assert len(values) and values.map(math.isfinite).all(), name
+        assert values.between(*limits).all(), (name, limits, values[~values.between(*limits)].tolist())
+    if "perf/mfu" in metrics:
+        assert (metrics["perf/mfu"].dropna() > 0).all()
+
+
+def test_an_mfu_above_one_is_dropped_with_a_warning(tmp_path):
+    metrics, stderr = train(tmp_path, "peak_flops=1000.0", "callbacks.sink=null")  # any step beats 1 kFLOP/s
+    assert "perf/mfu" not in metrics.columns and metrics["perf/tokens_per_sec"].notna().any()
+    assert "perf/mfu dropped" in stderr and "peak_flops=1000.0" in stderr
+
+
+def test_bounds_cover_distinct_families():
+    assert bounds("sink/layer3/sink1") == (0.0, 100.0) and bounds("act/layer0/cos_q_kj") == (-1.0, 1.0)
+    assert bounds("val/loss") == (0.0, math.inf) and bounds("perf/mfu") == (0.0, 1.0)
+    assert bounds("something/new") is None and len({p for p, _ in BOUNDS}) == len(BOUNDS)
