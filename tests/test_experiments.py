@@ -166,9 +166,7 @@ def test_preset_sweep_composes_validates_and_covers_the_paper_table(name, scale)
         cfg = job_config(name, scale, job)
         validate_config(cfg)  # what sinklab-train checks before any data is loaded
         d = cfg.data
-        BlockControls.from_config(random_positions=OmegaConf.to_container(d.random_positions),
-                                  fixed_token=OmegaConf.to_container(d.fixed_token) if d.fixed_token else None,
-                                  bos=d.bos, block_size=d.block_size)
+        BlockControls.from_config(OmegaConf.to_object(d))  # DataConfig: its rules hold (controls vs block_size)
         assert d.max_unique_tokens is None or d.max_unique_tokens > d.block_size
         window = cfg.model.window
         assert window is None or 1 <= window <= cfg.model.block_size

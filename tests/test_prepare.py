@@ -17,6 +17,7 @@ import pytest
 from sinklab.data import LMDataModule, StoreDamagedError, StoreMismatchError, open_store
 from sinklab.data.prepare import main
 from sinklab.data.tokenizer import load_tokenizer, tokenizer_fingerprint, train_bpe
+from sinklab.io import stale_temporaries
 
 REPO = Path(__file__).resolve().parents[1]
 WORDS = ["".join(random.Random(i).choice("etaoinshrdlucmfwypvbgk") for _ in range(1 + i % 8)) for i in range(300)]
@@ -103,7 +104,7 @@ def test_killed_build_resumes_to_identical_shards(env, tmp_path, fault):
     m = manifest(out)
     assert [c["index"] for c in m["chunks"]] == [0, 1] and not m["complete"]
     if fault.startswith("mid_write"):  # a half-written shard is left behind
-        partial = out / "train" / "shard_00002.bin.tmp"
+        (partial,) = stale_temporaries(out / "train" / "shard_00002.bin")
         assert 0 < partial.stat().st_size < (env.ref / "train" / "shard_00002.bin").stat().st_size
     else:  # a finished but unrecorded shard is left behind
         assert (out / "train" / "shard_00002.bin").exists()
@@ -167,7 +168,7 @@ def test_config_file_gives_the_defaults(env, tmp_path):
     m = manifest(out)
     assert [c["docs"] for c in m["chunks"]] == [15, 15, 10] and m["corpus"]["name"] == "fw"
     # streaming split by the id field (group_field: id in fineweb_edu.yaml), decided per document by hash
-    from sinklab.data.corpus import group_hash
+    from sinklab.data.split import group_hash
     n_val = sum(group_hash(r["id"]) < 0.2 for r in rows)
     tok = load_tokenizer(env.tok)
     val_tokens = sum(len(tok.encode(r["text"]).ids) + 1 for r in rows if group_hash(r["id"]) < 0.2)

@@ -225,7 +225,7 @@ BAD_OVERRIDES = [
     ("callbacks.checkpoint.save_on_exception=true", "callbacks.checkpoint.save_on_exception=true is not allowed"),
     ("callbacks.preemption.signals=[SIGFOO]", "callbacks.preemption.signals=['SIGFOO'] is not allowed; allowed: "),
     ("+debug.nan_at_stepp=3", "debug.nan_at_stepp is not an option of debug (did you mean debug.nan_at_step?)"),
-    ("data=local", "data.files has no value (??? in its config) and is required; set it on the command line"),
+    ("data=local", "data.corpus=local needs data.files: set it on the command line, e.g. data.files=[a.txt,b.jsonl]"),
     ("+callbacks.x._target_=foo.Bar", "callbacks.x._target_='foo.Bar' cannot be imported (ModuleNotFoundError: "
                                       "no module named 'foo'); check the class path"),
     ("ckpt_path=last", "ckpt_path=last: no checkpoint at "),

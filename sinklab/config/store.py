@@ -23,6 +23,7 @@ SCHEMA_MODULES = (
     "sinklab.model.config",
     "sinklab.train.optim",
     "sinklab.train.config",  # trainer, callbacks/{sink,checkpoint,preemption,status}
+    "sinklab.data.config",
 )
 SCHEMA_NAME = "schema"  # a schema's name in its group ends so (schema, adamw_schema): `defaults: [schema, _self_]`
 

@@ -2,8 +2,8 @@
 
 `validate_config` checks every user-facing key: each bad value is refused with one line naming the key, the value
 and what is allowed, before any data is loaded. Nodes typed by a schema (a dataclass in the ConfigStore: the model,
-the optimizer, the trainer, sinklab's callbacks) are checked by their own rules; `SCHEMA` below holds the keys that
-have no schema yet.
+the optimizer, the data, the trainer, sinklab's callbacks) are checked by their own rules; `SCHEMA` below holds the
+keys that have no schema yet.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from sinklab.errors import UserError
 from sinklab.model.config import ModelConfig
 
 from .messages import unknown_key_message
-from .schema import Check, boolean, choice, either, integer, is_int, not_allowed, number, show, string
+from .schema import Check, choice, either, integer, is_int, not_allowed, number, show, string
 
 __all__ = ["validate_config", "built", "check_devices"]
 _MISSING = object()
@@ -30,23 +30,6 @@ SCHEMA: dict[str, tuple[Check, bool]] = {
     "ckpt_path": (string(optional=True), False),
     "peak_flops": (either(choice("auto"), number(gt=0, optional=True)), False),
     "compile_backend": (string(), False),
-    # data (types only; the data module checks the rest when it is built, still before reading any data)
-    "data.batch_size": (integer(1), False),
-    "data.block_size": (integer(1), False),
-    "data.num_workers": (integer(0), False),
-    "data.seed": (integer(0), False),
-    "data.val_fraction": (number(gt=0, le=0.5), False),
-    "data.val_num_blocks": (integer(1), False),
-    "data.probe_num_seqs": (integer(1), False),
-    "data.probe_seq_len": (integer(1), False),
-    "data.max_unique_tokens": (integer(1, optional=True), False),
-    "data.max_train_tokens": (integer(1, optional=True), False),
-    "data.rebuild_cache": (boolean, False),
-    "data.bos": (boolean, False),
-    "data.fixed_token.position": (integer(1, optional=True), False),
-    "data.fixed_token.token_id": (integer(0, optional=True), False),
-    "data.probe_bos": (boolean, False),
-    "data.probe_fixed_token": (boolean, False),
     # loggers
     "logger.wandb.project": (string(), False),
     "logger.wandb.entity": (string(optional=True), False),
@@ -184,8 +167,7 @@ def validate_config(cfg: DictConfig) -> ModelConfig:
     missing = sorted(OmegaConf.missing_keys(OmegaConf.masked_copy(cfg, [k for k in cfg.keys() if k != "hydra"])))
     if missing:
         raise UserError(f"{missing[0]} has no value (??? in its config) and is required; set it on the command "
-                        f"line, e.g. {missing[0]}=..." + (" (a list: data.files=[a.txt,b.jsonl])"
-                                                          if missing[0] == "data.files" else ""))
+                        f"line, e.g. {missing[0]}=...")
     for key, (check, required) in SCHEMA.items():
         _check_value(cfg, key, check, required)
     # every typed node (model, optim, trainer, sinklab's callbacks, ...): no key outside its schema (Hydra lets

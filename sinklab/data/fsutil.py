@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
@@ -80,3 +81,9 @@ def hash_strings(*parts: str) -> str:
         h.update(len(data).to_bytes(8, "little"))
         h.update(data)
     return h.hexdigest()
+
+
+def safe_name(text: str, limit: int) -> str:
+    """`text` as a file-name part: runs of characters other than letters, digits and `_.-` become `_`, at most
+    `limit` characters."""
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", text)[:limit]

@@ -20,27 +20,57 @@ import argparse
 import os
 import shlex
 import sys
+import typing
 from pathlib import Path
 
 from omegaconf import OmegaConf
+from tokenizers import Tokenizer
 
 from .cache import build_store
+from .config import DataConfig, from_settings, load_preset
 from .corpus import open_corpus
-from .errors import DataFileNotFoundError, UserError
-from .fsutil import resolve_cache_dir
-from .tokenizer import EOS_TOKEN, eos_token_id, resolve_tokenizer
+from .errors import UserError
+from .fsutil import resolve_cache_dir, safe_name
+from .tokenizer import BPE, eos_token_id, resolve_tokenizer, tokenizer_fingerprint
 
-DEFAULTS = {
-    "corpus": "shakespeare", "files": None, "archive": None, "hub_path": None, "hub_name": None,
-    "hub_split": "train", "streaming": None, "text_field": "text", "group_field": None,
-    "encoding_errors": "strict", "val_fraction": 0.1, "tokenizer": "bpe", "vocab_size": 4096,
-    "eos_token": EOS_TOKEN, "cache_dir": None, "max_train_tokens": None, "docs_per_shard": 50_000,
-    "num_proc": os.cpu_count() or 1,
-}
-TYPES = {"val_fraction": float, "vocab_size": int, "max_train_tokens": int, "docs_per_shard": int, "num_proc": int}
+# the DataConfig keys that shape a token store (the others choose blocks from it); flags --corpus, --files, ...
+KEYS = ("corpus", "files", "archive", "hub_path", "hub_name", "hub_split", "streaming", "text_field", "group_field",
+        "encoding_errors", "val_fraction", "tokenizer", "vocab_size", "eos_token", "cache_dir", "max_train_tokens",
+        "docs_per_shard", "num_proc")
+DEFAULTS = {**{key: getattr(DataConfig(), key) for key in KEYS}, "num_proc": os.cpu_count() or 1}
 
 
-def parse_args(argv: list[str], prog: str) -> tuple[argparse.Namespace, dict]:
+def tokenizer_label(config: DataConfig) -> str:
+    """The tokenizer's part of an automatic token store's directory name."""
+    if config.tokenizer == BPE:
+        return f"bpe{config.vocab_size}"
+    if Path(config.tokenizer).expanduser().exists():
+        return "tokenizer"
+    return safe_name(config.tokenizer, 40)  # a hub id
+
+
+def tokenise(config: DataConfig, cache: Path, out: Path | None = None, **options) -> tuple[Path, Tokenizer, dict]:
+    """Open the configured corpus, resolve its tokenizer and build (or resume) its token store in `out`, by default
+    the data module's automatic cache <cache>/tokens/<corpus>-<fp>/<tokenizer>-<fp>; `options` go to build_store.
+    Returns (store directory, tokenizer, manifest)."""
+    corpus = open_corpus(config, cache)
+    tok = resolve_tokenizer(config.tokenizer, vocab_size=config.vocab_size, corpus=corpus, cache_dir=cache,
+                            eos_token=config.eos_token)
+    if out is None:
+        out = (cache / "tokens" / f"{corpus.name}-{corpus.fingerprint[:12]}"
+               / f"{tokenizer_label(config)}-{tokenizer_fingerprint(tok)[:12]}")
+    manifest = build_store(corpus, tok, out, eos_id=eos_token_id(tok, config.eos_token, config.tokenizer),
+                           docs_per_shard=config.docs_per_shard, num_proc=config.num_proc,
+                           max_train_tokens=config.max_train_tokens, **options)
+    return out, tok, manifest
+
+
+def _flag_type(key: str) -> type:
+    hint = typing.get_type_hints(DataConfig)[key]
+    return next((t for t in (int, float) if hint in (t, typing.Optional[t])), str)
+
+
+def parse_args(argv: list[str], prog: str) -> tuple[argparse.Namespace, DataConfig]:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="output directory (created; resumed if it exists)")
@@ -52,45 +82,29 @@ def parse_args(argv: list[str], prog: str) -> tuple[argparse.Namespace, dict]:
         elif key == "streaming":
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, help="stream the corpus (default: hub)")
         else:
-            parser.add_argument(flag, type=TYPES.get(key, str), help=f"data.{key} (default: {default})")
+            parser.add_argument(flag, type=_flag_type(key), help=f"data.{key} (default: {default})")
     parser.add_argument("--overwrite", action="store_true", help="rebuild a directory made with another tokenizer")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
 
     settings = dict(DEFAULTS)
     if args.config:
-        path = Path(args.config).expanduser()
-        if not path.is_file():
-            raise DataFileNotFoundError(f"--config: {path} does not exist")
-        raw = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
-        for key in DEFAULTS:
-            value = raw.get(key, settings[key])
-            if isinstance(value, str) and "${" in value:  # interpolations into the training config
-                continue
-            settings[key] = value
-    for key in DEFAULTS:
+        preset = load_preset(args.config)
+        for key in KEYS:  # not the interpolations into the training config, nor a required value left open (???)
+            if not OmegaConf.is_interpolation(preset, key) and not OmegaConf.is_missing(preset, key):
+                settings[key] = preset[key]
+    for key in KEYS:
         if getattr(args, key) is not None:
             settings[key] = getattr(args, key)
-    return args, settings
+    return args, from_settings(DataConfig, settings)
 
 
 def main(argv: list[str] | None = None, prog: str = "sinklab prepare") -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    args, s = parse_args(argv, prog)
-    if s["num_proc"] < 1 or s["docs_per_shard"] < 1:
-        raise UserError(f"--num-proc={s['num_proc']} and --docs-per-shard={s['docs_per_shard']} must be >= 1")
-    cache = resolve_cache_dir(s["cache_dir"])
-    corpus = open_corpus(s["corpus"], cache_dir=cache, files=s["files"], archive=s["archive"], hub_path=s["hub_path"],
-                         hub_name=s["hub_name"], hub_split=s["hub_split"], streaming=s["streaming"],
-                         text_field=s["text_field"], group_field=s["group_field"],
-                         encoding_errors=s["encoding_errors"], val_fraction=s["val_fraction"])
-    tok = resolve_tokenizer(s["tokenizer"], vocab_size=s["vocab_size"], corpus=corpus, cache_dir=cache,
-                            eos_token=s["eos_token"])
-    out = Path(args.out).expanduser().resolve()
-    manifest = build_store(corpus, tok, out, eos_id=eos_token_id(tok, s["eos_token"], s["tokenizer"]),
-                           docs_per_shard=s["docs_per_shard"], num_proc=s["num_proc"],
-                           max_train_tokens=s["max_train_tokens"], overwrite=args.overwrite,
-                           progress=not args.no_progress, command=f"{prog} {shlex.join(argv)}")
+    args, config = parse_args(argv, prog)
+    out, _, manifest = tokenise(config, resolve_cache_dir(config.cache_dir), Path(args.out).expanduser().resolve(),
+                                overwrite=args.overwrite, progress=not args.no_progress,
+                                command=f"{prog} {shlex.join(argv)}")
     t = manifest["tokens"]
     print(f"{out}: {len(manifest['chunks'])} shards, {t['train']:,} training + {t['val']:,} validation tokens "
           f"({manifest['dtype']}, {manifest['tokenizer']['vocab_size']} ids); train with data.prepared_dir={out}")

@@ -35,6 +35,8 @@ test: tests/test_sink_emergence.py.
 
 from __future__ import annotations
 
+from typing import Any
+
 import lightning as L
 import numpy as np
 import torch
@@ -42,16 +44,11 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset
 
 from .blocks import StepBatchSampler, sample_rng
-from .errors import UserError
+from .config import SyntheticDataConfig, from_settings, settings_dict
 
 # sample-index offsets of the held-out streams (training uses indices 0, 1, 2, ... of `seed`)
 _VAL_STREAM = 1_000_003
 _PROBE_STREAM = 2_000_003
-
-
-def _check_int(key: str, value, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-        raise UserError(f"data.{key}={value!r} must be an integer >= {minimum}")
 
 
 class BigramBackcopy:
@@ -109,9 +106,6 @@ class SeenFlag:
         return x
 
 
-TASKS = ("bigram_backcopy", "seen_flag")
-
-
 class _Stream(Dataset):
     """Map-style: item i is sequence i of stream (seed, offset + i)."""
 
@@ -130,53 +124,27 @@ class _Stream(Dataset):
 class SyntheticDataModule(L.LightningDataModule):
     """seen_flag / bigram_backcopy sequences with a fixed BOS at position 1 (see the module docstring)."""
 
-    def __init__(
-        self,
-        task: str = "seen_flag",     # seen_flag | bigram_backcopy
-        n_tokens: int = 64,          # ordinary tokens (ids 0..n_tokens-1); then the flag (seen_flag) and BOS
-        n_triggers: int = 4,         # bigram_backcopy: tokens after which the next token copies the one before the trigger
-        concentration: float = 0.1,  # bigram_backcopy: Dirichlet concentration of the bigram rows (small: peaked transitions)
-        task_seed: int = 0,          # the task (bigram table, triggers) and the held-out sequences
-        block_size: int = 64,
-        batch_size: int = 32,
-        num_workers: int = 0,
-        seed: int = 0,               # training samples depend on (seed, sample index) only
-        val_num_blocks: int = 64,
-        probe_num_seqs: int = 100,
-        probe_seq_len: int = 64,
-        pad_vocab_to_multiple_of: int = 64,
-        vocab_size: int | None = None,  # ignored: the vocabulary follows from n_tokens (kept so that
-                                        # configs interpolating ${data.vocab_size} still compose)
-    ):
+    def __init__(self, **settings: Any):
+        """The settings are the fields of SyntheticDataConfig (sinklab/data/config.py: defaults and rules)."""
         super().__init__()
-        self.save_hyperparameters()
-        if task not in TASKS:
-            raise UserError(f"data.task={task!r} must be one of {', '.join(TASKS)}")
-        for key, value, minimum in [("n_tokens", n_tokens, 2), ("n_triggers", n_triggers, 0), ("task_seed", task_seed, 0),
-                                    ("block_size", block_size, 1), ("batch_size", batch_size, 1),
-                                    ("num_workers", num_workers, 0), ("seed", seed, 0),
-                                    ("val_num_blocks", val_num_blocks, 1), ("probe_num_seqs", probe_num_seqs, 1),
-                                    ("probe_seq_len", probe_seq_len, 2),
-                                    ("pad_vocab_to_multiple_of", pad_vocab_to_multiple_of, 1)]:
-            _check_int(key, value, minimum)
-        if n_triggers >= n_tokens:
-            raise UserError(f"data.n_triggers={n_triggers} must be below data.n_tokens={n_tokens}")
-        if not float(concentration) > 0:
-            raise UserError(f"data.concentration={concentration!r} must be > 0")
-        self.block_size, self.batch_size, self.num_workers, self.seed = block_size, batch_size, num_workers, seed
+        self.config: SyntheticDataConfig = from_settings(SyntheticDataConfig, settings)
+        self.save_hyperparameters(settings_dict(self.config))
+        cfg = self.config
+        self.block_size, self.batch_size, self.num_workers, self.seed = cfg.block_size, cfg.batch_size, \
+            cfg.num_workers, cfg.seed
         self._task: BigramBackcopy | None = None
         self._probe: np.ndarray | None = None
 
     # ------------------------------------------------------------------ preparation
     def prepare(self) -> "SyntheticDataModule":
         if self._task is None:
-            hp = self.hparams
-            if hp.task == "seen_flag":
-                self._task = SeenFlag(hp.n_tokens, hp.task_seed)
+            cfg = self.config
+            if cfg.task == "seen_flag":
+                self._task = SeenFlag(cfg.n_tokens, cfg.task_seed)
             else:
-                self._task = BigramBackcopy(hp.n_tokens, hp.n_triggers, float(hp.concentration), hp.task_seed)
-            probe = _Stream(self._task, hp.probe_seq_len, hp.task_seed, _PROBE_STREAM, hp.probe_num_seqs)
-            self._probe = np.stack([probe[i].numpy() for i in range(hp.probe_num_seqs)])
+                self._task = BigramBackcopy(cfg.n_tokens, cfg.n_triggers, float(cfg.concentration), cfg.task_seed)
+            probe = _Stream(self._task, cfg.probe_seq_len, cfg.task_seed, _PROBE_STREAM, cfg.probe_num_seqs)
+            self._probe = np.stack([probe[i].numpy() for i in range(cfg.probe_num_seqs)])
         return self
 
     def prepare_data(self) -> None:
@@ -193,7 +161,7 @@ class SyntheticDataModule(L.LightningDataModule):
     @property
     def vocab_size(self) -> int:
         """The task's ids (n_tokens, + the flag token for seen_flag, + BOS), padded to pad_vocab_to_multiple_of."""
-        m = self.hparams.pad_vocab_to_multiple_of
+        m = self.config.pad_vocab_to_multiple_of
         return -(-(self.task.bos_id + 1) // m) * m
 
     @property
@@ -222,8 +190,8 @@ class SyntheticDataModule(L.LightningDataModule):
 
     def val_dataloader(self) -> DataLoader:
         _, rank, world, _ = self._distributed()
-        n = self.hparams.val_num_blocks - self.hparams.val_num_blocks % world
-        stream = _Stream(self.task, self.block_size + 1, self.hparams.task_seed, _VAL_STREAM, n)
+        n = self.config.val_num_blocks - self.config.val_num_blocks % world
+        stream = _Stream(self.task, self.block_size + 1, self.config.task_seed, _VAL_STREAM, n)
         idx = list(range(rank, n, world))
         return DataLoader(torch.utils.data.Subset(stream, idx), batch_size=self.batch_size, shuffle=False,
                           num_workers=self.num_workers)
@@ -234,7 +202,7 @@ class SyntheticDataModule(L.LightningDataModule):
         return torch.from_numpy(self._probe.copy())
 
     def describe(self) -> dict:
-        hp, task = self.hparams, self.task
-        return {"source": "synthetic", "task": hp.task, "n_tokens": hp.n_tokens, "bos_id": self.bos_id,
-                "triggers": task.triggers.tolist(), "concentration": float(hp.concentration),
-                "task_seed": hp.task_seed, "vocab_size": self.vocab_size, "block_size": self.block_size}
+        cfg, task = self.config, self.task
+        return {"source": "synthetic", "task": cfg.task, "n_tokens": cfg.n_tokens, "bos_id": self.bos_id,
+                "triggers": task.triggers.tolist(), "concentration": float(cfg.concentration),
+                "task_seed": cfg.task_seed, "vocab_size": self.vocab_size, "block_size": self.block_size}
