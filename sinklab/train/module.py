@@ -90,7 +90,9 @@ class LitLM(L.LightningModule):
             return self.model(idx)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        return self.run_model(idx)
+        """Logits of the eager model: what Lightning's model summary runs on example_input_array to count FLOPs
+        (a compiled model would compile there, under the summary's hooks). Training steps call `run_model`."""
+        return self.net(idx)
 
     def loss(self, batch: torch.Tensor) -> torch.Tensor:
         """batch (B, T + 1) -> mean next-token cross-entropy; a prefix-LM skips its first p - 1 targets."""
