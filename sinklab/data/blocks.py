@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset, Sampler
+import torch.distributed as dist
+from torch.utils.data import DataLoader, Dataset, Sampler
 
 from .cache import TokenStore
 from .controls import BlockControls
@@ -84,6 +85,32 @@ class StepBatchSampler(Sampler):
             first = step * B * self.world_size + self.rank * B
             yield list(range(first, first + B))
             step += 1
+
+
+class StepLoader:
+    """The training loader both data modules share: endless, each rank's share of every step's batches, starting at
+    the trainer's global step (a resume continues the sample stream). A data module provides `train_dataset()`,
+    `batch_size`, `num_workers` and `trainer` (a LightningDataModule's)."""
+
+    pin_memory = False
+
+    def train_dataset(self) -> Dataset:
+        raise NotImplementedError
+
+    def _distributed(self) -> tuple[int, int, int, int]:
+        """(global_step, rank, world_size, accumulate_grad_batches) from the attached trainer."""
+        trainer = self.trainer
+        if trainer is not None:
+            return trainer.global_step, trainer.global_rank, trainer.world_size, trainer.accumulate_grad_batches
+        if dist.is_available() and dist.is_initialized():
+            return 0, dist.get_rank(), dist.get_world_size(), 1
+        return 0, 0, 1, 1
+
+    def make_train_loader(self, step: int = 0, rank: int = 0, world_size: int = 1, accumulate: int = 1) -> DataLoader:
+        """Endless loader of this rank's training batches from optimizer step `step` on."""
+        sampler = StepBatchSampler(self.batch_size, start_step=step * accumulate, rank=rank, world_size=world_size)
+        return DataLoader(self.train_dataset(), batch_sampler=sampler, num_workers=self.num_workers,
+                          pin_memory=self.pin_memory)
 
 
 class ValBlocks(Dataset):

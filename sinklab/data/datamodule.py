@@ -24,12 +24,11 @@ from typing import Any
 import lightning as L
 import numpy as np
 import torch
-import torch.distributed as dist
 from lightning.pytorch.utilities import rank_zero_only
 from tokenizers import Tokenizer
 from torch.utils.data import DataLoader
 
-from .blocks import StepBatchSampler, TrainBlocks, ValBlocks, probe_set
+from .blocks import StepLoader, TrainBlocks, ValBlocks, probe_set
 from .cache import open_store
 from .config import DataConfig, from_settings, settings_dict
 from .controls import BlockControls
@@ -46,7 +45,15 @@ def _info(message: str) -> None:
         log.info(message)
 
 
-class LMDataModule(L.LightningDataModule):
+def _after_prepare(name: str, doc: str) -> property:
+    """A read-only attribute that exists once prepare() has run (a clear error before)."""
+    def get(self):
+        self._prepared()
+        return getattr(self, name)
+    return property(get, doc=doc)
+
+
+class LMDataModule(StepLoader, L.LightningDataModule):
     """Corpus -> tokenizer -> token store -> blocks. The settings are the fields of DataConfig (sinklab/data/
     config.py, where their defaults and rules live), as keyword arguments: `LMDataModule(corpus="local",
     files=[...])`, or from Hydra `instantiate(cfg.data, _recursive_=False)`. They are checked here, before any
@@ -137,26 +144,15 @@ class LMDataModule(L.LightningDataModule):
     # ------------------------------------------------------------------------------------------
     # public API
 
-    @property
-    def vocab_size(self) -> int:
-        """Vocabulary size the model must use: tokenizer ids (+ a dedicated fixed token), padded."""
-        self._prepared()
-        return self._vocab_size
-
-    @property
-    def tokenizer(self) -> Tokenizer:
-        self._prepared()
-        return self._tokenizer
+    vocab_size: int = _after_prepare("_vocab_size", "Vocabulary size the model must use: tokenizer ids (+ a "
+                                                    "dedicated fixed token), padded.")
+    tokenizer: Tokenizer = _after_prepare("_tokenizer", "The tokenizer of this data.")
+    train_blocks: TrainBlocks = _after_prepare("_train_blocks", "The training blocks (a Dataset).")
 
     @property
     def eos_id(self) -> int:
         self._prepared()
         return self._manifest["eos_id"]
-
-    @property
-    def train_blocks(self) -> TrainBlocks:
-        self._prepared()
-        return self._train_blocks
 
     @property
     def unique_tokens(self) -> int:
@@ -167,20 +163,8 @@ class LMDataModule(L.LightningDataModule):
         """Passes over the unique training tokens made by max_steps steps of global_batch blocks."""
         return max_steps * global_batch * self.block_size / self.unique_tokens
 
-    def _distributed(self) -> tuple[int, int, int, int]:
-        """(global_step, rank, world_size, accumulate_grad_batches) from the attached trainer."""
-        trainer = self.trainer
-        if trainer is not None:
-            return trainer.global_step, trainer.global_rank, trainer.world_size, trainer.accumulate_grad_batches
-        if dist.is_available() and dist.is_initialized():
-            return 0, dist.get_rank(), dist.get_world_size(), 1
-        return 0, 0, 1, 1
-
-    def make_train_loader(self, step: int = 0, rank: int = 0, world_size: int = 1, accumulate: int = 1) -> DataLoader:
-        """Endless loader of this rank's training batches from optimizer step `step` on."""
-        sampler = StepBatchSampler(self.batch_size, start_step=step * accumulate, rank=rank, world_size=world_size)
-        return DataLoader(self.train_blocks, batch_sampler=sampler, num_workers=self.num_workers,
-                          pin_memory=self.pin_memory)
+    def train_dataset(self) -> TrainBlocks:
+        return self.train_blocks
 
     def train_dataloader(self) -> DataLoader:
         step, rank, world, accumulate = self._distributed()

@@ -40,10 +40,9 @@ from typing import Any
 import lightning as L
 import numpy as np
 import torch
-import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset
 
-from .blocks import StepBatchSampler, sample_rng
+from .blocks import StepLoader, sample_rng
 from .config import SyntheticDataConfig, from_settings, settings_dict
 
 # sample-index offsets of the held-out streams (training uses indices 0, 1, 2, ... of `seed`)
@@ -121,7 +120,7 @@ class _Stream(Dataset):
         return torch.from_numpy(self.task.sequence(sample_rng(self.seed, self.offset + int(index)), self.length))
 
 
-class SyntheticDataModule(L.LightningDataModule):
+class SyntheticDataModule(StepLoader, L.LightningDataModule):
     """seen_flag / bigram_backcopy sequences with a fixed BOS at position 1 (see the module docstring)."""
 
     def __init__(self, **settings: Any):
@@ -170,19 +169,8 @@ class SyntheticDataModule(L.LightningDataModule):
 
     eos_id = bos_id  # LMDataModule's name for the BOS id
 
-    def _distributed(self) -> tuple[int, int, int, int]:
-        trainer = self.trainer
-        if trainer is not None:
-            return trainer.global_step, trainer.global_rank, trainer.world_size, trainer.accumulate_grad_batches
-        if dist.is_available() and dist.is_initialized():
-            return 0, dist.get_rank(), dist.get_world_size(), 1
-        return 0, 0, 1, 1
-
-    def make_train_loader(self, step: int = 0, rank: int = 0, world_size: int = 1, accumulate: int = 1) -> DataLoader:
-        """Endless loader of this rank's training batches from optimizer step `step` on."""
-        sampler = StepBatchSampler(self.batch_size, start_step=step * accumulate, rank=rank, world_size=world_size)
-        return DataLoader(_Stream(self.task, self.block_size + 1, self.seed), batch_sampler=sampler,
-                          num_workers=self.num_workers)
+    def train_dataset(self) -> Dataset:
+        return _Stream(self.task, self.block_size + 1, self.seed)
 
     def train_dataloader(self) -> DataLoader:
         step, rank, world, accumulate = self._distributed()
