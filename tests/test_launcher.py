@@ -11,8 +11,11 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
+from sinklab.config import register_configs
+
 REPO = Path(__file__).resolve().parents[1]
 CONF = REPO / "conf"
+HYDRA_SCHEMA_WARNING = "automatic_schema_matching"  # in Hydra's deprecation warning (the address of its docs)
 
 
 @pytest.fixture
@@ -31,8 +34,11 @@ def conf_dir(tmp_path):
 
 
 def compose_cfg(conf_dir, overrides=(), name="config"):
+    """Compose with sinklab's schemas registered (as sinklab-train does); any warning is an error: the presets extend
+    the plugin's schemas explicitly, so Hydra's "automatic schema matching" deprecation warning must not show."""
+    register_configs()
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # Hydra's automatic-schema-matching deprecation notice
+        warnings.simplefilter("error")
         with initialize_config_dir(config_dir=str(conf_dir), version_base="1.3"):
             return compose(name, overrides=list(overrides), return_hydra_config=True)
 
@@ -44,8 +50,8 @@ def compose_launcher(conf_dir, launcher, overrides=(), name="config"):
 def test_slurm_preset_resolves_and_fits_the_plugin_schema(conf_dir, tmp_path):
     from hydra_plugins.hydra_submitit_launcher.config import SlurmQueueConf
 
-    cfg = compose_launcher(conf_dir, "submitit_slurm")
-    assert cfg.hydra.runtime.choices["hydra/launcher"] == "submitit_slurm"
+    cfg = compose_launcher(conf_dir, "slurm")
+    assert cfg.hydra.runtime.choices["hydra/launcher"] == "slurm"
     raw = OmegaConf.to_container(cfg.hydra.launcher, resolve=False)
     assert raw["tasks_per_node"] == "${oc.select:trainer.devices,1}"  # ours, not the plugin's default
     launcher = OmegaConf.to_container(cfg.hydra.launcher, resolve=True)
@@ -69,7 +75,7 @@ def test_slurm_preset_defaults_without_trainer_keys(tmp_path):
     d = tmp_path / "conf"
     d.mkdir()
     (d / "config.yaml").write_text(f"hydra:\n  searchpath: [file://{CONF}]\nx: 1\n")
-    cfg = compose_launcher(d, "submitit_slurm")
+    cfg = compose_launcher(d, "slurm")
     launcher = OmegaConf.to_container(cfg.hydra.launcher, resolve=True)
     assert launcher["tasks_per_node"] == 1 and launcher["nodes"] == 1 and launcher["gpus_per_node"] == 1
 
@@ -79,7 +85,7 @@ def test_slurm_preset_renders_the_sbatch_script(conf_dir, tmp_path):
     the rest slurm-specific; submitit_folder and max_num_timeout go to the executor's constructor)."""
     from submitit.slurm import slurm
 
-    cfg = compose_launcher(conf_dir, "submitit_slurm", ["hydra.launcher.partition=gpu", "hydra.launcher.mem_gb=32"])
+    cfg = compose_launcher(conf_dir, "slurm", ["hydra.launcher.partition=gpu", "hydra.launcher.mem_gb=32"])
     params = dict(instantiate(cfg.hydra.launcher).params)
     folder = params.pop("submitit_folder")
     assert params.pop("max_num_timeout") == 5
@@ -103,21 +109,35 @@ def test_real_trainer_presets_set_the_task_count(tmp_path):
         base = compose_cfg(CONF, overrides, "train")
     except Exception as e:  # the rest of conf/ is not composable in this checkout: nothing to check against
         pytest.skip(f"conf/train.yaml does not compose: {type(e).__name__}: {e}")
-    cfg = compose_launcher(CONF, "submitit_slurm", overrides, "train")
+    cfg = compose_launcher(CONF, "slurm", overrides, "train")
     assert cfg.hydra.launcher.tasks_per_node == base.trainer.devices == cfg.hydra.launcher.gpus_per_node
     assert cfg.hydra.launcher.nodes == base.trainer.num_nodes
     assert str(cfg.hydra.launcher.submitit_folder).startswith(str(cfg.hydra.sweep.dir))
 
 
+@pytest.mark.parametrize("name", ["slurm", "local"])
+def test_the_plugins_preset_names_select_sinklabs_presets(conf_dir, name):
+    """hydra/launcher=submitit_slurm and submitit_local (the plugin's names, and the files of earlier sinklab
+    versions) compose to sinklab's slurm and local presets, without a warning."""
+    new = compose_launcher(conf_dir, name)
+    old = compose_launcher(conf_dir, f"submitit_{name}")
+    assert old.hydra.runtime.choices["hydra/launcher"] == f"submitit_{name}"
+    assert OmegaConf.to_container(old.hydra.launcher) == OmegaConf.to_container(new.hydra.launcher)
+    assert new.hydra.launcher.timeout_min == 240  # sinklab's setting, not the plugin's 60
+
+
 def test_local_preset_runs_a_two_job_sweep(tmp_path):
-    """A real multirun of a tiny Hydra app through the submitit_local preset: each job runs in its own process
-    under submitit and leaves its dir; submitit's files stay in the sweep dir's .submitit/."""
+    """A real multirun of a tiny Hydra app (which registers sinklab's schemas, as sinklab-train does) through the
+    plugin's name of the local preset: each job runs in its own process under submitit with sinklab's settings and
+    leaves its dir; submitit's files stay in the sweep dir's .submitit/; Hydra prints no deprecation warning."""
     conf = tmp_path / "conf"
     conf.mkdir()
     (conf / "config.yaml").write_text(f"hydra:\n  searchpath: [file://{CONF}]\ntrainer: {{devices: 1}}\nx: 0\n")
     (tmp_path / "app.py").write_text(
         "import json, os, hydra\n"
         "from hydra.core.hydra_config import HydraConfig\n"
+        "from sinklab.config import register_configs\n"
+        "register_configs()\n"
         "@hydra.main(config_path='conf', config_name='config', version_base='1.3')\n"
         "def main(cfg):\n"
         "    out = HydraConfig.get().runtime.output_dir\n"
@@ -135,8 +155,11 @@ def test_local_preset_runs_a_two_job_sweep(tmp_path):
     infos = [json.loads((sweep / str(i) / "status.json").read_text())["info"] for i in (0, 1)]
     assert [i["x"] for i in infos] == [1, 2]
     assert all(i["executor"] == "local" for i in infos) and infos[0]["pid"] != infos[1]["pid"]
-    assert all(i["cuda"] == "0" for i in infos)  # gpus_per_node = trainer.devices
-    assert list((sweep / ".submitit").glob("*/*_log.out"))
+    assert all(i["cuda"] == "0" for i in infos)  # gpus_per_node = trainer.devices (sinklab's local preset)
+    logs = list((sweep / ".submitit").glob("*/*_log.*"))
+    assert logs
+    for text in [p.stderr, *(f.read_text() for f in logs)]:
+        assert HYDRA_SCHEMA_WARNING not in text
 
     from sinklab import report
 

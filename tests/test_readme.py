@@ -1,7 +1,8 @@
 """Keep the README true: every `sinklab-train` command line in README.md composes and passes the training entry's
 validation, job by job for sweeps (`-m`), without training. The commands that really train (the default run, the
-resume pair, `sinklab measure` / `report` / `export-hf`) are run by tests/test_train.py, tests/test_measure.py,
-tests/test_report.py, tests/test_export_hf.py and .ci/run; this file checks the rest as a user would type them.
+resume pair, `sinklab measure` / `report` / `export-hf`, the local-SLURM sweep) are run by tests/test_train.py,
+tests/test_measure.py, tests/test_report.py, tests/test_export_hf.py, tests/test_slurm.py and .ci/run; this file
+checks the rest as a user would type them.
 """
 from __future__ import annotations
 
@@ -52,7 +53,8 @@ def test_the_readme_shows_the_commands_users_rely_on():
     commands = readme_commands()
     assert any(c == "sinklab-train" for c in commands), "the default run is missing from the README"
     assert any(" -m " in c and "experiment=" in c for c in commands)
-    assert any("hydra/launcher=submitit_slurm" in c for c in commands)
+    assert any("hydra/launcher=slurm" in c and "partition=" in c for c in commands)
+    assert any("hydra/launcher=slurm" in c and "gpus_per_node=0" in c for c in commands)  # tests/test_slurm.py
     assert any("logger=wandb" in c for c in commands)
 
 

@@ -1,0 +1,24 @@
+"""The submitit launcher presets: `conf/hydra/launcher/slurm.yaml` and `local.yaml` extend the plugin's schemas
+(SlurmQueueConf, LocalQueueConf), stored here as `slurm_schema` and `local_schema`, and hold only sinklab's settings.
+
+The plugin's own names, `hydra/launcher=submitit_slurm` and `submitit_local`, select sinklab's presets too: they
+are stored here as nodes whose defaults list is the preset. (A yaml file with the plugin's name would be validated
+against the plugin's node of that name, Hydra's "automatic schema matching", which prints a deprecation warning.)
+"""
+from sinklab.config.store import SCHEMA_NAME
+
+GROUP = "hydra/launcher"
+PRESETS = {"slurm": "SlurmQueueConf", "local": "LocalQueueConf"}  # sinklab's name: the plugin's schema
+PLUGIN_PREFIX = "submitit_"
+
+
+def register(cs) -> None:
+    from hydra.core.plugins import Plugins
+    from hydra_plugins.hydra_submitit_launcher import config as plugin
+
+    # Hydra's first plugin scan executes the plugin's modules again, and so stores the plugin's nodes again: scan
+    # first, so that the redirects below are the nodes Hydra finds under the plugin's names
+    Plugins.instance()
+    for name, schema in PRESETS.items():
+        cs.store(group=GROUP, name=f"{name}_{SCHEMA_NAME}", node=getattr(plugin, schema))
+        cs.store(group=GROUP, name=PLUGIN_PREFIX + name, node={"defaults": [name, "_self_"]})
