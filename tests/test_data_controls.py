@@ -4,7 +4,6 @@ They must change training blocks exactly as specified and leave validation block
 """
 
 import logging
-import random
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -16,20 +15,7 @@ import torch
 from sinklab.data import LMDataModule
 from sinklab.data.tokenizer import train_bpe
 from sinklab.errors import UserError
-
-WORDS = ["".join(random.Random(i).choice("etaoinshrdlucmfwypvbgk") for _ in range(1 + i % 8)) for i in range(300)]
-
-
-def fake_text(seed: int, n_words: int) -> str:
-    rng = random.Random(seed)
-    lines, line = [], []
-    for _ in range(n_words):
-        line.append(WORDS[min(int(rng.paretovariate(1.0)) - 1, len(WORDS) - 1)] if rng.random() < 0.7
-                    else rng.choice(WORDS))
-        if rng.random() < 0.12:
-            lines.append(" ".join(line).capitalize() + ".")
-            line = []
-    return "\n".join(lines) + "\n"
+from tests.conftest import fake_text
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,6 @@
 
 import json
 import os
-import random
 import shutil
 import signal
 import subprocess
@@ -18,21 +17,9 @@ from sinklab.data import LMDataModule, StoreDamagedError, StoreMismatchError, op
 from sinklab.data.prepare import main
 from sinklab.data.tokenizer import load_tokenizer, tokenizer_fingerprint, train_bpe
 from sinklab.io import stale_temporaries
+from tests.conftest import fake_text
 
 REPO = Path(__file__).resolve().parents[1]
-WORDS = ["".join(random.Random(i).choice("etaoinshrdlucmfwypvbgk") for _ in range(1 + i % 8)) for i in range(300)]
-
-
-def fake_text(seed: int, n_words: int) -> str:
-    rng = random.Random(seed)
-    lines, line = [], []
-    for _ in range(n_words):
-        line.append(WORDS[min(int(rng.paretovariate(1.0)) - 1, len(WORDS) - 1)] if rng.random() < 0.7
-                    else rng.choice(WORDS))
-        if rng.random() < 0.12:
-            lines.append(" ".join(line).capitalize() + ".")
-            line = []
-    return "\n".join(lines) + "\n"
 
 
 @pytest.fixture(scope="module")
