@@ -22,8 +22,12 @@ class KernelMLP(nn.Module):
         self.net = nn.Sequential(nn.Linear(hd, hd), nn.ReLU(), nn.Linear(hd, hd))
 
     def init_parameters(self, std: float, bias_std: float) -> None:
+        """Weights N(0, std), biases zero, in registration order."""
         for name, p in self.named_parameters():
-            nn.init.normal_(p, std=std) if name.endswith("weight") else nn.init.zeros_(p)
+            if name.endswith("weight"):
+                nn.init.normal_(p, std=std)
+            else:
+                nn.init.zeros_(p)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
@@ -40,28 +44,44 @@ class KernelAttention(NormalisableOp):
         kernel_map: str = dataclasses.field(default="elu", metadata={"choices": ("identity", "elu", "mlp")})
 
     @classmethod
+    def resolve(cls, cfg: Any) -> type:
+        return {"identity": KernelAttention, "elu": EluKernel, "mlp": MLPKernel}[cfg.kernel_map]
+
+    @classmethod
     def row_normalised(cls, cfg: Any) -> bool:
         return False  # kernel maps can be negative: the metric also scores them renormalised
 
-    def __init__(self, cfg: Any):
-        super().__init__(cfg)
-        self.kernel_map = cfg.kernel_map
-        if cfg.kernel_map == "mlp":
-            self.phi = KernelMLP(cfg.hd)
-
     def feature_map(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernel_map == "elu":
-            return F.elu(x) + 1.0
-        if self.kernel_map == "mlp":
-            return self.phi(x)
+        """The identity (this class); the variants below map q and k first."""
         return x
+
+    def row_sums_to_one(self, a: torch.Tensor) -> torch.Tensor:
+        """Identity and MLP features can sum to ~0: only rows whose |sum| exceeds 1 are divided."""
+        return a / a.sum(-1, keepdim=True).abs().clamp(min=1.0)
 
     def probs(self, q: torch.Tensor, k: torch.Tensor, layout: Layout, rows: torch.Tensor,
               scale: float) -> torch.Tensor:
         seen = layout.mask(rows)
         a = (self.feature_map(q) @ self.feature_map(k).transpose(-1, -2)) * scale * seen
-        if not self.normalize:
-            return a
-        total = a.sum(-1, keepdim=True)
-        # elu + 1 features are positive; identity and MLP features can sum to ~0, so only large sums divide
-        return a / (total + 1e-8) if self.kernel_map == "elu" else a / total.abs().clamp(min=1.0)
+        return self.row_sums_to_one(a) if self.normalize else a
+
+
+class EluKernel(KernelAttention):
+    """phi = elu + 1: positive features, so rows are divided by their sum."""
+
+    def feature_map(self, x: torch.Tensor) -> torch.Tensor:
+        return F.elu(x) + 1.0
+
+    def row_sums_to_one(self, a: torch.Tensor) -> torch.Tensor:
+        return a / (a.sum(-1, keepdim=True) + 1e-8)
+
+
+class MLPKernel(KernelAttention):
+    """phi = a per-layer MLP shared by q and k."""
+
+    def __init__(self, cfg: Any):
+        super().__init__(cfg)
+        self.phi = KernelMLP(cfg.hd)
+
+    def feature_map(self, x: torch.Tensor) -> torch.Tensor:
+        return self.phi(x)
