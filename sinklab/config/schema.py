@@ -16,20 +16,14 @@ import math
 import typing
 from typing import Any, Callable, ClassVar, Optional, Sequence
 
-from sinklab.errors import UserError
+from sinklab.errors import UserError, word
 
 Check = Callable[[Any], Optional[str]]
 
 
 def show(value: Any) -> str:
-    """A value as the user would write it in an override: 'abc', null, true, 3, [0.3]."""
-    if isinstance(value, str):
-        return repr(value)
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return str(value).lower()
-    return str(value)
+    """A value as the user would write it in an override, strings quoted: 'abc', null, true, 3, [0.3]."""
+    return repr(value) if isinstance(value, str) else word(value)
 
 
 def not_allowed(key: str, value: Any, want: str, why: str = "") -> str:
@@ -75,13 +69,9 @@ def choice(*allowed: Any) -> Check:
         if any(v == a and type(v) is type(a) for a in allowed):
             return None
         if len(allowed) == 1:
-            return _word(allowed[0])
-        return "one of " + ", ".join(dict.fromkeys(_word(a) for a in allowed))
+            return word(allowed[0])
+        return "one of " + ", ".join(dict.fromkeys(word(a) for a in allowed))
     return check
-
-
-def _word(value: Any) -> str:
-    return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def boolean(v: Any) -> Optional[str]:

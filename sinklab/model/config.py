@@ -13,6 +13,8 @@ import math
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Optional
 
+from sinklab.errors import word
+
 from . import components  # noqa: F401  (registers every component)
 from .registry import ATTENTION_OPS, ATTN_BIASES, FAMILIES, POSITIONS, ConfigError
 
@@ -65,10 +67,6 @@ def knob_fields() -> dict[str, tuple[dataclasses.Field, list[Any]]]:
 KNOBS = knob_fields()
 
 
-def _show(value: Any) -> str:
-    return str(value).lower() if isinstance(value, bool) else "null" if value is None else str(value)
-
-
 class ModelConfigMethods:
     """Derived values and the validation of `ModelConfig`."""
 
@@ -109,7 +107,7 @@ class ModelConfigMethods:
                 ("window", self.window is None, "null (full causal attention)"),
                 ("head_dim", self.head_dim in (None, hd_default), f"null or d_model / n_head = {hd_default}"))
         found = [registry.selected(self).llama_mismatch(self) for registry in FAMILIES]
-        found += [f"model.{key}={_show(getattr(self, key))} (LLaMA needs {need})" for key, ok, need in base if not ok]
+        found += [f"model.{key}={word(getattr(self, key))} (LLaMA needs {need})" for key, ok, need in base if not ok]
         return [r for r in found if r is not None]
 
     @property
@@ -184,8 +182,8 @@ class ModelConfigMethods:
             registry = owners[0].registry
             if registry.get(getattr(self, registry.key)) not in owners:
                 names = ", ".join(dict.fromkeys(c.name for c in owners))
-                raise ConfigError(f"model.{key}={_show(value)} applies to model.{registry.key}={names} only, got "
-                                  f"{registry.key}={getattr(self, registry.key)}; set {key}={_show(f.default)}")
+                raise ConfigError(f"model.{key}={word(value)} applies to model.{registry.key}={names} only, got "
+                                  f"{registry.key}={getattr(self, registry.key)}; set {key}={word(f.default)}")
 
     # ------------------------------------------------------------------ construction
     @classmethod
