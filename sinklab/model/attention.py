@@ -1,5 +1,6 @@
 """Causal self-attention, its pieces chosen by name: the operation (`ops/`), the attention bias (`attn_bias.py`) and
-the output gate (`gates.py`). The masks, RoPE and position biases of a sequence come in its `Layout` (`masks.py`).
+the gate (`gates.py`, at one of the positions G1 .. G5, each named where it applies). The masks, RoPE and position
+biases of a sequence come in its `Layout` (`masks.py`).
 The explicit path works on query-row chunks, so the metric's memory is linear in T.
 """
 from __future__ import annotations
@@ -10,6 +11,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from .gates import G1, G2, G3, G4, G5
 from .masks import Layout
 from .registry import ATTENTION_OPS, ATTN_BIASES, GATES
 
@@ -35,12 +37,14 @@ class Attention(nn.Module):
         self.use_fused = cfg.fused
 
     def qkv(self, x: torch.Tensor, layout: Layout):
-        """x (B, N, d) -> q (B, H, N, hd), k and v (B, H, n_slots + N, hd), RoPE applied before the slot."""
+        """x (B, N, d) -> q (B, H, N, hd), k and v (B, H, n_slots + N, hd), RoPE applied before the slot. A gate at
+        G4 / G3 / G2 multiplies the query / key / value projection's output, before RoPE and the kv heads' repeat."""
         B, N = x.shape[0], x.shape[1]
+        gate = self.gate_proj
         # (B, N, h * hd) -> (B, h, N, hd) views, as einops' "b n (h d) -> b h n d" (no copy)
-        q = self.q_proj(x).view(B, N, -1, self.hd).transpose(1, 2)
-        k = self.k_proj(x).view(B, N, -1, self.hd).transpose(1, 2)
-        v = self.v_proj(x).view(B, N, -1, self.hd).transpose(1, 2)
+        q = gate.at(G4, x, self.q_proj(x).view(B, N, -1, self.hd).transpose(1, 2))
+        k = gate.at(G3, x, self.k_proj(x).view(B, N, -1, self.hd).transpose(1, 2))
+        v = gate.at(G2, x, self.v_proj(x).view(B, N, -1, self.hd).transpose(1, 2))
         if layout.rope is not None:
             q, k = layout.rope(q), layout.rope(k)
         if self.n_kv != self.n_head:  # grouped-query attention: share each kv head across n_head / n_kv heads
@@ -74,6 +78,7 @@ class Attention(nn.Module):
             o = self.op.fused(q, k, v, layout, self.scale) if self.use_fused else None
             if o is None:
                 o = self.explicit(q, k, v, layout)
-        o = self.gate_proj(x, self.attn_bias.output(o))
-        out = self.o_proj(o.transpose(1, 2).flatten(2))  # (B, H, N, hd) -> (B, N, H * hd)
+        o = self.gate_proj.at(G1, x, self.attn_bias.output(o))
+        out = self.o_proj(o.transpose(1, 2).flatten(2))  # (B, H, N, hd) -> (B, N, H * hd) -> (B, N, d)
+        out = self.gate_proj.at(G5, x, out)
         return (out, probs) if return_probs else out
