@@ -1,4 +1,4 @@
-"""`sinklab`: measure checkpoints and models, report sweeps, export to transformers, prepare corpora."""
+"""`sinklab`: measure and quantize checkpoints and models, report sweeps, export to transformers, prepare corpora."""
 from __future__ import annotations
 
 import importlib
@@ -7,6 +7,7 @@ from typing import Optional, Sequence
 
 COMMANDS = {
     "measure": ("sinklab.measure", "sink and activation metrics of a checkpoint, run dir or transformers model"),
+    "quant": ("sinklab.quant.cli", "validation perplexity in fp32 and with simulated W8A8 / W4A4 / W8A16 quantization"),
     "report": ("sinklab.report", "tables and plots from a (finished or running) sweep dir"),
     "export-hf": ("sinklab.export_hf", "write a checkpoint as a transformers LlamaForCausalLM directory"),
     "prepare": ("sinklab.data.prepare", "tokenise a corpus once into sharded memmaps"),

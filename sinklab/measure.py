@@ -36,24 +36,28 @@ import json
 import math
 import sys
 import time
-from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 import torch
 
 from sinklab.errors import UserError
 from sinklab.metrics.activations import MASSIVE_KEYS
-from sinklab.probe_inputs import DEFAULT_NUM_SEQS, DEFAULT_SEQ_LEN, INPUTS, choose_tokens, positive, run_dir_of
+from sinklab.probe_inputs import (DEFAULT_NUM_SEQS, DEFAULT_SEQ_LEN, INPUTS, checkpoint_and_run_dir, choose_tokens,
+                                  positive)
 
 PROG = "sinklab measure"
 
 
-class _Parser(argparse.ArgumentParser):
+class OneLineParser(argparse.ArgumentParser):
     """argparse whose usage errors are one line (and exit code 2, as argparse's own)."""
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+class _Parser(OneLineParser):
+    """`sinklab measure`'s parser: one-line errors, and TARGET may follow --eps's values."""
 
     def parse_args(self, args=None, namespace=None):
         """--eps takes one or more values; a value after them that is not a number is TARGET (argparse's nargs
@@ -154,14 +158,10 @@ def build_result(scores, eps: Sequence[float], slot_names: list[str], row_normal
 
 
 def measure_checkpoint(args, device: torch.device) -> dict:
-    from sinklab.checkpoint import find_checkpoint, load_model
+    from sinklab.checkpoint import load_model
     from sinklab.metrics import activation_stats, attention_scores, slot_names
 
-    target = Path(args.target)
-    if not target.exists():
-        raise UserError(f"TARGET {args.target}: no such checkpoint or run dir")
-    ckpt = find_checkpoint(target)
-    run_dir = target if target.is_dir() and (target / ".hydra" / "config.yaml").is_file() else run_dir_of(ckpt)
+    ckpt, run_dir = checkpoint_and_run_dir(args.target)
     model = load_model(ckpt).to(device)
     cfg = model.cfg
     tokens, kind = choose_tokens(args, cfg.vocab_size, cfg.block_size, run_dir)
@@ -266,10 +266,14 @@ def pick_device(name: str) -> torch.device:
     return dev
 
 
-def run(args) -> dict:
+def check_one_target(args) -> None:
     if (args.target is None) == (args.hf_model is None):
         raise UserError("pass either TARGET (a sinklab checkpoint or run dir) or --hf-model DIR, not "
                         + ("both" if args.target else "neither"))
+
+
+def run(args) -> dict:
+    check_one_target(args)
     for name, value in (("--seq-len", args.seq_len), ("--num-seqs", args.num_seqs),
                         ("--batch-size", args.batch_size)):
         positive(name, value)
@@ -297,20 +301,24 @@ def finite(obj: Any) -> Any:
     return obj
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
+def command_main(prog: str, parser: argparse.ArgumentParser, run: Callable[[Any], dict],
+                 text: Callable[[dict], str], argv: Optional[Sequence[str]]) -> int:
+    """Parse argv, res = run(args), print res as one JSON object (--json) or as text(res); a UserError is one line
+    on stderr and exit code 2 (the `sinklab measure` and `sinklab quant` mains)."""
+    args = parser.parse_args(argv)
     try:
-        # in JSON mode stdout carries exactly one object: anything printed while measuring goes to stderr
+        # in JSON mode stdout carries exactly one object: anything printed while running goes to stderr
         with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
             res = run(args)
     except UserError as err:
-        print(f"{PROG}: error: {err}", file=sys.stderr)
+        print(f"{prog}: error: {err}", file=sys.stderr)
         return 2
-    if args.json:
-        print(json.dumps(finite(res), allow_nan=False))
-    else:
-        print(format_tables(res))
+    print(json.dumps(finite(res), allow_nan=False) if args.json else text(res))
     return 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    return command_main(PROG, build_parser(), run, format_tables, argv)
 
 
 if __name__ == "__main__":

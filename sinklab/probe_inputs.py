@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 import torch
@@ -55,36 +55,55 @@ def run_dir_of(ckpt: Path) -> Optional[Path]:
     return None
 
 
-def probe_tokens(run_dir: Path, num_seqs: Optional[int], seq_len: Optional[int]) -> torch.Tensor:
-    """The run's probe set through its data config: instantiate(cfg.data).prepare().probe_tokens().
+def checkpoint_and_run_dir(target: str) -> tuple[Path, Optional[Path]]:
+    """TARGET (a .ckpt or a run dir) -> its checkpoint and the training run dir it belongs to (None for a bare
+    checkpoint)."""
+    from sinklab.checkpoint import find_checkpoint
 
-    --num-seqs / --seq-len set the data module's own probe size (data.probe_num_seqs / data.probe_seq_len), so a
-    different size is still the data module's probe set (evenly spaced held-out windows), not a slice of it."""
+    path = Path(target)
+    if not path.exists():
+        raise UserError(f"TARGET {target}: no such checkpoint or run dir")
+    ckpt = find_checkpoint(path)
+    config = path / ".hydra" / "config.yaml"
+    return ckpt, path if path.is_dir() and config.is_file() else run_dir_of(ckpt)
+
+
+def read_run_data(run_dir: Path, overrides: dict, read: Callable, flag: str, what: str, hint: str):
+    """read(dm) of the run's data module, instantiate(cfg.data) with data.* `overrides`, prepared. Every failure is
+    one UserError starting with `flag` and ending with `hint` (what to pass instead)."""
     from omegaconf import OmegaConf
 
     cfg_path = run_dir / ".hydra" / "config.yaml"
     cfg = OmegaConf.load(cfg_path)
     if "data" not in cfg or cfg.data is None:
-        raise UserError(f"--input natural: {cfg_path} has no data section; pass --tokens or --input random|repeat")
+        raise UserError(f"{flag}: {cfg_path} has no data section; {hint}")
     try:
         from sinklab.data import LMDataModule  # noqa: F401
     except ImportError as err:
-        raise UserError(f"--input natural: the data module is not available ({err}); "
-                        "pass --tokens or --input random|repeat") from None
+        raise UserError(f"{flag}: the data module is not available ({err}); {hint}") from None
     from hydra.utils import instantiate
 
     data = cfg.data
-    for key, value in (("probe_num_seqs", num_seqs), ("probe_seq_len", seq_len)):
+    for key, value in overrides.items():
         if value is not None:
             OmegaConf.update(data, key, value, force_add=True)
     try:
         dm = instantiate(data, _recursive_=False)
         dm.prepare()
-        tokens = torch.as_tensor(dm.probe_tokens()).long()
+        return read(dm)
     except Exception as err:
         first = (str(err).strip().splitlines() or [""])[0][:200]
-        raise UserError(f"--input natural: cannot read the probe set of {run_dir} ({type(err).__name__}: {first}); "
-                        "pass --tokens or --input random|repeat") from None
+        raise UserError(f"{flag}: cannot read {what} of {run_dir} ({type(err).__name__}: {first}); {hint}") from None
+
+
+def probe_tokens(run_dir: Path, num_seqs: Optional[int], seq_len: Optional[int]) -> torch.Tensor:
+    """The run's probe set through its data config: instantiate(cfg.data).prepare().probe_tokens().
+
+    --num-seqs / --seq-len set the data module's own probe size (data.probe_num_seqs / data.probe_seq_len), so a
+    different size is still the data module's probe set (evenly spaced held-out windows), not a slice of it."""
+    tokens = read_run_data(run_dir, {"probe_num_seqs": num_seqs, "probe_seq_len": seq_len},
+                           lambda dm: torch.as_tensor(dm.probe_tokens()).long(), "--input natural", "the probe set",
+                           "pass --tokens or --input random|repeat")
     if tokens.ndim != 2 or (num_seqs is not None and tokens.shape[0] != num_seqs) or \
             (seq_len is not None and tokens.shape[1] != seq_len):
         raise UserError(f"--input natural: the data module returned a probe set of shape {tuple(tokens.shape)}, "

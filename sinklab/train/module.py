@@ -19,6 +19,19 @@ from sinklab.model import ModelConfig, Transformer
 log = logging.getLogger("sinklab")
 
 
+IGNORE = -100  # cross-entropy's ignore_index: targets that are not scored
+
+
+def next_token_targets(batch: torch.Tensor, prefix_len: int = 0) -> torch.Tensor:
+    """batch (B, T + 1) -> the targets (B, T) of its inputs batch[:, :-1]; a prefix-LM (prefix_len p > 1) does not
+    score its first p - 1 targets (they are IGNORE)."""
+    y = batch[:, 1:]
+    if prefix_len > 1:
+        y = y.clone()
+        y[:, : prefix_len - 1] = IGNORE
+    return y
+
+
 class TrainingDiverged(FloatingPointError):
     """The loss or the weights became NaN / inf: training stops; the last good checkpoint is kept."""
 
@@ -96,13 +109,9 @@ class LitLM(L.LightningModule):
 
     def loss(self, batch: torch.Tensor) -> torch.Tensor:
         """batch (B, T + 1) -> mean next-token cross-entropy; a prefix-LM skips its first p - 1 targets."""
-        x, y = batch[:, :-1], batch[:, 1:]
+        x, y = batch[:, :-1], next_token_targets(batch, self.cfg.prefix_len)
         logits = self.run_model(x)  # (B, T, V)
-        p = self.cfg.prefix_len
-        if p > 1:
-            y = y.clone()
-            y[:, : p - 1] = -100
-        return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), ignore_index=-100)
+        return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), ignore_index=IGNORE)
 
     def on_fit_start(self) -> None:
         if self.peak_flops == "auto":
