@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from .masks import Layout
-from .registry import ATTENTION_OPS, ATTN_BIASES, GATES
+from .registry import ATTENTION_OPS, ATTN_BIASES, GATES, POSITIONS
 
 
 class Attention(nn.Module):
@@ -19,7 +19,7 @@ class Attention(nn.Module):
     # full (B, H, N, Tk) map; with autograd each chunk's map is kept for backward, as the unchunked path would
     row_chunk: int = 256
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, layer: int = 0):
         super().__init__()
         H, Hkv, hd, d = cfg.n_head, cfg.kv_heads, cfg.hd, cfg.d_model
         self.n_head, self.n_kv, self.hd = H, Hkv, hd
@@ -33,6 +33,7 @@ class Attention(nn.Module):
         self.gate_proj = GATES.selected(cfg)(cfg)
         self.op = ATTENTION_OPS.selected(cfg)(cfg)
         self.use_fused = cfg.fused
+        self.rotates = POSITIONS.selected(cfg).rotates(cfg, layer)  # False in a NoPE layer (model.nope_every)
 
     def qkv(self, x: torch.Tensor, layout: Layout):
         """x (B, N, d) -> q (B, H, N, hd), k and v (B, H, n_slots + N, hd), RoPE applied before the slot."""
@@ -41,7 +42,7 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(B, N, -1, self.hd).transpose(1, 2)
         k = self.k_proj(x).view(B, N, -1, self.hd).transpose(1, 2)
         v = self.v_proj(x).view(B, N, -1, self.hd).transpose(1, 2)
-        if layout.rope is not None:
+        if layout.rope is not None and self.rotates:
             q, k = layout.rope(q), layout.rope(k)
         if self.n_kv != self.n_head:  # grouped-query attention: share each kv head across n_head / n_kv heads
             k = k.repeat_interleave(self.n_head // self.n_kv, dim=1)
