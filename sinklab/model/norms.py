@@ -79,9 +79,10 @@ class LayerNorm(Norm, nn.LayerNorm):
 
 @NORMS.register("preaffine")
 class PreAffineRMSNorm(RMSNorm):
-    """RMSNorm(lambda * x) * weight, lambda a learned per-channel scale starting at 1 (the "PreAffine" of "A Unified
-    View of Attention and Residual Sinks", arXiv 2601.22966): lambda lets the model scale a channel before the
-    normalisation instead of growing a residual-sink channel to rescale the others.
+    """RMSNorm(lambda * x) * weight, lambda learned per channel from 1 (PreAffine, arXiv 2601.22966).
+
+    Follows "A Unified View of Attention and Residual Sinks" (arXiv 2601.22966): lambda lets the model scale a
+    channel before the normalisation instead of growing a residual-sink channel to rescale the others.
 
     Left open by the paper, chosen here: lambda starts at ones (so the model starts as plain RMSNorm); it has no weight
     decay (a vector, like every norm weight, see `train/optim.py`); the same norm is used at every norm site,
@@ -99,9 +100,11 @@ class PreAffineRMSNorm(RMSNorm):
 
 @NORMS.register("dyt")
 class DynamicTanh(Norm, nn.Module):
-    """Dynamic Tanh, gamma * tanh(alpha * x) + beta, in place of a norm (Zhu et al. 2025, "Transformers without
-    Normalization"): alpha one learned scalar starting at `model.dyt_alpha_init`, gamma (ones) and beta (zeros)
-    learned per channel; no statistics over the channels, so `model.norm_eps` has nothing to act on.
+    """Dynamic Tanh, gamma * tanh(alpha * x) + beta, instead of a norm (Zhu et al. 2025).
+
+    Follows "Transformers without Normalization" (Zhu et al. 2025): alpha one learned scalar starting at
+    `model.dyt_alpha_init`, gamma (ones) and beta (zeros) learned per channel; no statistics over the channels, so
+    `model.norm_eps` has nothing to act on.
 
     Left open or tuned per model in the paper, chosen here: one alpha_0 for every DyT of the model (the paper tunes
     LLaMA's separately for the attention DyT and the others, and by width; 0.5 is its default elsewhere); the final
@@ -116,7 +119,7 @@ class DynamicTanh(Norm, nn.Module):
         super().validate(cfg)
         if not cfg.dyt_alpha_init > 0:
             raise ConfigError(f"model.dyt_alpha_init={cfg.dyt_alpha_init} must be > 0 (the paper uses 0.5)")
-        eps_default = 1e-5
+        eps_default = type(cfg).__dataclass_fields__["norm_eps"].default
         if cfg.norm_eps != eps_default:
             raise ConfigError(f"model.norm_eps={cfg.norm_eps} has no effect with model.norm=dyt (no statistics to "
                               f"divide by); set norm_eps={eps_default}")

@@ -87,8 +87,9 @@ class LearnablePositions(PositionalEncoding):
 
 @POSITIONS.register("rope")
 class Rotary(PositionalEncoding):
-    """RoPE (rotate-half convention, as LLaMA / HF transformers): pair i of a head is (x_i, x_{i + hd/2}), rotated by
-    position * rope_base^(-2i/hd), pair 0 the fastest.
+    """RoPE (rotate-half, as LLaMA / HF transformers), optionally partial (p-RoPE) and off in every k-th layer.
+
+    Pair i of a head is (x_i, x_{i + hd/2}), rotated by position * rope_base^(-2i/hd), pair 0 the fastest.
 
     Partial RoPE, `model.rope_fraction` p (p-RoPE, Barbero et al. 2024, "Round and Round We Go! What makes Rotary
     Positional Encodings useful?"): only the floor(p * hd/2) highest-frequency pairs rotate, at the frequencies they
