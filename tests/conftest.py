@@ -49,8 +49,9 @@ def make_model():
 
 def component_cases() -> list[dict]:
     """One config (overrides of SMALL) per registered component of every family, and per value of each choice or
-    boolean knob it owns (softmax x sink_logit, kernel x kernel_map x attn_normalize, ...), except the combinations
-    the component's `validate` refuses (a head-shared gate after the output projection). A component that needs
+    boolean knob it owns (softmax x sink_logit, kernel x kernel_map x attn_normalize, ...) and of each knob that lists
+    values to try in `metadata={"cases": (...)}` (rope x rope_fraction x nope_every), except the combinations the
+    component's `validate` refuses (a head-shared gate after the output projection). A component that needs
     logits is paired with a position that works with it (the registry's defaults otherwise)."""
     cases = []
     for registry in FAMILIES:
@@ -58,6 +59,7 @@ def component_cases() -> list[dict]:
             owned = [(k, f) for k, (f, owners) in KNOBS.items() if cls in owners]
             axes = [[(k, c) for c in f.metadata["choices"]] for k, f in owned if "choices" in f.metadata]
             axes += [[(k, False), (k, True)] for k, f in owned if f.type in (bool, "bool")]
+            axes += [[(k, c) for c in f.metadata["cases"]] for k, f in owned if "cases" in f.metadata]
             for combo in itertools.product(*axes):
                 case = {registry.key: cls.name, **dict(combo)}
                 if not refused(case):

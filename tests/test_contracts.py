@@ -44,7 +44,10 @@ def test_fused_chunked_and_explicit_paths_agree(case, mask):
         torch.testing.assert_close(other[0], fused[0], atol=2e-5, rtol=1e-5)
         assert other[1].keys() == fused[1].keys()
         for name in fused[1]:
-            torch.testing.assert_close(other[1][name], fused[1][name], atol=1e-4, rtol=1e-4, msg=name)
+            # float32 sums make an error relative to the tensor's largest entry (a sink token's gradient reaches
+            # ~3e3 and carries ~1e-3 of noise on every entry, its small ones included), so atol grows with it
+            atol = 1e-4 + 1e-5 * fused[1][name].abs().max().item()
+            torch.testing.assert_close(other[1][name], fused[1][name], atol=atol, rtol=1e-4, msg=name)
 
 
 @pytest.mark.parametrize("case", CASES, ids=case_id)

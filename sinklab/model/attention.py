@@ -13,7 +13,7 @@ from torch import nn
 
 from .gates import G1, G2, G3, G4, G5
 from .masks import Layout
-from .registry import ATTENTION_OPS, ATTN_BIASES, GATES
+from .registry import ATTENTION_OPS, ATTN_BIASES, GATES, POSITIONS
 
 
 class Attention(nn.Module):
@@ -21,7 +21,7 @@ class Attention(nn.Module):
     # full (B, H, N, Tk) map; with autograd each chunk's map is kept for backward, as the unchunked path would
     row_chunk: int = 256
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, layer: int = 0):
         super().__init__()
         H, Hkv, hd, d = cfg.n_head, cfg.kv_heads, cfg.hd, cfg.d_model
         self.n_head, self.n_kv, self.hd = H, Hkv, hd
@@ -35,6 +35,7 @@ class Attention(nn.Module):
         self.gate_proj = GATES.selected(cfg)(cfg)
         self.op = ATTENTION_OPS.selected(cfg)(cfg)
         self.use_fused = cfg.fused
+        self.rotates = POSITIONS.selected(cfg).rotates(cfg, layer)  # False in a NoPE layer (model.nope_every)
 
     def qkv(self, x: torch.Tensor, layout: Layout):
         """x (B, N, d) -> q (B, H, N, hd), k and v (B, H, n_slots + N, hd), RoPE applied before the slot. A gate at
@@ -45,7 +46,7 @@ class Attention(nn.Module):
         q = gate.at(G4, x, self.q_proj(x).view(B, N, -1, self.hd).transpose(1, 2))
         k = gate.at(G3, x, self.k_proj(x).view(B, N, -1, self.hd).transpose(1, 2))
         v = gate.at(G2, x, self.v_proj(x).view(B, N, -1, self.hd).transpose(1, 2))
-        if layout.rope is not None:
+        if layout.rope is not None and self.rotates:
             q, k = layout.rope(q), layout.rope(k)
         if self.n_kv != self.n_head:  # grouped-query attention: share each kv head across n_head / n_kv heads
             k = k.repeat_interleave(self.n_head // self.n_kv, dim=1)

@@ -41,6 +41,7 @@ class BaseModelConfig:
     norm_eps: float = 1e-5
     softmax_scale: float = 1.0  # alpha in op(alpha * q.k / sqrt(d_h))
     n_sink_tokens: int = 0  # learned embeddings prepended to every sequence, never predicted
+    residual_clip: Optional[float] = None  # clamp the residual stream to +-c after each block; None = off
     # masks
     prefix_len: int = 0
     window: Optional[int] = None
@@ -105,6 +106,7 @@ class ModelConfigMethods:
         base = (("softmax_scale", self.softmax_scale == 1.0, "1.0"), ("n_sink_tokens", self.n_sink_tokens == 0, "0"),
                 ("prefix_len", self.prefix_len == 0, "0 (causal)"),
                 ("window", self.window is None, "null (full causal attention)"),
+                ("residual_clip", self.residual_clip is None, "null"),
                 ("head_dim", self.head_dim in (None, hd_default), f"null or d_model / n_head = {hd_default}"))
         found = [registry.selected(self).llama_mismatch(self) for registry in FAMILIES]
         found += [f"model.{key}={word(getattr(self, key))} (LLaMA needs {need})" for key, ok, need in base if not ok]
@@ -150,6 +152,8 @@ class ModelConfigMethods:
         for key in ("softmax_scale", "norm_eps"):
             if getattr(self, key) <= 0:
                 raise ConfigError(f"model.{key}={getattr(self, key)} must be > 0")
+        if self.residual_clip is not None and not self.residual_clip > 0:
+            raise ConfigError(f"model.residual_clip={self.residual_clip} must be > 0 or null (off)")
         self.validate_knob_owners()
         for registry in FAMILIES:
             registry.selected(self).validate(self)

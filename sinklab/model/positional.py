@@ -35,6 +35,11 @@ class PositionalEncoding(Component, nn.Module):
 
     logit_bias = None  # or a method (q_pos (R,), k_pos (N,)) -> (H, R, N) additive logits
 
+    @classmethod
+    def rotates(cls, cfg: Any, layer: int) -> bool:
+        """Whether the attention of `layer` (0-indexed) applies the rotation (per-layer NoPE says no)."""
+        return True
+
 
 @POSITIONS.register("nope")
 class NoPositions(PositionalEncoding):
@@ -82,11 +87,27 @@ class LearnablePositions(PositionalEncoding):
 
 @POSITIONS.register("rope")
 class Rotary(PositionalEncoding):
-    """RoPE over the whole head (rotate-half convention, as LLaMA / HF transformers)."""
+    """RoPE (rotate-half, as LLaMA / HF transformers), optionally partial (p-RoPE) and off in every k-th layer.
+
+    Pair i of a head is (x_i, x_{i + hd/2}), rotated by position * rope_base^(-2i/hd), pair 0 the fastest.
+
+    Partial RoPE, `model.rope_fraction` p (p-RoPE, Barbero et al. 2024, "Round and Round We Go! What makes Rotary
+    Positional Encodings useful?"): only the floor(p * hd/2) highest-frequency pairs rotate, at the frequencies they
+    have in full RoPE; the lowest-frequency pairs get frequency 0 and pass unrotated, so their part of q.k depends on
+    the content only. As in the paper's code, the kept frequencies are those of the full head (not respaced).
+
+    Per-layer NoPE, `model.nope_every` k: every k-th layer has no RoPE, counting layers from 1, i.e. layers k, 2k, ...
+    (0-indexed: those with (layer + 1) % k == 0), as Llama 4's `no_rope_layer_interval` and Cohere Command A's
+    interleaved NoPE layers (k = 4). Left open there and chosen here: every layer still sees the causal mask,
+    biases and sink tokens as the others; p applies to the RoPE layers."""
 
     @dataclasses.dataclass
     class Knobs:
         rope_base: float = 10000.0
+        rope_fraction: float = dataclasses.field(default=1.0, metadata={"cases": (1.0, 0.5)})
+        nope_every: Optional[int] = dataclasses.field(default=None, metadata={"cases": (None, 2)})
+
+    llama_knobs = {"rope_fraction": 1.0, "nope_every": None}
 
     @classmethod
     def validate(cls, cfg: Any) -> None:
@@ -96,16 +117,31 @@ class Rotary(PositionalEncoding):
         if cfg.rope_base <= 0:
             raise ConfigError(f"model.rope_base={cfg.rope_base} must be > 0 (RoPE frequencies base^(-2i/d); "
                               "LLaMA uses 10000)")
+        if not 0 < cfg.rope_fraction <= 1:
+            raise ConfigError(f"model.rope_fraction={cfg.rope_fraction} must lie in (0, 1] (the share of each head's "
+                              "rotary pairs that rotate; 1 = full RoPE)")
+        if rotated_pairs(cfg.hd, cfg.rope_fraction) == 0:
+            raise ConfigError(f"model.rope_fraction={cfg.rope_fraction} rotates none of the {cfg.hd // 2} pairs of "
+                              f"head size {cfg.hd}; allowed: >= {1 / (cfg.hd // 2):.4g} or model.pos=nope")
+        k = cfg.nope_every
+        if k is not None and (not isinstance(k, int) or isinstance(k, bool) or not 2 <= k <= cfg.n_layer):
+            raise ConfigError(f"model.nope_every={k!r} must be an integer in 2..n_layer={cfg.n_layer} or null "
+                              "(every k-th layer without RoPE; k=1 is model.pos=nope)")
 
     llama = True
 
     @classmethod
     def from_config(cls, cfg: Any) -> "Rotary":
-        return cls(cfg.hd, cfg.block_size + cfg.n_sink_tokens, cfg.rope_base)
+        return cls(cfg.hd, cfg.block_size + cfg.n_sink_tokens, cfg.rope_base, cfg.rope_fraction)
 
-    def __init__(self, head_dim: int, max_len: int, base: float = 10000.0):
+    @classmethod
+    def rotates(cls, cfg: Any, layer: int) -> bool:
+        return cfg.nope_every is None or (layer + 1) % cfg.nope_every != 0
+
+    def __init__(self, head_dim: int, max_len: int, base: float = 10000.0, fraction: float = 1.0):
         super().__init__()
-        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))  # (hd/2,)
+        inv_freq[rotated_pairs(head_dim, fraction):] = 0.0  # p-RoPE: the slowest pairs do not rotate
         t = torch.arange(max_len, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)  # (max_len, hd/2)
         emb = torch.cat([freqs, freqs], dim=-1)  # (max_len, hd)
@@ -119,6 +155,11 @@ class Rotary(PositionalEncoding):
     def rotary(self, n: int) -> "RotaryAt":
         """The tables for positions 0..n-1, sliced once: the model binds them once per forward for every layer."""
         return RotaryAt(self.cos[:n], self.sin[:n])
+
+
+def rotated_pairs(head_dim: int, fraction: float) -> int:
+    """How many of a head's hd/2 rotary pairs rotate under p-RoPE: floor(p * hd/2) (a float's last bit aside)."""
+    return math.floor(fraction * (head_dim // 2) + 1e-9)
 
 
 class RotaryAt:

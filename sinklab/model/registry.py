@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, ClassVar, Generic, Iterator, Optional, TypeVar
 
-from sinklab.errors import UserError
+from sinklab.errors import UserError, word
 
 
 class ConfigError(UserError):
@@ -24,12 +24,13 @@ class Component:
     Knobs:      a dataclass of the config keys this component reads; `ModelConfig` gets one field per knob
     validate:   cross-field rules of this component, raising ConfigError naming the key (called once per config)
     llama_ok:   whether LLaMA (transformers LlamaForCausalLM) can represent this component with these knobs (the
-                class attribute `llama` unless overridden)
+                class attribute `llama`, and each knob of `llama_knobs` at the value LLaMA needs, unless overridden)
     """
 
     name: ClassVar[str] = ""
     registry: ClassVar["Registry"]
     llama: ClassVar[bool] = False  # LLaMA has this component (with default knobs)
+    llama_knobs: ClassVar[dict[str, Any]] = {}  # knob -> the value LLaMA needs (rope_fraction: 1.0)
 
     @dataclasses.dataclass
     class Knobs:
@@ -40,14 +41,22 @@ class Component:
         """Refuse impossible settings of this component (the chosen one only) with one ConfigError line."""
 
     @classmethod
+    def llama_knob_mismatches(cls, cfg: Any) -> list[str]:
+        """'model.knob=value (LLaMA needs ...)' for each knob of `llama_knobs` away from the value LLaMA needs."""
+        return [f"model.{key}={word(getattr(cfg, key))} (LLaMA needs {word(need)})"
+                for key, need in cls.llama_knobs.items() if getattr(cfg, key) != need]
+
+    @classmethod
     def llama_ok(cls, cfg: Any) -> bool:
-        return cls.llama
+        return cls.llama and not cls.llama_knob_mismatches(cfg)
 
     @classmethod
     def llama_mismatch(cls, cfg: Any) -> Optional[str]:
         """None when LLaMA can represent this component as configured, else 'model.key=value (LLaMA needs ...)'."""
         if cls.llama_ok(cfg):
             return None
+        if cls.llama:  # LLaMA's component with a knob LLaMA lacks
+            return cls.llama_knob_mismatches(cfg)[0]
         return f"model.{cls.registry.key}={getattr(cfg, cls.registry.key)} (LLaMA needs {cls.registry.llama})"
 
 

@@ -1,4 +1,5 @@
-"""The LLaMA2-style decoder: embeddings, blocks (pre- or post-norm), final norm, untied LM head."""
+"""The LLaMA2-style decoder: embeddings, blocks (pre- or post-norm), final norm, untied LM head; the residual stream
+optionally clamped to +-model.residual_clip after each block."""
 from __future__ import annotations
 
 from typing import Any, Optional
@@ -18,10 +19,10 @@ class Block(Component, nn.Module):
 
     final_norm = True
 
-    def __init__(self, cfg: Any):
+    def __init__(self, cfg: Any, layer: int = 0):
         super().__init__()
         self.norm1 = NORMS.selected(cfg).build(cfg)
-        self.attn = Attention(cfg)
+        self.attn = Attention(cfg, layer)
         self.norm2 = NORMS.selected(cfg).build(cfg)
         self.ffn = FFNS.selected(cfg).build(cfg)
 
@@ -61,7 +62,7 @@ class Transformer(nn.Module):
         self.sink_tokens = nn.Parameter(torch.zeros(cfg.n_sink_tokens, cfg.d_model)) if cfg.n_sink_tokens else None
         self.pos = POSITIONS.selected(cfg).from_config(cfg)
         block = NORM_POSITIONS.selected(cfg)
-        self.blocks = nn.ModuleList(block(cfg) for _ in range(cfg.n_layer))
+        self.blocks = nn.ModuleList(block(cfg, layer) for layer in range(cfg.n_layer))
         self.norm = NORMS.selected(cfg).build(cfg) if block.final_norm else nn.Identity()
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.mask_mod = compose_mask(cfg.n_sink_tokens, cfg.prefix_len, cfg.window)
@@ -120,6 +121,8 @@ class Transformer(nn.Module):
         for block in self.blocks:
             rec = {} if records is not None else None
             x, probs = block(x, layout, rec, return_probs)
+            if self.cfg.residual_clip is not None:  # clamp the residual stream to +-c after each block
+                x = x.clamp(-self.cfg.residual_clip, self.cfg.residual_clip)
             if rec is not None:
                 rec["h"] = x
                 records.append(rec)
