@@ -32,13 +32,15 @@ def test_initialisation_and_training_steps_are_bit_identical(option):
     assert got["losses"] == want["losses"]
 
 
-FAST = ["trainer.max_steps=40", "trainer.val_check_interval=20", "callbacks.sink.every_n_steps=20",
+# the default run of sinklab 0.1, when the goldens were recorded (today's default is scale=quick, conf/scale/quick.yaml)
+V01_DEFAULTS = ["~scale", "data.vocab_size=4096", "data.bos=false", "data.probe_bos=false"]
+FAST = V01_DEFAULTS + ["trainer.max_steps=40", "trainer.val_check_interval=20", "callbacks.sink.every_n_steps=20",
         "callbacks.checkpoint.every_n_train_steps=20", "trainer.enable_progress_bar=false",
         "trainer.enable_model_summary=false", "seed=0"]
 ABLATION = ["model/bias=kv", "model/attn=sigmoid_norm", "model/pos=alibi"]
 RUNS = {"fast_plain": FAST, "fast_abl": FAST + ABLATION,
-        "steps200_plain": ["trainer.max_steps=200", "seed=0"],
-        "steps200_abl": ["trainer.max_steps=200", "seed=0"] + ABLATION}
+        "steps200_plain": V01_DEFAULTS + ["trainer.max_steps=200", "seed=0"],
+        "steps200_abl": V01_DEFAULTS + ["trainer.max_steps=200", "seed=0"] + ABLATION}
 
 
 def train_metrics(tmp_path: Path, overrides: list[str]):

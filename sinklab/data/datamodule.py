@@ -197,6 +197,15 @@ class LMDataModule(StepLoader, L.LightningDataModule):
             probe[:, self._controls.fixed_position - 1] = self._controls.fixed_token_id
         return probe
 
+    @property
+    def first_probe_token(self) -> str:
+        """What token 1 of the probe sequences is (Sink_1 scores attention on it), in words."""
+        if self.config.probe_bos:
+            return f"the BOS token {self.config.eos_token!r}"
+        if self.config.probe_fixed_token and self._controls.fixed_position == 1:
+            return "the fixed token (data.fixed_token)"
+        return "the first text token of each probe sequence (no BOS: data.probe_bos=false)"
+
     def describe(self) -> dict:
         """Short summary for logging."""
         self._prepared()

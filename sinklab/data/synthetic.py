@@ -189,6 +189,8 @@ class SyntheticDataModule(StepLoader, L.LightningDataModule):
         self.prepare()
         return torch.from_numpy(self._probe.copy())
 
+    first_probe_token = "the task's BOS token"  # what token 1 of every probe sequence is, in words
+
     def describe(self) -> dict:
         cfg, task = self.config, self.task
         return {"source": "synthetic", "task": cfg.task, "n_tokens": cfg.n_tokens, "bos_id": self.bos_id,

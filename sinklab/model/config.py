@@ -217,6 +217,8 @@ ModelConfig = dataclasses.make_dataclass(
 # Size presets, stored as the options of the `model` config group (model=tiny, model=60m, ...): name -> overrides.
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(n_layer=4, n_head=4, d_model=128, d_ff=352, block_size=64),
+    # the default run's (scale=quick): tiny with 3 layers of 8 heads, in which the middle layer's heads sink in minutes
+    "tiny3": dict(n_layer=3, n_head=8, d_model=128, d_ff=352, block_size=64),
     "14m": dict(n_layer=6, n_head=6, d_model=384, d_ff=1024, block_size=256),
     "60m": dict(n_layer=10, n_head=8, d_model=768, d_ff=1536, block_size=2048),
     "1b": dict(n_layer=22, n_head=16, d_model=2048, d_ff=5632, block_size=2048),

@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from pathlib import Path
 from typing import Any, Optional
 
 import hydra
@@ -18,11 +17,10 @@ from omegaconf import DictConfig, OmegaConf
 
 from sinklab.config import CONF_DIR, check_devices, validate_config
 from sinklab.config.messages import instantiate_user
-from sinklab.keys import ALPHA1, SINK1, VAL_LOSS
-from sinklab.status import Status
 from sinklab.train.jobs import log_failure, run_job
 from sinklab.train.resume import resolve_ckpt_path
 from sinklab.train.runtime import output_dir_of
+from sinklab.train.summary import summary
 from sinklab.train.wandb_setup import set_wandb_names, setup_wandb_mode
 
 log = logging.getLogger("sinklab")
@@ -89,30 +87,6 @@ def train(cfg: DictConfig) -> dict[str, Any]:
             log_failure(trainer)
         raise
     return summary(trainer, callbacks, out)
-
-
-def summary(trainer: Any, callbacks: list[Any], out: Path) -> dict[str, Any]:
-    """The final metrics (the trainer's and the sink callback's last measurement), status.json = completed, and
-    one line for the user."""
-    from sinklab.train.callbacks import StatusFile
-
-    final = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
-    sink = next((c for c in callbacks if hasattr(c, "last") and hasattr(c, "measure")), None)
-    if sink is not None:
-        final.update({k: v for k, v in sink.last.items() if "/layer" not in k})
-    # with ddp_spawn this process's trainer did not run the loop (global_step 0); a completed fit ran max_steps
-    steps = trainer.global_step or trainer.max_steps
-    if trainer.is_global_zero:
-        status = next((c for c in callbacks if isinstance(c, StatusFile)), None)
-        if status is not None:
-            status.write(trainer, Status.COMPLETED, final=final, step=steps)
-        msg = f"done: {steps} steps"
-        if VAL_LOSS in final:
-            msg += f", val/loss {final[VAL_LOSS]:.4f}"
-        if SINK1 in final:
-            msg += f", Sink_1 {final[SINK1]:.2f}% (alpha_1 {final.get(ALPHA1, float('nan')):.3f})"
-        print(msg + f"\nrun dir: {out}", flush=True)
-    return final
 
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="train")
