@@ -7,8 +7,9 @@ time, and reduced layer by layer with `column_scores`). The residual stream per 
 hooks on the decoder layers: HF's ``output_hidden_states`` replaces its last entry with the output of the final
 norm, which would hide the last layer's massive activations. Queries, keys and values are recomputed from each
 attention's input in a forward pre-hook (`project_qkv`: the model's own projections and, for RoPE models, its own
-``apply_rotary_pos_emb`` on the (cos, sin) the model hands to the attention). Statistics use the same functions as
-`sinklab.metrics.activation_stats` (`hidden_state_stats`, `qkv_stats`).
+``apply_rotary_pos_emb`` on the (cos, sin) the model hands to the attention); the attention's output (after its
+output projection) in a forward hook. Statistics use the same functions as `sinklab.metrics.activation_stats`
+(`hidden_state_stats`, `qkv_stats`, `attention_output_stats`); norm weights are not read from HF models.
 """
 from __future__ import annotations
 
@@ -21,10 +22,11 @@ from einops import rearrange
 from torch import nn
 
 from sinklab.errors import UserError
-from sinklab.metrics.activations import ActivationStats, hidden_state_stats, qkv_stats
+from sinklab.metrics.activations import ActivationStats, attention_output_stats, hidden_state_stats, qkv_stats
 from sinklab.metrics.sink import AttentionScores, column_scores, renormalise
 
 INSTALL_HINT = "--hf-model needs transformers, an optional extra: pip install 'sinklab[hf]'"
+QKV_NAMES = ("k1", "v1", "cos1", "cosj")  # the names of `qkv_stats`, left out when a layout is not known
 ROW_SUM_TOL = 1e-3  # rows whose sum differs from 1 by more than this: the op is not row-normalised (Sink* reported)
 
 
@@ -150,9 +152,11 @@ def project_qkv(attn: nn.Module, hidden: torch.Tensor, position_embeddings=None)
 
 class LayerRecorder:
     """Forward hooks on the decoder layers and their attentions. During one forward, per layer i, `stats[i]`
-    receives `hidden_state_stats` of the layer's output (the residual stream) and `qkv_stats` of the queries, keys
-    and values recomputed from the attention's input (`project_qkv`), reduced at once so nothing per layer is kept.
-    `qkv_supported` turns False when some attention's layout is not known (its key statistics are then left out)."""
+    receives `hidden_state_stats` of the layer's output (the residual stream), `qkv_stats` of the queries, keys
+    and values recomputed from the attention's input (`project_qkv`) and `attention_output_stats` of the
+    attention's output, reduced at once so nothing per layer is kept. `qkv_supported` turns False when some
+    attention's layout is not known (its key statistics are then left out); a model whose layers have no attention
+    module found here has no attention-output statistics either."""
 
     def __init__(self, layers: list[nn.Module]):
         self.stats: list[dict[str, torch.Tensor]] = [{} for _ in layers]
@@ -165,11 +169,18 @@ class LayerRecorder:
                 self.qkv_supported = False
             else:
                 self.hooks.append(attn.register_forward_pre_hook(self._qkv_hook(i), with_kwargs=True))
+                self.hooks.append(attn.register_forward_hook(self._attn_hook(i)))
 
     def _hidden_hook(self, i: int):
         def hook(_module, _inputs, output):
             h = output[0] if isinstance(output, (tuple, list)) else output  # (B, T, d)
             self.stats[i].update(hidden_state_stats(h))
+        return hook
+
+    def _attn_hook(self, i: int):
+        def hook(_module, _inputs, output):
+            a = output[0] if isinstance(output, (tuple, list)) else output  # (B, T, d), after the output projection
+            self.stats[i].update(attention_output_stats(a))
         return hook
 
     def _qkv_hook(self, i: int):
@@ -189,7 +200,7 @@ class LayerRecorder:
         """Per layer, this batch's statistics (the key statistics only when every layer has them)."""
         if self.qkv_supported:
             return self.stats
-        return [{name: s[name] for name in ("top", "median", "h1") if name in s} for s in self.stats]
+        return [{name: v for name, v in s.items() if name not in QKV_NAMES} for s in self.stats]
 
     def remove(self) -> None:
         for h in self.hooks:

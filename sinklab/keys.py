@@ -25,6 +25,11 @@ BOUNDS = (
     (r"^sink/(layer\d+/)?alpha", ANY),  # mean attention on token k: [0, 1] for softmax, unbounded for kernel maps
     (r"^act/(layer\d+/)?cos_", (-1.0, 1.0)),
     (r"^act/(layer\d+/)?(\w+_norm_ratio|massive_(ratio|top|median|channel|token))$", NON_NEGATIVE),
+    (r"^act/(layer\d+/)?(resid|attn)_(inf_norm|kurtosis|top_median)$", NON_NEGATIVE),  # Bondarenko's outliers
+    (r"^act/resid_sink_channel_share$", UNIT),  # share of layers with the most common top channel
+    (r"^act/(layer\d+/)?resid_sink_(top|channel|ratio)$", NON_NEGATIVE),  # H_avg's top channel
+    (r"^act/(layer\d+/)?(attn_|ffn_|final_)?norm_min$", NON_NEGATIVE),  # min |weight| of a norm
+    (r"^act/(layer\d+/)?first_token_attn$", ANY),  # alpha_1 under Qwen's name: as sink/alpha
     (r"(^|/)loss$", NON_NEGATIVE),  # cross-entropy in nats
     (r"^lr-", NON_NEGATIVE),
     (r"^perf/mfu$", UNIT),

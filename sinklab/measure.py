@@ -25,7 +25,15 @@ User errors are one line on stderr and exit code 2.
         (the K/KV bias slot and learned sink tokens, scored apart from token 1; slot_star* when not normalised),
     massive {top, median, ratio, token, channel: per-layer lists}, norms {h1_norm_ratio, k1_norm_ratio,
         v1_norm_ratio, cos_q_k1, cos_q_kj: per-layer lists; for HF models the last four only when
-        `sinklab.hf.project_qkv` knows the attention layout (LLaMA, Mistral, GPT-2, GPT-NeoX, ...)}.
+        `sinklab.hf.project_qkv` knows the attention layout (LLaMA, Mistral, GPT-2, GPT-NeoX, ...)},
+    first_token_attn {mean, by_layer}: Qwen's first-token attention, mean over queries of A[i, 1]; equal to
+        alpha_mean["1"] and to alpha's per-layer means (it is alpha_1 under Qwen's name),
+    outliers {resid_inf_norm, resid_kurtosis, attn_inf_norm, attn_kurtosis, attn_top_median: per-layer lists}
+        (Bondarenko et al. 2023; the residual stream's top / median is massive.ratio),
+    residual_sinks {h_avg [[mean |h_j| per channel] per layer], top, channel, ratio (per-layer lists: the top
+        channel of h_avg, its index and its ratio to the median channel), channel_share (share of layers whose top
+        channel is the most common one), attn_norm_min, ffn_norm_min (per layer), final_norm_min: min |weight|
+        of each norm; the norm minima for sinklab checkpoints only} (see sinklab.metrics.outliers).
 Non-finite values (a norm ratio with T = 1) are null.
 """
 from __future__ import annotations
@@ -42,11 +50,14 @@ import numpy as np
 import torch
 
 from sinklab.errors import UserError
-from sinklab.metrics.activations import MASSIVE_KEYS
+from sinklab.metrics.activations import MASSIVE_KEYS, NORM_KEYS, OUTLIER_KEYS
 from sinklab.probe_inputs import (DEFAULT_NUM_SEQS, DEFAULT_SEQ_LEN, INPUTS, checkpoint_and_run_dir, choose_tokens,
                                   positive)
 
 PROG = "sinklab measure"
+# activation statistics in the JSON's residual_sinks object (resid_sink_ dropped from the names)
+RESIDUAL_SINK_JSON = ("h_avg", "resid_sink_top", "resid_sink_channel", "resid_sink_ratio",
+                      "resid_sink_channel_share", "attn_norm_min", "ffn_norm_min", "final_norm_min")
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -153,7 +164,12 @@ def build_result(scores, eps: Sequence[float], slot_names: list[str], row_normal
         res[f"{name}_by_eps"] = {f"{e:g}": slot_rates(e) for e in eps}
         res[f"{name}_alpha"] = {n: slot[..., i].mean(0).tolist() for i, n in enumerate(slot_names)}  # (L, H)
     res["massive"] = {key.removeprefix("massive_"): stats[key] for key in MASSIVE_KEYS if key in stats}
-    res["norms"] = {key: v for key, v in stats.items() if key not in MASSIVE_KEYS}
+    res["norms"] = {key: stats[key] for key in NORM_KEYS if key in stats}
+    res["first_token_attn"] = {"mean": res["alpha_mean"]["1"],
+                               "by_layer": scores.alpha[..., 0].mean(dim=(0, 2)).tolist()}  # alpha_1, Qwen's name
+    res["outliers"] = {key: stats[key] for key in OUTLIER_KEYS if key in stats}
+    res["residual_sinks"] = {key.removeprefix("resid_sink_"): stats[key] for key in RESIDUAL_SINK_JSON
+                             if key in stats}
     return res
 
 
@@ -246,6 +262,21 @@ def format_tables(res: dict, max_heads: int = 16) -> str:
             h1 = n.get("h1_norm_ratio", [float("nan")] * len(m["top"]))[layer]
             lines.append(f"{layer:>5} {m['top'][layer]:10.3f} {m['median'][layer]:9.4f} {m['ratio'][layer]:9.1f} "
                          f"{m['token'][layer]:>6} {m['channel'][layer]:>8} {_fmt(h1, 11, 3)}")
+    o, r = res["outliers"], res["residual_sinks"]
+    if "channel" in r:
+        n_layers = len(r["channel"])
+        cols = [o.get(key) or [None] * n_layers for key in ("resid_inf_norm", "resid_kurtosis", "attn_inf_norm",
+                                                              "attn_kurtosis")]
+        cols += [r.get(key) or [None] * n_layers for key in ("attn_norm_min", "ffn_norm_min")]
+        lines += ["", "residual sinks (top channel of H_avg = mean |h_j| over tokens) and outliers per layer",
+                  f"{'layer':>5} {'channel':>8} {'top/med':>8} {'|h| inf':>9} {'kurt h':>8} {'|a| inf':>9} "
+                  f"{'kurt a':>8} {'min|w| attn':>11} {'min|w| ffn':>10}"]
+        for layer in range(n_layers):
+            widths = ((9, 3), (8, 1), (9, 3), (8, 1), (11, 4), (10, 4))
+            lines.append(f"{layer:>5} {r['channel'][layer]:>8} {r['ratio'][layer]:8.1f} "
+                         + " ".join(_fmt(col[layer], w, p) for col, (w, p) in zip(cols, widths)))
+        lines.append(f"top channel shared by {100 * r['channel_share']:.0f}% of layers; first-token attention "
+                     f"(alpha_1) {res['first_token_attn']['mean']:.4f}")
     extra = [key for key in ("k1_norm_ratio", "v1_norm_ratio", "cos_q_k1", "cos_q_kj") if key in n]
     if extra:
         lines += ["", "first-token keys and values (mean over layers): "

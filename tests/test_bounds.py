@@ -26,7 +26,9 @@ def train(tmp_path, *overrides):
 def test_every_logged_metric_is_within_its_bounds(tmp_path, switches):
     metrics, _ = train(tmp_path, *switches)
     families = {"sink/sink1", "sink/alpha1", "act/cos_q_k1", "act/massive_ratio", "train/loss", "val/loss",
-                "perf/tokens_per_sec", "lr-AdamW"}
+                "perf/tokens_per_sec", "lr-AdamW", "act/resid_inf_norm", "act/attn_kurtosis", "act/attn_top_median",
+                "act/layer1/resid_sink_ratio", "act/resid_sink_channel_share", "act/layer0/ffn_norm_min",
+                "act/final_norm_min", "act/norm_min", "act/first_token_attn", "act/layer1/first_token_attn"}
     assert families <= set(metrics.columns)
     for name in metrics.columns:
         limits = bounds(name)

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from sinklab.measure import main
 from sinklab.probe_inputs import make_tokens
 from sinklab.metrics import activation_stats, attention_scores, brute_force_alpha, sink_rate
-from sinklab.metrics.activations import NORM_KEYS, STAT_KEYS
+from sinklab.metrics.activations import NORM_KEYS, OUTLIER_KEYS, STAT_KEYS
 from sinklab.model import ModelConfig, Transformer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -126,6 +126,20 @@ def test_planted_sink_found_through_cli(planted_ckpt):
     assert res["norms"]["h1_norm_ratio"] == pytest.approx(stats["h1_norm_ratio"])
     for key in NORM_KEYS:
         assert res["norms"][key] == pytest.approx(stats[key]), key
+    # issue 15's statistics: outliers, residual sinks with the norm weights, first-token attention (= alpha_1)
+    assert set(res["outliers"]) == set(OUTLIER_KEYS)
+    for key in OUTLIER_KEYS:
+        assert res["outliers"][key] == pytest.approx(stats[key]), key
+    sinks = res["residual_sinks"]
+    assert set(sinks) == {"h_avg", "top", "channel", "ratio", "channel_share", "attn_norm_min", "ffn_norm_min",
+                          "final_norm_min"}
+    np.testing.assert_allclose(sinks["h_avg"], stats["h_avg"], rtol=1e-6)
+    assert np.array(sinks["h_avg"]).shape == (2, 32) and sinks["channel"] == stats["resid_sink_channel"]
+    assert sinks["ratio"] == pytest.approx(stats["resid_sink_ratio"])
+    assert sinks["channel_share"] == stats["resid_sink_channel_share"]
+    assert sinks["attn_norm_min"] == sinks["ffn_norm_min"] == [1.0, 1.0] and sinks["final_norm_min"] == 1.0
+    assert res["first_token_attn"]["mean"] == res["alpha_mean"]["1"]
+    np.testing.assert_allclose(res["first_token_attn"]["by_layer"], alpha.mean(-1), atol=1e-6)
 
 
 @pytest.mark.parametrize("where,overrides,slot", [("bias", {"attn_bias": "kv"}, "bias"),
@@ -178,7 +192,7 @@ def test_random_and_repeat_inputs_and_table(capsys, planted_ckpt):
     rc, out, err = run_main(capsys, str(ckpt), "--input", "random", "--num-seqs", "4", "--eps", "0.3", "0.5")
     assert rc == 0, err
     assert "Sink_k (%)" in out and "eps=0.3" in out and "eps=0.5" in out
-    assert "alpha_1 per layer and head" in out and "massive activations" in out
+    assert "alpha_1 per layer and head" in out and "massive activations" in out and "residual sinks" in out
     assert len([line for line in out.splitlines() if line.strip().startswith("0 ") and "|" in line]) == 1
 
 
@@ -359,6 +373,11 @@ def test_hf_model_json_matches_output_attentions(capsys, tmp_path, kind):
                                                              rel=1e-5)
     assert res["massive"]["top"][0] == pytest.approx(h.abs().max().item(), rel=1e-6)
     assert len(res["massive"]["top"]) == 2
+    # outliers and residual sinks from the same hooks (no norm weights for HF models)
+    assert set(res["outliers"]) == set(OUTLIER_KEYS)
+    assert res["outliers"]["resid_inf_norm"][0] == pytest.approx(h.abs().amax(dim=(1, 2)).mean().item(), rel=1e-6)
+    np.testing.assert_allclose(res["residual_sinks"]["h_avg"][0], h.abs().mean(dim=(0, 1)).numpy(), rtol=1e-5)
+    assert "attn_norm_min" not in res["residual_sinks"] and len(res["residual_sinks"]["channel"]) == 2
 
 
 @pytest.fixture(scope="module")
@@ -483,7 +502,10 @@ def test_sink_callback_logs_every_act_scalar_and_the_heatmap_to_wandb(trained):
     for layer in range(2):
         for key in STAT_KEYS:
             assert row[f"act/layer{layer}/{key}"] != "", (layer, key)
-    assert all(row[f"act/{key}"] != "" for key in ("massive_ratio", "h1_norm_ratio", "k1_norm_ratio", "cos_q_k1"))
+    assert all(row[f"act/{key}"] != "" for key in ("massive_ratio", "h1_norm_ratio", "k1_norm_ratio", "cos_q_k1",
+                                                   "resid_inf_norm", "attn_kurtosis", "resid_sink_channel_share",
+                                                   "norm_min", "final_norm_min", "first_token_attn"))
+    assert float(row["act/first_token_attn"]) == float(row["sink/alpha1"])
     assert (root / "sink_heatmaps" / "alpha1_step0000002.png").is_file()
     # WandbLogger.log_image turned the PNG into a wandb.Image: the offline run holds it as media
     media = Path(wandb_logger.experiment.dir) / "media" / "images" / "sink"

@@ -111,16 +111,21 @@ def test_flatten_activation_stats_emits_every_per_layer_value(make_model):
     m = make_model(n_layer=3)
     stats = activation_stats(m, torch.randint(0, 97, (4, 24), generator=torch.Generator().manual_seed(3)),
                              batch_size=3)
-    assert set(stats) == set(STAT_KEYS) and all(len(stats[key]) == 3 for key in STAT_KEYS)
+    layer_free = {"h_avg", "resid_sink_channel_share", "final_norm_min"}  # (L, d) lists and scalars
+    assert set(stats) == set(STAT_KEYS) | layer_free and all(len(stats[key]) == 3 for key in STAT_KEYS)
     flat = flatten_activation_stats(stats)
     for layer in range(3):
         for key in STAT_KEYS:
             assert flat[f"layer{layer}/{key}"] == pytest.approx(stats[key][layer]), (layer, key)
     assert flat["massive_top"] == max(stats["massive_top"]) and flat["massive_ratio"] == max(stats["massive_ratio"])
     assert flat["h1_norm_ratio"] == stats["h1_norm_ratio"][-1]
-    for key in ("k1_norm_ratio", "v1_norm_ratio", "cos_q_k1", "cos_q_kj"):
+    for key in ("k1_norm_ratio", "v1_norm_ratio", "cos_q_k1", "cos_q_kj", "resid_kurtosis", "attn_kurtosis"):
         assert flat[key] == pytest.approx(sum(stats[key]) / 3)
-    assert len(flat) == 3 * len(STAT_KEYS) + 7
+    for key in ("resid_inf_norm", "attn_inf_norm", "attn_top_median", "resid_sink_ratio"):
+        assert flat[key] == max(stats[key])
+    assert flat["resid_sink_channel_share"] == stats["resid_sink_channel_share"]
+    assert flat["norm_min"] == min(stats["attn_norm_min"] + stats["ffn_norm_min"] + [stats["final_norm_min"]])
+    assert len(flat) == 3 * len(STAT_KEYS) + 16
     assert all(isinstance(v, float) for v in flat.values())
     # token and channel of the top value are positions: 1 <= token <= T, 0 <= channel < d_model
     assert all(1 <= flat[f"layer{i}/massive_token"] <= 24 and 0 <= flat[f"layer{i}/massive_channel"] < 32

@@ -1,11 +1,14 @@
-"""Massive activations (Sun et al., 2024) and the first token's norms and angles (Gu et al., section 3).
+"""Massive activations (Sun et al., 2024), the first token's norms and angles (Gu et al., section 3), residual
+sinks and outliers (`sinklab.metrics.outliers`).
 
-All from one recorded forward: per layer the block output h (residual stream), and q, k, v after RoPE.
-Only real tokens are scored (the bias slot and learned sink tokens are skipped); token 1 is the first real token.
+All from one recorded forward: per layer the block output h (residual stream), q, k, v after RoPE, and the
+attention module's output. Only real tokens are scored (the bias slot and learned sink tokens are skipped); token
+1 is the first real token.
 
-The formulas live in two per-batch functions shared by sinklab models (`activation_stats`) and Hugging Face
-models (`sinklab.hf`): `hidden_state_stats` (massive activations, ||h_1|| ratio) and `qkv_stats` (key and value
-norm ratios, query-key angles); `ActivationStats` averages them over batches into per-layer lists.
+The formulas live in per-batch functions shared by sinklab models (`activation_stats`) and Hugging Face models
+(`sinklab.hf`): `hidden_state_stats` (massive activations, ||h_1|| ratio, H_avg, inf-norm and kurtosis),
+`qkv_stats` (key and value norm ratios, query-key angles) and `outliers.outlier_stats` of the attention output;
+`ActivationStats` averages them over batches into per-layer lists.
 """
 from __future__ import annotations
 
@@ -15,12 +18,19 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 
+from .outliers import channel_means, kurtosis, norm_weight_minima, outlier_stats, residual_sink_summary
+
 # per-layer lists returned by `activation_stats` / `ActivationStats.result`, in this order
 MASSIVE_KEYS = ("massive_top", "massive_median", "massive_ratio", "massive_token", "massive_channel")
 NORM_KEYS = ("h1_norm_ratio", "k1_norm_ratio", "v1_norm_ratio", "cos_q_k1", "cos_q_kj")
-STAT_KEYS = MASSIVE_KEYS + NORM_KEYS
+OUTLIER_KEYS = ("resid_inf_norm", "resid_kurtosis", "attn_inf_norm", "attn_kurtosis", "attn_top_median")
+RESIDUAL_SINK_KEYS = ("resid_sink_top", "resid_sink_channel", "resid_sink_ratio")
+NORM_WEIGHT_KEYS = ("attn_norm_min", "ffn_norm_min")
+STAT_KEYS = MASSIVE_KEYS + NORM_KEYS + OUTLIER_KEYS + RESIDUAL_SINK_KEYS + NORM_WEIGHT_KEYS
 _MEAN_KEYS = {"median": "massive_median", "h1": "h1_norm_ratio", "k1": "k1_norm_ratio", "v1": "v1_norm_ratio",
-              "cos1": "cos_q_k1", "cosj": "cos_q_kj"}  # per-sequence value -> its per-layer mean's name
+              "cos1": "cos_q_k1", "cosj": "cos_q_kj", "inf": "resid_inf_norm", "kurt": "resid_kurtosis",
+              "chan": "h_avg", "attn_inf": "attn_inf_norm", "attn_median": "attn_median",
+              "attn_kurt": "attn_kurtosis"}  # per-sequence value -> its per-layer mean's name
 
 
 def first_over_rest(norms: torch.Tensor) -> torch.Tensor:
@@ -30,14 +40,22 @@ def first_over_rest(norms: torch.Tensor) -> torch.Tensor:
 
 def hidden_state_stats(h: torch.Tensor) -> dict[str, torch.Tensor]:
     """Residual stream h (B, T, d) of the real tokens -> per sequence:
-    top (B, 3): max |h|, its token (1-indexed) and channel (0-indexed); median (B,): median |h|;
-    h1 (B,): ||h_1|| / mean_{t>1} ||h_t||."""
+    top (B, 3): max |h|, its token (1-indexed) and channel (0-indexed); inf (B,): max |h| (Bondarenko's inf-norm);
+    median (B,): median |h|; h1 (B,): ||h_1|| / mean_{t>1} ||h_t||; kurt (B,): `outliers.kurtosis`;
+    chan (B, d): `outliers.channel_means`."""
     h = h.float()
     d = h.shape[-1]
     flat = rearrange(h.abs(), "b t d -> b (t d)")
     val, pos = flat.max(-1)  # (B,), position in the flattened (t d) axis
     top = torch.stack([val, (pos // d).float() + 1, (pos % d).float()], -1)  # (B, 3)
-    return {"top": top, "median": flat.median(-1).values, "h1": first_over_rest(h.norm(dim=-1))}
+    return {"top": top, "inf": val, "median": flat.median(-1).values, "h1": first_over_rest(h.norm(dim=-1)),
+            "kurt": kurtosis(h), "chan": channel_means(h)}
+
+
+def attention_output_stats(a: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The attention module's output a (B, T, d) of the real tokens -> `outliers.outlier_stats` as attn_inf,
+    attn_median, attn_kurt (B,)."""
+    return {f"attn_{name}": value for name, value in outlier_stats(a).items()}
 
 
 def qkv_stats(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: int = 128) -> dict[str, torch.Tensor]:
@@ -66,16 +84,19 @@ def qkv_stats(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: int = 12
 
 class ActivationStats:
     """Accumulates per-layer, per-sequence statistics over batches (`update`) into per-layer lists (`result`):
-    the massive top value (with its token and channel) is the max over all sequences; medians, norm ratios and
-    angles are means over sequences. Statistics missing from a batch's layers are left out of the result."""
+    the massive top value (with its token and channel) and the attention output's largest |a| are maxima over all
+    sequences; medians, norm ratios, angles, inf-norms, kurtoses and H_avg are means over sequences. Statistics
+    missing from a batch's layers are left out of the result."""
 
     def __init__(self):
         self.top: Optional[torch.Tensor] = None  # (L, 3): value, token, channel
-        self.sums: dict[str, torch.Tensor] = {}  # name -> (L,) sums over sequences
+        self.sums: dict[str, torch.Tensor] = {}  # name -> (L,) sums over sequences ((L, d) for chan)
+        self.attn_top: Optional[torch.Tensor] = None  # (L,): max |attention output| over sequences
         self.n = 0
 
     def update(self, layers: list[dict[str, torch.Tensor]]) -> None:
-        """layers: per layer, the merged dicts of `hidden_state_stats` and (optionally) `qkv_stats` of one batch."""
+        """layers: per layer, the merged dicts of `hidden_state_stats` and (optionally) `qkv_stats` and
+        `attention_output_stats` of one batch."""
         bt = torch.stack([s["top"] for s in layers], 1).cpu()  # (B, L, 3)
         best = bt[bt[..., 0].argmax(0), torch.arange(bt.shape[1])]  # (L, 3): per layer the batch max
         self.top = best if self.top is None else torch.where(best[:, :1] > self.top[:, :1], best, self.top)
@@ -83,21 +104,29 @@ class ActivationStats:
         if self.n and set(names) != set(self.sums):
             raise ValueError(f"statistics {sorted(names)} differ from the first batch's {sorted(self.sums)}")
         for name in names:
-            total = torch.stack([s[name] for s in layers], 1).sum(0).cpu()  # (B, L) -> (L,)
+            total = torch.stack([s[name] for s in layers], 1).sum(0).cpu()  # (B, L) -> (L,); (B, L, d) -> (L, d)
             self.sums[name] = self.sums[name] + total if name in self.sums else total
+        if "attn_inf" in names:
+            peak = torch.stack([s["attn_inf"] for s in layers], 1).amax(0).cpu()  # (B, L) -> (L,)
+            self.attn_top = peak if self.attn_top is None else torch.maximum(self.attn_top, peak)
         self.n += bt.shape[0]
 
     def result(self) -> dict[str, list]:
-        mean = {_MEAN_KEYS[name]: (total / self.n).tolist() for name, total in self.sums.items()}
+        mean = {_MEAN_KEYS[name]: total / self.n for name, total in self.sums.items()}  # (L,) or (L, d) tensors
         top = self.top[:, 0].tolist()
         out = {
             "massive_top": top,
-            "massive_median": mean["massive_median"],
-            "massive_ratio": [t / max(m, 1e-12) for t, m in zip(top, mean["massive_median"])],
+            "massive_median": mean["massive_median"].tolist(),
+            "massive_ratio": [t / max(m, 1e-12) for t, m in zip(top, mean["massive_median"].tolist())],
             "massive_token": [int(x) for x in self.top[:, 1].tolist()],
             "massive_channel": [int(x) for x in self.top[:, 2].tolist()],
         }
-        out.update({key: mean[key] for key in NORM_KEYS if key in mean})
+        out.update({key: mean[key].tolist() for key in NORM_KEYS + OUTLIER_KEYS if key in mean})
+        if self.attn_top is not None:  # as massive_ratio: the largest |a| over sequences / the mean median
+            out["attn_top_median"] = (self.attn_top / mean["attn_median"].clamp_min(1e-12)).tolist()
+        if "h_avg" in mean:
+            out["h_avg"] = mean["h_avg"].tolist()  # (L, d)
+            out.update(residual_sink_summary(mean["h_avg"]))
         return out
 
 
@@ -107,7 +136,11 @@ def activation_stats(model, tokens: torch.Tensor, batch_size: int = 32, chunk: i
     massive_top, massive_median, massive_ratio, massive_token (1-indexed), massive_channel,
     h1_norm_ratio = ||h_1|| / mean_{t>1} ||h_t||, k1_norm_ratio, v1_norm_ratio (keys after RoPE, all heads),
     cos_q_k1 = mean_{t>1} cos(q_t, k_1), cos_q_kj = mean_{t>1} mean_{1<j<=t} cos(q_t, k_j) (over heads and
-    sequences). See `hidden_state_stats` and `qkv_stats`."""
+    sequences); resid_inf_norm, resid_kurtosis, attn_inf_norm, attn_kurtosis (Bondarenko's, means over sequences),
+    attn_top_median (max |a| / median |a|, as massive_ratio); h_avg (L lists of d: mean |h_j| over all probe
+    tokens), resid_sink_top, resid_sink_channel, resid_sink_ratio, and the scalar resid_sink_channel_share;
+    attn_norm_min, ffn_norm_min and the scalar final_norm_min (`outliers.norm_weight_minima`). See
+    `hidden_state_stats`, `qkv_stats`, `attention_output_stats` and `sinklab.metrics.outliers`."""
     cfg = model.cfg
     S, n_slots = cfg.n_sink_tokens, cfg.n_slots
     acc = ActivationStats()
@@ -115,26 +148,42 @@ def activation_stats(model, tokens: torch.Tensor, batch_size: int = 32, chunk: i
         records: list[dict] = []
         model(tokens[start:start + batch_size], records=records)
         # real tokens only: q (B, H, S + T, hd) drops the sink tokens, k and v (B, H, n_slots + S + T, hd) the slots
-        acc.update([{**hidden_state_stats(rec["h"][:, S:]),
+        acc.update([{**hidden_state_stats(rec["h"][:, S:]), **attention_output_stats(rec["attn"][:, S:]),
                      **qkv_stats(rec["q"][:, :, S:], rec["k"][:, :, n_slots + S:], rec["v"][:, :, n_slots + S:],
                                  chunk)} for rec in records])
-    return acc.result()
+    return {**acc.result(), **norm_weight_minima(model)}
+
+
+_MAX_OVER_LAYERS = ("massive_top", "massive_ratio", "resid_inf_norm", "attn_inf_norm", "attn_top_median",
+                    "resid_sink_ratio")
+_MEAN_OVER_LAYERS = ("k1_norm_ratio", "v1_norm_ratio", "cos_q_k1", "cos_q_kj", "resid_kurtosis", "attn_kurtosis")
 
 
 def flatten_activation_stats(stats: dict) -> dict[str, float]:
-    """Scalars for logging. Summaries: massive_top and massive_ratio (max over layers), h1_norm_ratio (last layer),
-    k1_norm_ratio, v1_norm_ratio, cos_q_k1, cos_q_kj (means over layers). Per layer: every statistic of
-    `activation_stats` as layer{i}/<name> (massive_top, ..., massive_token, massive_channel, ..., cos_q_kj)."""
+    """Scalars for logging. Summaries: massive_top, massive_ratio, resid_inf_norm, attn_inf_norm, attn_top_median,
+    resid_sink_ratio (max over layers; Bondarenko's "max inf. norm"), h1_norm_ratio (last layer), k1_norm_ratio,
+    v1_norm_ratio, cos_q_k1, cos_q_kj, resid_kurtosis, attn_kurtosis (means over layers; Bondarenko's "avg.
+    kurtosis"), resid_sink_channel_share, final_norm_min, norm_min (the smallest of every norm's). Per layer: every
+    statistic of `activation_stats` in STAT_KEYS as layer{i}/<name>. Norms without a weight are left out."""
     out: dict[str, float] = {}
-    if "massive_top" in stats:
-        out["massive_top"] = max(stats["massive_top"])
-        out["massive_ratio"] = max(stats["massive_ratio"])
+    for key in _MAX_OVER_LAYERS:
+        if key in stats:
+            out[key] = max(stats[key])
     if "h1_norm_ratio" in stats:
         out["h1_norm_ratio"] = stats["h1_norm_ratio"][-1]
-    for key in ("k1_norm_ratio", "v1_norm_ratio", "cos_q_k1", "cos_q_kj"):
+    for key in _MEAN_OVER_LAYERS:
         if key in stats:
             out[key] = sum(stats[key]) / len(stats[key])
+    if "resid_sink_channel_share" in stats:
+        out["resid_sink_channel_share"] = stats["resid_sink_channel_share"]
+    norm_mins = [v for key in NORM_WEIGHT_KEYS for v in stats.get(key, []) if v is not None]
+    if stats.get("final_norm_min") is not None:
+        out["final_norm_min"] = stats["final_norm_min"]
+        norm_mins.append(stats["final_norm_min"])
+    if norm_mins:
+        out["norm_min"] = min(norm_mins)
     for key in STAT_KEYS:
         for layer, value in enumerate(stats.get(key, [])):
-            out[f"layer{layer}/{key}"] = float(value)
-    return out
+            if value is not None:
+                out[f"layer{layer}/{key}"] = float(value)
+    return {key: float(value) for key, value in out.items()}

@@ -150,6 +150,15 @@ def summarise(scores: AttentionScores, eps: Sequence[float] = (0.3,), slot_names
     return out
 
 
+def first_token_attention(summary: dict[str, float]) -> dict[str, float]:
+    """Qwen's first-token attention (arXiv 2505.06708, reported beside Sink_1): the mean over queries i of
+    A[i, 1], overall and per layer, as first_token_attn and layer{i}/first_token_attn. It is alpha_1 exactly (the
+    mean over all real queries i = 1..T, query 1 included, averaged over heads and sequences; the paper does not say
+    whether it drops query 1), so these are `summarise`'s alpha1 values under Qwen's name, not a second computation."""
+    return {name.removesuffix("alpha1") + "first_token_attn": value for name, value in summary.items()
+            if name == "alpha1" or name.endswith("/alpha1")}
+
+
 def slot_names(cfg) -> list[str]:
     """Names of the extra key columns in order: the bias slot, then the learned sink tokens."""
     return (["bias"] if cfg.n_slots else []) + [f"token{i}" for i in range(cfg.n_sink_tokens)]

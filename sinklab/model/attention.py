@@ -67,7 +67,8 @@ class Attention(nn.Module):
         return torch.cat(chunks, dim=2)  # (B, H, N, hd)
 
     def forward(self, x: torch.Tensor, layout: Layout, record: Optional[dict] = None, return_probs: bool = False):
-        """x (B, N, d) -> (B, N, d). `record` receives q, k, v; `return_probs` forces the explicit path."""
+        """x (B, N, d) -> (B, N, d). `record` receives q, k, v and the output `attn` (after o_proj);
+        `return_probs` forces the explicit path."""
         q, k, v = self.qkv(x, layout)
         if record is not None:
             record.update(q=q, k=k, v=v)
@@ -82,4 +83,6 @@ class Attention(nn.Module):
         o = self.gate_proj.at(G1, x, self.attn_bias.output(o))
         out = self.o_proj(o.transpose(1, 2).flatten(2))  # (B, H, N, hd) -> (B, N, H * hd) -> (B, N, d)
         out = self.gate_proj.at(G5, x, out)
+        if record is not None:
+            record["attn"] = out
         return (out, probs) if return_probs else out

@@ -111,8 +111,8 @@ class Transformer(nn.Module):
                 return_hidden: bool = False):
         """idx (B, T) token ids -> logits (B, T, vocab) for the real tokens (sink tokens are never predicted).
 
-        records: a list that receives, per layer, a dict with q, k, v (after RoPE, with the bias slot) and the
-        block output `h`. return_probs: also return the attention maps, a list of (B, H, S + T, Tk) per layer.
+        records: a list that receives, per layer, a dict with q, k, v (after RoPE, with the bias slot), the
+        attention module's output `attn` (after o_proj) and the block output `h`. return_probs: also return the attention maps, a list of (B, H, S + T, Tk) per layer.
         return_hidden: return the final hidden states (B, T, d) instead of logits.
         """
         layout = self.layout(idx.shape[1], idx.device)

@@ -15,14 +15,16 @@ import torch
 
 from sinklab.errors import describe
 from sinklab.keys import ACT_PREFIX, SINK_PREFIX
-from sinklab.metrics import activation_stats, attention_scores, flatten_activation_stats, slot_names, summarise
+from sinklab.metrics import (activation_stats, attention_scores, first_token_attention, flatten_activation_stats,
+                             slot_names, summarise)
 from sinklab.status import Status, write_status
 
 log = logging.getLogger("sinklab")
 
 
 class SinkCallback(L.Callback):
-    """Logs Sink_k, alpha_k, Sink*, slot scores (sink/...) and activation statistics (act/...) on the probe set
+    """Logs Sink_k, alpha_k, Sink*, slot scores (sink/...) and activation statistics (act/...: massive activations,
+    first-token norms and angles, residual sinks, outliers, norm weights, first-token attention) on the probe set
     every `every_n_steps` optimizer steps and at the end of training; a layer x head heatmap of alpha_1 at each
     validation. Runs on rank 0 only; its last measurement survives a resume. The allowed values of its arguments:
     sinklab.train.config.SinkCallbackConfig."""
@@ -55,8 +57,10 @@ class SinkCallback(L.Callback):
         try:
             tokens = self.probe(trainer).to(pl_module.device)
             scores = attention_scores(net, tokens, k=self.k, batch_size=self.batch_size)
-            out = {SINK_PREFIX + k: v for k, v in summarise(scores, self.eps, slot_names(net.cfg)).items()}
+            summary = summarise(scores, self.eps, slot_names(net.cfg))
+            out = {SINK_PREFIX + k: v for k, v in summary.items()}
             if self.activations:
+                out.update({ACT_PREFIX + k: v for k, v in first_token_attention(summary).items()})
                 stats = activation_stats(net, tokens, batch_size=self.batch_size)
                 out.update({ACT_PREFIX + k: v for k, v in flatten_activation_stats(stats).items()})
         finally:
