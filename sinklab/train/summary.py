@@ -1,8 +1,8 @@
 """The end of a training run: status.json = completed with the final metrics, and the closing lines for the user.
 
-    done: 1500 steps, val/loss 4.1234, Sink_1 22.92% (alpha_1 0.151)
+    done: 1200 steps, val/loss 4.1234, Sink_1 22.92% (alpha_1 0.151)
     sink: 5.5 of 24 heads (mean over the probe sequences) put > 0.3 of their attention on token 1, the BOS token ...
-    heatmap of alpha_1 per layer x head: <run dir>/sink_heatmaps/alpha1_step0001500.png
+    heatmap of alpha_1 per layer x head: <run dir>/sink_heatmaps/alpha1_step0001200.png
     next: ... (a run that removes the sink)
     run dir: <run dir>
 
