@@ -118,18 +118,27 @@ def test_readme_switch_table_covers_every_model_group():
 REPRODUCE = README.parent / "experiments" / "cpu" / "reproduce.sh"
 
 
-def reproduce_sweeps() -> list[str]:
-    """`sweep NAME overrides...` lines of experiments/cpu/reproduce.sh as the `sinklab-train -m` commands they run."""
-    return ["sinklab-train -m " + shlex.join(shlex.split(line)[2:])
-            for line in REPRODUCE.read_text().splitlines() if line.startswith("sweep ")]
+def reproduce_lines(kinds: tuple[str, ...] = ("sweep", "extra")) -> list[list[str]]:
+    """`sweep NAME overrides...` (run by default) and `extra NAME overrides...` (run when named) lines of
+    experiments/cpu/reproduce.sh, split into words."""
+    return [shlex.split(line) for line in REPRODUCE.read_text().splitlines() if line.split(" ", 1)[0] in kinds]
+
+
+def reproduce_sweeps(kinds: tuple[str, ...] = ("sweep", "extra")) -> list[str]:
+    """The reproduce.sh sweeps of these kinds as the `sinklab-train -m` commands they run."""
+    return ["sinklab-train -m " + shlex.join(words[2:]) for words in reproduce_lines(kinds)]
 
 
 def test_reproduce_script_lists_the_results_sweeps():
-    names = [line.split()[1] for line in REPRODUCE.read_text().splitlines() if line.startswith("sweep ")]
+    names = [words[1] for words in reproduce_lines()]
     assert len(names) == len(set(names)) >= 10, names
     assert any("scale=cpu seed=0,1,2" in c for c in reproduce_sweeps())  # the recipe, three seeds
-    total = sum(len(jobs_of(c)) for c in reproduce_sweeps())
+    total = sum(len(jobs_of(c)) for c in reproduce_sweeps(("sweep",)))  # the default: every `sweep`, no `extra`
     assert f"{total} jobs" in README.read_text() and f"all {total} jobs" in REPRODUCE.read_text(), total
+    extra = {words[1]: len(jobs_of(c)) for words, c in zip(reproduce_lines(("extra",)), reproduce_sweeps(("extra",)))}
+    assert set(extra) == {"residual_sinks", "gate_positions", "outliers_quant"}, extra  # issue 15, opt-in
+    text = REPRODUCE.read_text()
+    assert all(f"{name} {n}" in text for name, n in extra.items())  # the header's job counts
 
 
 @pytest.mark.parametrize("command", reproduce_sweeps())

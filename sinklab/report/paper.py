@@ -110,7 +110,8 @@ def paper_values(row: Optional[dict]) -> dict[str, Any]:
 
 
 def experiment_info(cfg: Any) -> dict[str, Any]:
-    """The experiment's name, its paper table and how its rows are matched, from a (job or sweep) config."""
+    """The experiment's name, its paper table, how its rows are matched, and the published source a preset without
+    a table follows (``experiment.reference``), from a (job or sweep) config."""
     match = select(cfg, "experiment.paper_match")
     return {"name": select(cfg, "experiment.name"), "paper_table": select(cfg, "experiment.paper_table"),
-            "paper_match": match if isinstance(match, dict) else {}}
+            "paper_match": match if isinstance(match, dict) else {}, "reference": select(cfg, "experiment.reference")}

@@ -115,10 +115,12 @@ def status_counts(statuses: Iterable[Status]) -> str:
 
 
 def _paper_table_line(exp: dict[str, Any], tables: dict) -> list[str]:
-    """The report.md line on the experiment's paper table and how its rows were matched; none without a table."""
+    """The report.md line on the experiment's paper table and how its rows were matched; without a table, the line
+    naming the published source the preset follows (none if it names none)."""
     name = exp["paper_table"]
     if not name:
-        return []
+        ref = exp["reference"]
+        return [f"- Reference: {ref} (no transcribed table: no paper columns)"] if ref else []
     table = tables.get(name)
     if table is None:
         return [f"- Paper table: `{name}` (not in paper_tables.yaml)"]
