@@ -20,6 +20,7 @@ PERCENT = (0.0, 100.0)
 NON_NEGATIVE = (0.0, math.inf)
 UNIT = (0.0, 1.0)
 ANY = (-math.inf, math.inf)
+SILU_MIN = -0.2784645427610738  # min_x x * sigmoid(x), at x = -1.2785 (where 1 + x (1 - sigmoid(x)) = 0)
 BOUNDS = (
     (r"^sink/(layer\d+/)?(sink|slot)", PERCENT),  # Sink_k, Sink*_k and slot scores, in %
     (r"^sink/(layer\d+/)?alpha", ANY),  # mean attention on token k: [0, 1] for softmax, unbounded for kernel maps
@@ -30,6 +31,9 @@ BOUNDS = (
     (r"^act/(layer\d+/)?resid_sink_(top|channel|ratio)$", NON_NEGATIVE),  # H_avg's top channel
     (r"^act/(layer\d+/)?(attn_|ffn_|final_)?norm_min$", NON_NEGATIVE),  # min |weight| of a norm
     (r"^act/(layer\d+/)?first_token_attn$", ANY),  # alpha_1 under Qwen's name: as sink/alpha
+    (r"^act/(layer\d+/)?gate_low_share$", UNIT),  # share of gate scores below 0.1
+    # mean gate scores: in [0, 1] for model.gate_act=sigmoid, in [SILU_MIN, inf) for silu (the name does not say which)
+    (r"^act/(layer\d+/)?gate_(mean|first_token)$", (SILU_MIN, math.inf)),
     (r"(^|/)loss$", NON_NEGATIVE),  # cross-entropy in nats
     (r"^lr-", NON_NEGATIVE),
     (r"^perf/mfu$", UNIT),

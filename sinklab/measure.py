@@ -33,7 +33,10 @@ User errors are one line on stderr and exit code 2.
     residual_sinks {h_avg [[mean |h_j| per channel] per layer], top, channel, ratio (per-layer lists: the top
         channel of h_avg, its index and its ratio to the median channel), channel_share (share of layers whose top
         channel is the most common one), attn_norm_min, ffn_norm_min (per layer), final_norm_min: min |weight|
-        of each norm; the norm minima for sinklab checkpoints only} (see sinklab.metrics.outliers).
+        of each norm; the norm minima for sinklab checkpoints only} (see sinklab.metrics.outliers),
+    gates {mean, low_share, first_token: over all layers; by_layer {mean, low_share, first_token: per-layer lists}}:
+        the gate scores act(X W_theta) of a model with `model.gate` (Qwen's gated attention): their mean, the share
+        below 0.1 and the mean on token 1, from the same forwards (sinklab.metrics.gates); {} without a gate.
 Non-finite values (a norm ratio with T = 1) are null.
 """
 from __future__ import annotations
@@ -51,6 +54,7 @@ import torch
 
 from sinklab.errors import UserError
 from sinklab.metrics.activations import MASSIVE_KEYS, NORM_KEYS, OUTLIER_KEYS
+from sinklab.metrics.gates import GATE_KEYS
 from sinklab.probe_inputs import (DEFAULT_NUM_SEQS, DEFAULT_SEQ_LEN, INPUTS, checkpoint_and_run_dir, choose_tokens,
                                   positive)
 
@@ -170,7 +174,18 @@ def build_result(scores, eps: Sequence[float], slot_names: list[str], row_normal
     res["outliers"] = {key: stats[key] for key in OUTLIER_KEYS if key in stats}
     res["residual_sinks"] = {key.removeprefix("resid_sink_"): stats[key] for key in RESIDUAL_SINK_JSON
                              if key in stats}
+    res["gates"] = gates_object(stats.get("gates", {}))
     return res
+
+
+def gates_object(flat: dict[str, float]) -> dict:
+    """`gate_stats`' names (gate_mean, ..., layer<l>/gate_mean, ...) -> the JSON's gates object; {} without gates."""
+    if not flat:
+        return {}
+    n_layers = sum(key.endswith("/gate_mean") for key in flat)
+    return {**{key.removeprefix("gate_"): flat[key] for key in GATE_KEYS},
+            "by_layer": {key.removeprefix("gate_"): [flat[f"layer{i}/{key}"] for i in range(n_layers)]
+                         for key in GATE_KEYS}}
 
 
 def measure_checkpoint(args, device: torch.device) -> dict:
@@ -188,7 +203,8 @@ def measure_checkpoint(args, device: torch.device) -> dict:
     meta = {"target": str(ckpt), "source": "sinklab", "input": kind, "seed": args.seed,
             "seq_len": int(tokens.shape[1]), "num_seqs": int(tokens.shape[0]),
             "model": {"n_layer": cfg.n_layer, "n_head": cfg.n_head, "attn_op": cfg.attn_op, "pos": cfg.pos,
-                      "attn_bias": cfg.attn_bias, "n_sink_tokens": cfg.n_sink_tokens}}
+                      "attn_bias": cfg.attn_bias, "n_sink_tokens": cfg.n_sink_tokens, "gate": cfg.gate,
+                      "gate_act": cfg.gate_act}}
     if args.tokens is not None:
         meta["tokens_file"] = str(args.tokens)
     return build_result(scores, args.eps, slot_names(cfg), cfg.row_normalised, stats, meta)
@@ -277,6 +293,15 @@ def format_tables(res: dict, max_heads: int = 16) -> str:
                          + " ".join(_fmt(col[layer], w, p) for col, (w, p) in zip(cols, widths)))
         lines.append(f"top channel shared by {100 * r['channel_share']:.0f}% of layers; first-token attention "
                      f"(alpha_1) {res['first_token_attn']['mean']:.4f}")
+    g = res.get("gates")
+    if g:
+        kind = f"model.gate={res['model'].get('gate')}, gate_act={res['model'].get('gate_act')}"
+        lines += ["", f"gate scores act(X W_theta) per layer ({kind}; real tokens)",
+                  f"{'layer':>5} {'mean':>8} {'< 0.1 %':>8} {'token 1':>8}"]
+        rows = zip(*(g["by_layer"][key] for key in ("mean", "low_share", "first_token")))
+        for layer, (mean, low, first) in enumerate(rows):
+            lines.append(f"{layer:>5} {mean:8.4f} {100 * low:8.1f} {first:8.4f}")
+        lines.append(f"{'all':>5} {g['mean']:8.4f} {100 * g['low_share']:8.1f} {g['first_token']:8.4f}")
     extra = [key for key in ("k1_norm_ratio", "v1_norm_ratio", "cos_q_k1", "cos_q_kj") if key in n]
     if extra:
         lines += ["", "first-token keys and values (mean over layers): "

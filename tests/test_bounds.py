@@ -1,5 +1,6 @@
 """Every logged number is within its physical bounds (sinklab.keys.BOUNDS), in a real training run: shares in
-[0, 100] %, cosines in [-1, 1], norms and losses >= 0, MFU in (0, 1]. A utilisation above 1 is never logged."""
+[0, 100] %, cosines in [-1, 1], norms and losses >= 0, MFU in (0, 1], SiLU gate scores >= their minimum -0.278. A
+utilisation above 1 is never logged."""
 import math
 import os
 import subprocess
@@ -22,14 +23,18 @@ def train(tmp_path, *overrides):
     return pd.read_csv(out / "metrics.csv"), proc.stderr
 
 
-@pytest.mark.parametrize("switches", [[], ["model/bias=kv", "model/attn=sigmoid"]], ids=["softmax", "kv_sigmoid"])
+@pytest.mark.parametrize("switches", [[], ["model/bias=kv", "model/attn=sigmoid"], ["model/gate=elementwise_silu"]],
+                         ids=["softmax", "kv_sigmoid", "silu_gate"])
 def test_every_logged_metric_is_within_its_bounds(tmp_path, switches):
     metrics, _ = train(tmp_path, *switches)
     families = {"sink/sink1", "sink/alpha1", "act/cos_q_k1", "act/massive_ratio", "train/loss", "val/loss",
                 "perf/tokens_per_sec", "lr-AdamW", "act/resid_inf_norm", "act/attn_kurtosis", "act/attn_top_median",
                 "act/layer1/resid_sink_ratio", "act/resid_sink_channel_share", "act/layer0/ffn_norm_min",
                 "act/final_norm_min", "act/norm_min", "act/first_token_attn", "act/layer1/first_token_attn"}
+    gated = any(s.startswith("model/gate=") for s in switches)
+    gate_families = {"act/gate_mean", "act/gate_low_share", "act/gate_first_token", "act/layer1/gate_mean"}
     assert families <= set(metrics.columns)
+    assert (gate_families <= set(metrics.columns)) if gated else not gate_families & set(metrics.columns)
     for name in metrics.columns:
         limits = bounds(name)
         assert limits is not None, f"{name} has no bounds in sinklab.keys.BOUNDS"
@@ -49,4 +54,7 @@ def test_an_mfu_above_one_is_dropped_with_a_warning(tmp_path):
 def test_bounds_cover_distinct_families():
     assert bounds("sink/layer3/sink1") == (0.0, 100.0) and bounds("act/layer0/cos_q_kj") == (-1.0, 1.0)
     assert bounds("val/loss") == (0.0, math.inf) and bounds("perf/mfu") == (0.0, 1.0)
+    assert bounds("act/gate_low_share") == bounds("act/layer2/gate_low_share") == (0.0, 1.0)
+    silu_min = min(x / 1000 / (1 + math.exp(-x / 1000)) for x in range(-3000, 0))  # x sigmoid(x), x < 0
+    assert bounds("act/layer0/gate_mean") == bounds("act/gate_first_token") == (pytest.approx(silu_min), math.inf)
     assert bounds("something/new") is None and len({p for p, _ in BOUNDS}) == len(BOUNDS)

@@ -8,7 +8,8 @@ attention module's output. Only real tokens are scored (the bias slot and learne
 The formulas live in per-batch functions shared by sinklab models (`activation_stats`) and Hugging Face models
 (`sinklab.hf`): `hidden_state_stats` (massive activations, ||h_1|| ratio, H_avg, inf-norm and kurtosis),
 `qkv_stats` (key and value norm ratios, query-key angles) and `outliers.outlier_stats` of the attention output;
-`ActivationStats` averages them over batches into per-layer lists.
+`ActivationStats` averages them over batches into per-layer lists. The same forwards record the gate scores of a
+gated model (`sinklab.metrics.gates`).
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 
+from .gates import gate_sums, record_gates, stats_from_sums
 from .outliers import channel_means, kurtosis, norm_weight_minima, outlier_stats, residual_sink_summary
 
 # per-layer lists returned by `activation_stats` / `ActivationStats.result`, in this order
@@ -139,19 +141,30 @@ def activation_stats(model, tokens: torch.Tensor, batch_size: int = 32, chunk: i
     sequences); resid_inf_norm, resid_kurtosis, attn_inf_norm, attn_kurtosis (Bondarenko's, means over sequences),
     attn_top_median (max |a| / median |a|, as massive_ratio); h_avg (L lists of d: mean |h_j| over all probe
     tokens), resid_sink_top, resid_sink_channel, resid_sink_ratio, and the scalar resid_sink_channel_share;
-    attn_norm_min, ffn_norm_min and the scalar final_norm_min (`outliers.norm_weight_minima`). See
-    `hidden_state_stats`, `qkv_stats`, `attention_output_stats` and `sinklab.metrics.outliers`."""
+    attn_norm_min, ffn_norm_min and the scalar final_norm_min (`outliers.norm_weight_minima`); for a model with a
+    gate, gates: `sinklab.metrics.gates.gate_stats` of the same forwards (gate_mean, gate_low_share,
+    gate_first_token over all layers and as layer<l>/...). See `hidden_state_stats`, `qkv_stats`,
+    `attention_output_stats`, `sinklab.metrics.outliers` and `sinklab.metrics.gates`."""
     cfg = model.cfg
     S, n_slots = cfg.n_sink_tokens, cfg.n_slots
     acc = ActivationStats()
-    for start in range(0, tokens.shape[0], batch_size):
-        records: list[dict] = []
-        model(tokens[start:start + batch_size], records=records)
-        # real tokens only: q (B, H, S + T, hd) drops the sink tokens, k and v (B, H, n_slots + S + T, hd) the slots
-        acc.update([{**hidden_state_stats(rec["h"][:, S:]), **attention_output_stats(rec["attn"][:, S:]),
-                     **qkv_stats(rec["q"][:, :, S:], rec["k"][:, :, n_slots + S:], rec["v"][:, :, n_slots + S:],
-                                 chunk)} for rec in records])
-    return {**acc.result(), **norm_weight_minima(model)}
+    with record_gates(model) as gates:  # no hooks, and nothing to add up, without a gate
+        gate_totals = torch.zeros(len(gates), 5, dtype=torch.float64, device=tokens.device)  # `gate_sums` per layer
+        for start in range(0, tokens.shape[0], batch_size):
+            records: list[dict] = []
+            model(tokens[start:start + batch_size], records=records)
+            # real tokens only: q (B, H, S + T, hd) drops the sinks, k and v (B, H, n_slots + S + T, hd) the slots
+            acc.update([{**hidden_state_stats(rec["h"][:, S:]), **attention_output_stats(rec["attn"][:, S:]),
+                         **qkv_stats(rec["q"][:, :, S:], rec["k"][:, :, n_slots + S:], rec["v"][:, :, n_slots + S:],
+                                     chunk)} for rec in records])
+            if gates:  # this batch's scores -> sums, then dropped: memory stays one batch's
+                gate_totals += gate_sums(gates)
+                for layer in gates:
+                    layer.clear()
+    out = {**acc.result(), **norm_weight_minima(model)}
+    if gates:
+        out["gates"] = stats_from_sums(gate_totals)
+    return out
 
 
 _MAX_OVER_LAYERS = ("massive_top", "massive_ratio", "resid_inf_norm", "attn_inf_norm", "attn_top_median",
@@ -163,7 +176,8 @@ def flatten_activation_stats(stats: dict) -> dict[str, float]:
     """Scalars for logging. Summaries: massive_top, massive_ratio, resid_inf_norm, attn_inf_norm, attn_top_median,
     resid_sink_ratio (max over layers; Bondarenko's "max inf. norm"), h1_norm_ratio (last layer), k1_norm_ratio,
     v1_norm_ratio, cos_q_k1, cos_q_kj, resid_kurtosis, attn_kurtosis (means over layers; Bondarenko's "avg.
-    kurtosis"), resid_sink_channel_share, final_norm_min, norm_min (the smallest of every norm's). Per layer: every
+    kurtosis"), resid_sink_channel_share, final_norm_min, norm_min (the smallest of every norm's), and the gate
+    statistics where there are gates (over all layers and per layer, as `gate_stats` names them). Per layer: every
     statistic of `activation_stats` in STAT_KEYS as layer{i}/<name>. Norms without a weight are left out."""
     out: dict[str, float] = {}
     for key in _MAX_OVER_LAYERS:
@@ -182,6 +196,7 @@ def flatten_activation_stats(stats: dict) -> dict[str, float]:
         norm_mins.append(stats["final_norm_min"])
     if norm_mins:
         out["norm_min"] = min(norm_mins)
+    out.update(stats.get("gates", {}))  # already scalars: gate_mean, ..., layer<l>/gate_mean, ...
     for key in STAT_KEYS:
         for layer, value in enumerate(stats.get(key, [])):
             if value is not None:

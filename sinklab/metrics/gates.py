@@ -11,6 +11,10 @@ registers a forward hook on each and keeps the real tokens' scores, one list per
         model(tokens)
     stats = gate_stats(values)            # {"gate_mean": .., "gate_low_share": .., "gate_first_token": ..,
                                           #  "layer0/gate_mean": .., ...}
+
+Over many batches, `gate_sums` reduces each batch's scores to per-layer sums that add up, and `stats_from_sums` turns
+the total into the same statistics: `sinklab.metrics.activation_stats` does so in the probe forwards it records, for
+the sink callback (`act/gate_*`) and `sinklab measure` (`gates`).
 """
 from __future__ import annotations
 
@@ -50,17 +54,31 @@ def gate_stats(values: Sequence[Sequence[torch.Tensor]], low: float = LOW) -> di
       gate_low_share    the share of scores below `low` (0.1);
       gate_first_token  the mean score on token 1.
     Empty for a model without gates (or without recorded scores)."""
-    out: dict[str, float] = {}
-    total = torch.zeros(5, dtype=torch.float64)  # sum, count, low count, first-token sum, first-token count
-    for i, layer in enumerate(values):
-        sums = torch.zeros(5, dtype=torch.float64)
+    return stats_from_sums(gate_sums(values, low))
+
+
+def gate_sums(values: Sequence[Sequence[torch.Tensor]], low: float = LOW) -> torch.Tensor:
+    """values as `gate_stats`'s -> (L, 5) float64 on the scores' device, per layer: the sum of the scores, their
+    count, the count below `low`, the sum and the count on token 1. Sums of batches add up: `activation_stats`
+    reduces each batch's scores to these and drops them, so the recorded scores never outgrow one batch."""
+    rows = []
+    for layer in values:
+        row = torch.zeros(5, dtype=torch.float64, device=layer[0].device if layer else None)
         for g in layer:
             g = g.double()
-            sums += torch.stack([g.sum(), torch.tensor(g.numel()), (g < low).sum(), g[:, 0].sum(),
-                                 torch.tensor(g[:, 0].numel())]).to(sums)
-        out.update({f"layer{i}/{k}": v for k, v in from_sums(sums).items()})
-        total += sums
-    return {**out, **from_sums(total)}
+            row += torch.stack([g.sum(), torch.tensor(g.numel()).to(row), (g < low).sum().to(row), g[:, 0].sum(),
+                                torch.tensor(g[:, 0].numel()).to(row)])
+        rows.append(row)
+    return torch.stack(rows) if rows else torch.zeros(0, 5, dtype=torch.float64)
+
+
+def stats_from_sums(sums: torch.Tensor) -> dict[str, float]:
+    """(L, 5) `gate_sums` -> the statistics per layer (`layer<l>/<key>`) and over all layers; empty without scores."""
+    sums = sums.cpu()
+    out: dict[str, float] = {}
+    for i, row in enumerate(sums):
+        out.update({f"layer{i}/{k}": v for k, v in from_sums(row).items()})
+    return {**out, **from_sums(sums.sum(0))}
 
 
 def from_sums(sums: torch.Tensor) -> dict[str, float]:

@@ -24,7 +24,8 @@ log = logging.getLogger("sinklab")
 
 class SinkCallback(L.Callback):
     """Logs Sink_k, alpha_k, Sink*, slot scores (sink/...) and activation statistics (act/...: massive activations,
-    first-token norms and angles, residual sinks, outliers, norm weights, first-token attention) on the probe set
+    first-token norms and angles, residual sinks, outliers, norm weights, first-token attention, and for a gated
+    model the gate scores' mean, share below 0.1 and token-1 mean, recorded in the same forward) on the probe set
     every `every_n_steps` optimizer steps and at the end of training; a layer x head heatmap of alpha_1 at each
     validation. Runs on rank 0 only; its last measurement survives a resume. The allowed values of its arguments:
     sinklab.train.config.SinkCallbackConfig."""
