@@ -496,6 +496,6 @@ def test_every_size_preset_builds_and_trains_one_step(size):
 
 @pytest.mark.parametrize("name", GROUP_FILES)
 def test_every_switch_preset_builds_and_trains_one_step(name):
-    n_layer = max(2, compose(name).get("nope_every") or 0)  # pos/rope_nope4: its NoPE layer is the 4th
+    n_layer = max(2, compose(name).get("nope_every") or 0)  # pos/rope_nope2: its NoPE layer is the 2nd
     cfg = ModelConfig.from_dict(compose(name, n_layer=n_layer))
     forward_backward(cfg, T=20)  # longer than mask/prefix's 8 tokens; mask/window's 16 hides the first tokens

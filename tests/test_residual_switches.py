@@ -231,5 +231,5 @@ def test_components_command_shows_the_new_switches(capsys):
     table = capsys.readouterr().out
     for text in ("model.norm=preaffine", "model.norm=dyt", "dyt_alpha_init=0.5", "gated_norm=False",
                  "gated_norm_rank=16", "gated_norm_gate_init=0.5", "model/norm=gated_rms", "rope_fraction=1.0",
-                 "nope_every=None", "model/pos=p_rope", "model/pos=rope_nope4"):
+                 "nope_every=None", "model/pos=p_rope", "model/pos=rope_nope2"):
         assert text in table, text
