@@ -7,6 +7,8 @@ TRAIN_LOSS = "train/loss"
 VAL_LOSS = "val/loss"
 SINK1 = "sink/sink1"
 ALPHA1 = "sink/alpha1"
+SINK1_STAR = "sink/sink1_star"  # Sink_1 of the renormalised map (logged for ops whose rows do not sum to one)
+SLOT_BIAS = "sink/slot_bias"  # the share of heads sinking on the attention-bias slot (model.attn_bias=k, kv)
 TOKENS_PER_SEC = "perf/tokens_per_sec"
 MFU = "perf/mfu"
 RUN_FAILED = "run/failed"

@@ -1,8 +1,8 @@
 """The end of a training run: status.json = completed with the final metrics, and the closing lines for the user.
 
-    done: 1200 steps, val/loss 4.1234, Sink_1 22.92% (alpha_1 0.151)
+    done: 1600 steps, val/loss 4.1234, Sink_1 22.92% (alpha_1 0.151)
     sink: 5.5 of 24 heads (mean over the probe sequences) put > 0.3 of their attention on token 1, the BOS token ...
-    heatmap of alpha_1 per layer x head: <run dir>/sink_heatmaps/alpha1_step0001200.png
+    heatmap of alpha_1 per layer x head: <run dir>/sink_heatmaps/alpha1_step0001600.png
     next: ... (a run that removes the sink)
     run dir: <run dir>
 
@@ -14,12 +14,12 @@ import re
 from pathlib import Path
 from typing import Any, Optional
 
-from sinklab.keys import ALPHA1, SINK1, VAL_LOSS
+from sinklab.keys import ALPHA1, SINK1, SINK1_STAR, SLOT_BIAS, VAL_LOSS
 from sinklab.status import Status
 
 # what to run next: a K bias gives every head a key to sink on other than token 1 (the sink moves to the slot);
 # sigmoid attention without row normalisation needs no sink at all (experiments/cpu/RESULTS.md, section 3)
-NEXT = ("sinklab-train model/bias=k (a learned key bias takes the sink: Sink_1 falls to ~0, sink/slot1 rises) or "
+NEXT = ("sinklab-train model/bias=k (a learned key bias takes the sink: Sink_1 falls to ~0, sink/slot_bias rises) or "
         "sinklab-train model/attn=sigmoid (no row normalisation, no sink: sink/sink1_star ~0); "
         "compare runs with `sinklab report`")
 _LAYER_SINK = re.compile(r"^sink/layer(\d+)/sink1$")
@@ -59,11 +59,17 @@ def closing_lines(steps: int, final: dict[str, float], per_layer: dict[int, floa
     lines = [msg]
     if SINK1 in final:
         lines[0] += f", Sink_1 {final[SINK1]:.2f}% (alpha_1 {final.get(ALPHA1, float('nan')):.3f})"
-        lines.append(sink_line(final[SINK1], per_layer, first_token or "token 1", eps, n_heads))
+        sink1 = final[SINK1]
+        if SINK1_STAR in final:  # rows do not sum to one: the raw map's shares say little, the renormalised one's do
+            lines[0] += f", Sink*_1 {final[SINK1_STAR]:.2f}% (rows renormalised)"
+            sink1, per_layer = final[SINK1_STAR], {}  # per-layer values are of the raw map
+        lines.append(sink_line(sink1, per_layer, first_token or "token 1", eps, n_heads))
+        if SLOT_BIAS in final:
+            lines.append(f"bias slot: {final[SLOT_BIAS]:.2f}% of the heads sink on it instead (sink/slot_bias)")
         heatmaps = sorted((out / "sink_heatmaps").glob("alpha1_step*.png"))
         if heatmaps:
             lines.append(f"heatmap of alpha_1 per layer x head: {heatmaps[-1]}")
-        if final[SINK1] > 0:
+        if sink1 > 0:
             lines.append(f"next: {NEXT}")
     lines.append(f"run dir: {out}")
     return lines
