@@ -34,7 +34,7 @@ class TrainerSettings(Schema):
     num_nodes: int = rule(1, integer(1))
     # auto: bf16-mixed on a GPU, 32-true on a CPU (bf16 is unusably slow on CPUs); the entry point decides
     precision: Any = rule("auto", choice(*PRECISIONS, 16, 32, 64))
-    # the default run: ~4 minutes on 2 CPU cores (6.7k tokens/s measured on a 2-core AMD EPYC)
+    # the schema default (`~scale`): ~4 minutes for the tiny model on 2 CPU cores; the default run (scale=quick) sets 1600
     max_steps: int = rule(750, integer(1), "(the train loader is endless, so training is bounded by steps)")
     gradient_clip_val: Optional[float] = rule(1.0, number(ge=0, optional=True))
     val_check_interval: int = rule(250, integer(1), "(steps between validations; the train loader is endless)")
