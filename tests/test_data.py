@@ -399,7 +399,7 @@ def _compose(name, **data):
 def test_shakespeare_config_instantiates_with_interpolations(env):
     dm = instantiate(_compose("shakespeare", cache_dir=env.cache).data, _recursive_=False)
     assert isinstance(dm, LMDataModule) and dm.hparams.corpus == "shakespeare"
-    assert dm.block_size == 32 and dm.seed == 7 and dm.hparams.vocab_size == 4096
+    assert dm.block_size == 32 and dm.seed == 7 and dm.hparams.vocab_size == 1024 and dm.hparams.bos
     local = instantiate(_compose("local", files=env.files, tokenizer=env.tok, cache_dir=env.cache,
                                  random_positions=[1, 2], fixed_token={"position": 3, "token_id": None}).data,
                         _recursive_=False).prepare()

@@ -26,7 +26,7 @@ from sinklab.config import compose
 from sinklab.data.synthetic import SyntheticDataModule
 
 STEPS = 400
-TINY = ["data=synthetic", "data.task=seen_flag", "model.n_layer=1", "model.n_head=1", "model.d_model=64",
+TINY = ["~scale", "data=synthetic", "data.task=seen_flag", "model.n_layer=1", "model.n_head=1", "model.d_model=64",
         "model.d_ff=176", "optim.lr=1e-2", "optim.warmup_steps=20", f"trainer.max_steps={STEPS}",
         "callbacks.sink.every_n_steps=100", f"trainer.val_check_interval={STEPS}", "trainer.limit_val_batches=2",
         "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false", "callbacks.checkpoint=null",

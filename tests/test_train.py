@@ -242,7 +242,7 @@ def test_wandb_offline_without_key_and_one_run_per_job(tmp_path):
     assert len(runs) == 2, runs  # one offline run per job, finished before the next job
     for job in ("0", "1"):
         record = wandb_run_record(next((sweep / job / "wandb").glob("offline-run-*/run-*.wandb")))
-        assert record.config["seed"] == int(job) and record.config["optim"]["lr"] == 2e-3  # swept keys as config
+        assert record.config["seed"] == int(job) and record.config["optim"]["lr"] == 6e-3  # the config (scale=quick lr)
         assert record.group == "wb-2026-11-22_10-00-00"  # one group for the sweep: experiment name + sweep time
         assert record.tags == ["wb", "scale-cpu"]
         assert f"seed={job}" in record.name.split(",") and "experiment.name=wb" in record.name  # the job's overrides
