@@ -362,6 +362,7 @@ def test_preset_trains_one_step_and_reports_the_papers_numbers(name, fast_sweeps
 QUANT_SWEEP = Path(__file__).resolve().parents[1] / "experiments" / "cpu" / "quant_sweep.sh"
 
 
+@pytest.mark.slow  # trains a 2-job sweep and quantizes it (~35 s): keeps the unit suite under 10 minutes
 def test_quant_sweep_script_gathers_sinklab_quant_of_every_job_into_one_csv(tmp_path):
     """experiments/cpu/quant_sweep.sh on a 2-job outliers_quant sweep (one step each) plus a job dir without a
     checkpoint: one quant.json per trained job, the unfinished one skipped, and quant.csv with one row per trained
