@@ -329,12 +329,14 @@ def test_closing_lines_say_where_the_sink_is_and_what_to_try():
     assert lines[-1] == "run dir: /r"  # no heatmap file in /r: no heatmap line
     none = closing_lines(10, {"sink/sink1": 0.0, "sink/alpha1": 0.07}, {0: 0.0}, "the BOS token 'B'", 0.3, 8,
                          Path("/r"))
-    assert none[1].startswith("sink: none yet") and not any(line.startswith("next:") for line in none)
+    assert none[1].startswith("sink: none: no head puts > 0.3")
+    assert not any(line.startswith("next:") for line in none)
     assert closing_lines(10, {}, {}, None, None, None, Path("/r")) == ["done: 10 steps", "run dir: /r"]
     # rows that do not sum to one (sigmoid): the renormalised share is the one that says where the sink is
     star = closing_lines(10, {"sink/sink1": 90.0, "sink/alpha1": 0.5, "sink/sink1_star": 0.0}, {0: 90.0}, "B", 0.3,
                          8, Path("/r"))
-    assert star[0].endswith("Sink*_1 0.00% (rows renormalised)") and star[1].startswith("sink: none yet"), star
+    assert star[0].endswith("Sink*_1 0.00% (rows renormalised)"), star
+    assert star[1].startswith("sink: none: no head puts > 0.3"), star
     # a K bias: the heads sink on the slot instead
     slot = closing_lines(10, {"sink/sink1": 0.0, "sink/slot_bias": 62.5}, {0: 0.0}, "B", 0.3, 8, Path("/r"))
     assert "bias slot: 62.50% of the heads sink on it instead (sink/slot_bias)" in slot

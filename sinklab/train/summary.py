@@ -81,7 +81,7 @@ def sink_line(sink1: float, per_layer: dict[int, float], first_token: str, eps: 
     attention on token 1, and the share of each layer's heads that do (layers 1-indexed)."""
     share = f"> {eps:g}" if eps is not None else "more than eps"
     if sink1 <= 0:
-        return (f"sink: none yet: no head puts {share} of its attention on token 1, {first_token} "
+        return (f"sink: none: no head puts {share} of its attention on token 1, {first_token} "
                 f"(alpha_1 per head in the heatmap)")
     heads = f"{sink1 / 100 * n_heads:.1f} of {n_heads} heads" if n_heads else f"{sink1:.2f}% of the heads"
     line = f"sink: {heads} (mean over the probe sequences) put {share} of their attention on token 1, {first_token}"
