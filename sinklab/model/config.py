@@ -16,7 +16,7 @@ from typing import Any, Optional
 from sinklab.errors import word
 
 from . import components  # noqa: F401  (registers every component)
-from .registry import ATTENTION_OPS, ATTN_BIASES, FAMILIES, POSITIONS, ConfigError
+from .registry import ATTENTION_OPS, ATTN_BIASES, FAMILIES, POSITIONS, ConfigError, check_positive_int
 
 
 @dataclass
@@ -122,28 +122,21 @@ class ModelConfigMethods:
                               "set model.vocab_size to build a model on its own")
 
     def validate(self) -> "ModelConfig":
-        def positive(key: str, optional: bool = False) -> None:
-            value = getattr(self, key)
-            if optional and value is None:
-                return
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"model.{key}={value!r} must be a positive integer")
-
         for registry in FAMILIES:
             registry.get(getattr(self, registry.key))
         for key, (f, _) in KNOBS.items():
             choices = f.metadata.get("choices")
             if choices and getattr(self, key) not in choices:
                 raise ConfigError(f"model.{key}={getattr(self, key)!r} is not supported; allowed: {', '.join(choices)}")
-        positive("vocab_size", optional=True)
+        check_positive_int(self, "vocab_size", optional=True)
         for key in ("n_layer", "n_head", "d_model", "d_ff", "block_size"):
-            positive(key)
+            check_positive_int(self, key)
         if self.head_dim is None and self.d_model % self.n_head:
             raise ConfigError(f"model.n_head={self.n_head} does not divide model.d_model={self.d_model}; "
                               "choose n_head among the divisors of d_model or set model.head_dim")
-        positive("head_dim", optional=True)
+        check_positive_int(self, "head_dim", optional=True)
         if self.n_kv_head is not None:
-            positive("n_kv_head")
+            check_positive_int(self, "n_kv_head")
             if self.n_head % self.n_kv_head:
                 raise ConfigError(f"model.n_kv_head={self.n_kv_head} must divide model.n_head={self.n_head}")
         self.validate_masks()

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .registry import NORMS, Component, ConfigError
+from .registry import NORMS, Component, ConfigError, check_positive_int
 
 
 class Norm(Component):
@@ -35,8 +35,7 @@ class Norm(Component):
                     raise ConfigError(f"model.{key}={getattr(cfg, key)} applies to model.gated_norm=true only; "
                                       f"set gated_norm=true or {key}={default}")
             return
-        if not isinstance(cfg.gated_norm_rank, int) or isinstance(cfg.gated_norm_rank, bool) or cfg.gated_norm_rank < 1:
-            raise ConfigError(f"model.gated_norm_rank={cfg.gated_norm_rank!r} must be a positive integer")
+        check_positive_int(cfg, "gated_norm_rank")
         if not 0 < cfg.gated_norm_gate_init < 1:
             raise ConfigError(f"model.gated_norm_gate_init={cfg.gated_norm_gate_init} must lie in (0, 1) "
                               "(a sigmoid gate's starting value)")

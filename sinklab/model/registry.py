@@ -17,6 +17,15 @@ class ConfigError(UserError):
     """A user error in the configuration: one line naming the key, the value and what is allowed."""
 
 
+def check_positive_int(cfg: Any, key: str, optional: bool = False) -> None:
+    """Refuse model.<key> unless it is an integer >= 1 (or None when optional), in one ConfigError line."""
+    value = getattr(cfg, key)
+    if optional and value is None:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigError(f"model.{key}={value!r} must be a positive integer")
+
+
 class Component:
     """What every registered component class provides to the config and the generic tests.
 

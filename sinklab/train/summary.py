@@ -28,10 +28,10 @@ _LAYER_SINK = re.compile(r"^sink/layer(\d+)/sink1$")
 def summary(trainer: Any, callbacks: list[Any], out: Path) -> dict[str, Any]:
     """The final metrics (the trainer's and the sink callback's last measurement), status.json = completed, and
     the closing lines on rank 0."""
-    from sinklab.train.callbacks import StatusFile
+    from sinklab.train.callbacks import SinkCallback, StatusFile
 
     final = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
-    sink = next((c for c in callbacks if hasattr(c, "last") and hasattr(c, "measure")), None)
+    sink = next((c for c in callbacks if isinstance(c, SinkCallback)), None)
     per_layer: dict[int, float] = {}
     if sink is not None:
         final.update({k: v for k, v in sink.last.items() if "/layer" not in k})
