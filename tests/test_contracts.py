@@ -1,6 +1,7 @@
 """The contract every registered component passes (sinklab/model/registry.py). A newly registered attention
 operation, positional encoding, norm, FFN, gate or attention bias is tested here without new test code: its fused,
-chunked and explicit paths agree (forward and gradients), it is causal, its rows sum to one where it says so, the
+chunked and explicit paths agree (forward and gradients), decoding with a KV cache gives the full forward's logits,
+it is causal, its rows sum to one where it says so, the
 chunked sink metric equals the brute-force one, it trains a step, and a file of its config group selects it."""
 from functools import lru_cache
 from pathlib import Path
@@ -48,6 +49,23 @@ def test_fused_chunked_and_explicit_paths_agree(case, mask):
             # ~3e3 and carries ~1e-3 of noise on every entry, its small ones included), so atol grows with it
             atol = 1e-4 + 1e-5 * fused[1][name].abs().max().item()
             torch.testing.assert_close(other[1][name], fused[1][name], atol=atol, rtol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize("case,mask", WITH_MASKS, ids=[f"{case_id(c)}-{m}" for c, m in WITH_MASKS])
+def test_decoding_with_a_kv_cache_gives_the_full_forward_logits(case, mask):
+    """A 6-token prompt (it covers the prefix LM's 4), a 3-token chunk, then one token at a time; odd steps through
+    the explicit maps (return_probs), even ones through the fused kernel where the op has one."""
+    m = small_model(**case, **MASKS[mask])
+    idx = token_ids()
+    full = m(idx)
+    cache = m.new_cache()
+    cuts = [0, 6, 9] + list(range(10, idx.shape[1] + 1))
+    steps = []
+    for i, (a, b) in enumerate(zip(cuts, cuts[1:])):
+        out = m(idx[:, a:b], cache=cache, return_probs=bool(i % 2))
+        steps.append(out[0] if isinstance(out, tuple) else out)
+    assert cache.length == m.cfg.n_sink_tokens + idx.shape[1] and cache.seen == idx.shape[1]
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=2e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("case", CASES, ids=case_id)

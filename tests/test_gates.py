@@ -181,12 +181,13 @@ def test_record_gates_hooks_the_activation_and_skips_sink_tokens():
 
 # ------------------------------------------------------------------ clipped softmax
 def clipped(s, seen, **knobs):
-    cfg = ModelConfig(**{**SMALL, "attn_op": "clipped_softmax", **knobs})
+    cfg = ModelConfig(**{**SMALL, "attn_op": "clipped_softmax", "block_size": s.shape[-1], **knobs})
     return ATTENTION_OPS.selected(cfg)(cfg).normalise(s, seen)
 
 
 def test_clipped_softmax_by_hand():
-    """softmax [1/4, 3/4, 0 (masked)]; T = 3 keys (the masked one counts): gamma = -alpha / 3."""
+    """softmax [1/4, 3/4, 0 (masked)]; T = 3 keys of a training sequence (model.block_size 3, the masked key counts):
+    gamma = -alpha / 3."""
     s = torch.tensor([0.0, torch.log(torch.tensor(3.0)), 5.0]).view(1, 1, 1, 3)
     seen = torch.tensor([[True, True, False]])
     # alpha 1.5: gamma -1/2, (1 + 1/2) p - 1/2 = [-1/8, 5/8, -1/2] -> [0, 5/8, 0]
@@ -195,6 +196,9 @@ def test_clipped_softmax_by_hand():
     torch.testing.assert_close(clipped(s, seen, clip_alpha=1.5, clip_zeta=1.5).flatten(), torch.tensor([0., 1., 0.]))
     # T taken as the 2 visible keys would give gamma -3/4 and [0, 9/16, 0]: not what the op does
     assert clipped(s, seen, clip_alpha=1.5)[..., 1].item() != pytest.approx(0.5625)
+    # T is the training sequence's, not the input's: with model.block_size 6, gamma = -1/4 whatever the input
+    torch.testing.assert_close(clipped(s, seen, clip_alpha=1.5, block_size=6).flatten(),
+                               torch.tensor([1.25 * 0.25 - 0.25, 1.25 * 0.75 - 0.25, 0.0]))
 
 
 def test_clipped_softmax_with_zeta_1_alpha_0_is_softmax():

@@ -1,7 +1,9 @@
 """Causal self-attention, its pieces chosen by name: the operation (`ops/`), the attention bias (`attn_bias.py`) and
 the gate (`gates.py`, at one of the positions G1 .. G5, each named where it applies). The masks, RoPE and position
 biases of a sequence come in its `Layout` (`masks.py`).
-The explicit path works on query-row chunks, so the metric's memory is linear in T.
+The explicit path works on query-row chunks, so the metric's memory is linear in T. With a KV cache in the layout,
+the keys and values of earlier positions come from the cache (stored before RoPE, so that a cache that evicts
+positions can rotate the kept keys at their new places).
 """
 from __future__ import annotations
 
@@ -36,18 +38,22 @@ class Attention(nn.Module):
         self.op = ATTENTION_OPS.selected(cfg)(cfg)
         self.use_fused = cfg.fused
         self.rotates = POSITIONS.selected(cfg).rotates(cfg, layer)  # False in a NoPE layer (model.nope_every)
+        self.layer = layer  # its index in a KV cache
 
     def qkv(self, x: torch.Tensor, layout: Layout):
-        """x (B, N, d) -> q (B, H, N, hd), k and v (B, H, n_slots + N, hd), RoPE applied before the slot. A gate at
-        G4 / G3 / G2 multiplies the query / key / value projection's output, before RoPE and the kv heads' repeat."""
+        """x (B, N, d) -> q (B, H, N, hd), k and v (B, H, n_slots + start + N, hd), RoPE applied before the slot. A
+        gate at G4 / G3 / G2 multiplies the query / key / value projection's output, before RoPE and the kv heads'
+        repeat. A KV cache adds the `start` positions it holds (un-rotated) and keeps the new ones."""
         B, N = x.shape[0], x.shape[1]
         gate = self.gate_proj
         # (B, N, h * hd) -> (B, h, N, hd) views, as einops' "b n (h d) -> b h n d" (no copy)
         q = gate.at(G4, x, self.q_proj(x).view(B, N, -1, self.hd).transpose(1, 2))
         k = gate.at(G3, x, self.k_proj(x).view(B, N, -1, self.hd).transpose(1, 2))
         v = gate.at(G2, x, self.v_proj(x).view(B, N, -1, self.hd).transpose(1, 2))
+        if layout.cache is not None:
+            k, v = layout.cache.extend(self.layer, k, v)  # (B, Hkv, start + N, hd)
         if layout.rope is not None and self.rotates:
-            q, k = layout.rope(q), layout.rope(k)
+            q, k = layout.rope(q), (layout.rope_keys or layout.rope)(k)
         if self.n_kv != self.n_head:  # grouped-query attention: share each kv head across n_head / n_kv heads
             k = k.repeat_interleave(self.n_head // self.n_kv, dim=1)
             v = v.repeat_interleave(self.n_head // self.n_kv, dim=1)
@@ -62,7 +68,7 @@ class Attention(nn.Module):
         """Query rows in chunks: memory O(B * H * row_chunk * Tk), linear in the sequence length."""
         chunks = []
         for r0 in range(0, layout.n_pos, self.row_chunk):
-            rows = torch.arange(r0, min(r0 + self.row_chunk, layout.n_pos), device=q.device)
+            rows = layout.rows(r0, r0 + self.row_chunk)  # their positions
             chunks.append(self.probs(q[:, :, r0:r0 + len(rows)], k, layout, rows) @ v)  # (B, H, R, hd)
         return torch.cat(chunks, dim=2)  # (B, H, N, hd)
 
@@ -74,7 +80,7 @@ class Attention(nn.Module):
             record.update(q=q, k=k, v=v)
         probs = None
         if return_probs:
-            probs = self.probs(q, k, layout, torch.arange(layout.n_pos, device=x.device))  # (B, H, N, Tk)
+            probs = self.probs(q, k, layout, layout.rows())  # (B, H, N, Tk)
             o = probs @ v  # (B, H, N, hd)
         else:
             o = self.op.fused(q, k, v, layout, self.scale) if self.use_fused else None

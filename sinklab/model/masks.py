@@ -4,6 +4,8 @@ Mask functions take FlexAttention's `mask_mod` signature (batch, head, q_idx, kv
 index tensors, so the same functions build the explicit path's boolean mask and a fused kernel's block mask.
 Sequence layout inside a layer: keys are [bias slots (0 or 1)] + [sink tokens (S)] + [real tokens (T)]; queries are
 the S + T sequence positions; mask functions index sequence positions (the slots are prepended, always visible).
+With a KV cache (`cache.py`) the queries are the new positions start .. start + n_pos - 1 and the keys every position
+0 .. start + n_pos - 1 the cache holds, numbered by their place in the cache.
 """
 from __future__ import annotations
 
@@ -74,9 +76,10 @@ LogitBias = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (q_pos (R,),
 
 @dataclass
 class Layout:
-    """Which key each query may see, the additive logit bias and RoPE, for a sequence of n_sink + T positions."""
+    """Which key each query may see, the additive logit bias and RoPE, for the n_pos query positions of a forward
+    (sink tokens + real tokens) after the `start` positions a KV cache already holds."""
 
-    n_pos: int  # sink tokens + real tokens
+    n_pos: int  # query positions of this forward: sink tokens + real tokens
     n_sink: int
     n_slots: int  # K / KV bias slots prepended to the keys
     mask_mod: MaskMod
@@ -84,18 +87,37 @@ class Layout:
     logit_bias: Optional[LogitBias]  # ALiBi / relative positions
     rope: Optional[Callable[[torch.Tensor], torch.Tensor]]  # rotates q or k (B, H, N, hd)
     device: torch.device
+    start: int = 0  # positions held by a KV cache before this forward's queries
+    rope_keys: Optional[Callable[[torch.Tensor], torch.Tensor]] = None  # RoPE of the keys 0 .. start + n_pos - 1
+    cache: Optional[Any] = None  # the KV cache (cache.KVCache) the layers read and extend, or None
+
+    @property
+    def n_key_pos(self) -> int:
+        """Key positions (sink and real tokens, cached ones included)."""
+        return self.start + self.n_pos
 
     @property
     def n_keys(self) -> int:
-        return self.n_slots + self.n_pos
+        return self.n_slots + self.n_key_pos
+
+    def rows(self, r0: int = 0, r1: Optional[int] = None) -> torch.Tensor:
+        """Positions of this forward's query rows r0 .. r1 - 1 (all by default)."""
+        r1 = self.n_pos if r1 is None else min(r1, self.n_pos)
+        return torch.arange(self.start + r0, self.start + r1, device=self.device)
 
     @property
     def is_plain_causal(self) -> bool:
-        return self.plain_causal and self.n_slots == 0 and self.logit_bias is None
+        """Causal over the keys, nothing else: a fused kernel's is_causal (queries and keys aligned, no cache)."""
+        return self.plain_causal and self.n_slots == 0 and self.logit_bias is None and self.start == 0
+
+    @property
+    def sees_every_key(self) -> bool:
+        """One new query under a plain causal mask (decoding with a cache): it sees every key, no mask needed."""
+        return self.plain_causal and self.logit_bias is None and self.n_pos == 1
 
     def mask(self, rows: torch.Tensor) -> torch.Tensor:
         """rows: (R,) query positions -> (R, n_keys) bool, True where the query sees the key."""
-        seen = self.mask_mod(None, None, rows[:, None], torch.arange(self.n_pos, device=self.device)[None, :])
+        seen = self.mask_mod(None, None, rows[:, None], torch.arange(self.n_key_pos, device=self.device)[None, :])
         if self.n_slots:
             seen = torch.cat([torch.ones(len(rows), self.n_slots, dtype=torch.bool, device=self.device), seen], 1)
         return seen
@@ -104,5 +126,5 @@ class Layout:
         """(H, R, n_keys) additive logit bias from ALiBi / relative positions, zero on the bias slot."""
         if self.logit_bias is None:
             return None
-        b = self.logit_bias(rows, torch.arange(self.n_pos, device=self.device))
+        b = self.logit_bias(rows, torch.arange(self.n_key_pos, device=self.device))
         return F.pad(b, (self.n_slots, 0)) if self.n_slots else b

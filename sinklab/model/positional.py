@@ -29,8 +29,8 @@ class PositionalEncoding(Component, nn.Module):
         """(n, d) table added to the embeddings of positions 0..n-1, or None."""
         return None
 
-    def rotary(self, n: int) -> Optional["RotaryAt"]:
-        """The rotation of q and k at positions 0..n-1, or None."""
+    def rotary(self, n: int, start: int = 0) -> Optional["RotaryAt"]:
+        """The rotation of q or k at positions start..n-1, or None."""
         return None
 
     logit_bias = None  # or a method (q_pos (R,), k_pos (N,)) -> (H, R, N) additive logits
@@ -66,7 +66,17 @@ class SinusoidalPositions(PositionalEncoding):
         self.register_buffer("table", torch.cat([torch.sin(pos * inv), torch.cos(pos * inv)], dim=-1), persistent=False)
 
     def absolute(self, n: int) -> torch.Tensor:  # (n, d)
-        return self.table[:n]
+        return table_rows(self.table, n)
+
+
+def table_rows(table: torch.Tensor, n: int) -> torch.Tensor:
+    """The first n rows of an absolute position table, or a one-line error past its end (a KV cache that never
+    evicts, decoding past the context)."""
+    if n > table.shape[0]:
+        raise ValueError(f"position {n - 1} is past the {table.shape[0]} positions of an absolute position table "
+                         "(model.block_size + model.n_sink_tokens); allowed: a cache that evicts (streaming), or "
+                         "model.pos=rope/alibi/relative/nope")
+    return table[:n]
 
 
 @POSITIONS.register("learnable")
@@ -82,7 +92,7 @@ class LearnablePositions(PositionalEncoding):
         self.table = nn.Embedding(max_len, d_model)
 
     def absolute(self, n: int) -> torch.Tensor:  # (n, d)
-        return self.table.weight[:n]
+        return table_rows(self.table.weight, n)
 
 
 @POSITIONS.register("rope")
@@ -142,19 +152,27 @@ class Rotary(PositionalEncoding):
         super().__init__()
         inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))  # (hd/2,)
         inv_freq[rotated_pairs(head_dim, fraction):] = 0.0  # p-RoPE: the slowest pairs do not rotate
-        t = torch.arange(max_len, dtype=torch.float32)
-        freqs = torch.outer(t, inv_freq)  # (max_len, hd/2)
-        emb = torch.cat([freqs, freqs], dim=-1)  # (max_len, hd)
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        cos, sin = self.tables(torch.arange(max_len, dtype=torch.float32))
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    def tables(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Positions t (n,) -> cos, sin (n, hd)."""
+        freqs = torch.outer(t, self.inv_freq)  # (n, hd/2)
+        emb = torch.cat([freqs, freqs], dim=-1)  # (n, hd)
+        return emb.cos(), emb.sin()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (B, H, T, hd) -> rotated, positions 0..T-1."""
         return self.rotary(x.shape[-2])(x)
 
-    def rotary(self, n: int) -> "RotaryAt":
-        """The tables for positions 0..n-1, sliced once: the model binds them once per forward for every layer."""
-        return RotaryAt(self.cos[:n], self.sin[:n])
+    def rotary(self, n: int, start: int = 0) -> "RotaryAt":
+        """The tables for positions start..n-1, sliced once: the model binds them once per forward for every layer.
+        Past the precomputed context (a KV cache that never evicts) they are computed for the positions asked."""
+        if n > self.cos.shape[0]:
+            return RotaryAt(*self.tables(torch.arange(start, n, dtype=torch.float32, device=self.inv_freq.device)))
+        return RotaryAt(self.cos[start:n], self.sin[start:n])
 
 
 def rotated_pairs(head_dim: int, fraction: float) -> int:

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from .attention import Attention
+from .cache import KVCache
 from .legacy import upgrade_state_dict
 from .masks import Layout, compose_mask
 from .registry import FFNS, NORM_POSITIONS, NORMS, POSITIONS, Component
@@ -91,32 +92,46 @@ class Transformer(nn.Module):
         for child in self.children():
             init(child)
 
-    def layout(self, T: int, device: torch.device) -> Layout:
+    def new_cache(self, keep_first: Optional[int] = None, recent: Optional[int] = None) -> KVCache:
+        """An empty KV cache for `forward(idx, cache=...)`: dense, or keeping the first / recent tokens."""
+        return KVCache(self.cfg.n_layer, self.cfg.n_sink_tokens, keep_first, recent)
+
+    def layout(self, T: int, device: torch.device, cache: Optional[KVCache] = None) -> Layout:
+        """The layout of T new tokens (and the sink tokens, unless a cache holds them already)."""
         if T > self.cfg.block_size:
             raise ValueError(f"sequence length {T} exceeds the model context model.block_size={self.cfg.block_size}")
-        n_pos = self.cfg.n_sink_tokens + T
+        start = cache.length if cache is not None else 0
+        if cache is not None and self.cfg.prefix_len and start and start < self.cfg.n_sink_tokens + self.cfg.prefix_len:
+            raise ValueError(f"decoding with a KV cache needs the first forward (the prompt) to cover the prefix "
+                             f"model.prefix_len={self.cfg.prefix_len}: its tokens see each other")
+        n_pos = T + (self.cfg.n_sink_tokens if start == 0 else 0)
+        rope = self.pos.rotary(start + n_pos, start)
         return Layout(n_pos=n_pos, n_sink=self.cfg.n_sink_tokens, n_slots=self.cfg.n_slots,
                       mask_mod=self.mask_mod, plain_causal=self.cfg.prefix_len == 0 and self.cfg.window is None,
-                      logit_bias=self.pos.logit_bias, rope=self.pos.rotary(n_pos), device=device)
+                      logit_bias=self.pos.logit_bias, rope=rope, device=device, start=start,
+                      rope_keys=self.pos.rotary(start + n_pos) if start else None, cache=cache)
 
-    def embed(self, idx: torch.Tensor) -> torch.Tensor:
-        """idx (B, T) -> x (B, S + T, d) with the learned sink tokens prepended."""
+    def embed(self, idx: torch.Tensor, start: int = 0) -> torch.Tensor:
+        """idx (B, T) -> x (B, S + T, d) with the learned sink tokens prepended (at start 0: a KV cache that holds
+        `start` positions has them already, and the tokens take positions start .. start + T - 1)."""
         x = self.tok_emb(idx)
-        if self.sink_tokens is not None:
+        if self.sink_tokens is not None and start == 0:
             x = torch.cat([self.sink_tokens[None].expand(idx.shape[0], -1, -1).to(x.dtype), x], dim=1)
-        table = self.pos.absolute(x.shape[1])
-        return x + table.to(x.dtype) if table is not None else x
+        table = self.pos.absolute(start + x.shape[1])
+        return x + table[start:].to(x.dtype) if table is not None else x
 
     def forward(self, idx: torch.Tensor, records: Optional[list] = None, return_probs: bool = False,
-                return_hidden: bool = False):
+                return_hidden: bool = False, cache: Optional[KVCache] = None):
         """idx (B, T) token ids -> logits (B, T, vocab) for the real tokens (sink tokens are never predicted).
 
         records: a list that receives, per layer, a dict with q, k, v (after RoPE, with the bias slot), the
         attention module's output `attn` (after o_proj) and the block output `h`. return_probs: also return the attention maps, a list of (B, H, S + T, Tk) per layer.
         return_hidden: return the final hidden states (B, T, d) instead of logits.
+        cache: a KVCache (`new_cache`) holding the earlier positions: idx are the next tokens; the cache keeps them
+        and evicts by its policy after the forward.
         """
-        layout = self.layout(idx.shape[1], idx.device)
-        x = self.embed(idx)
+        layout = self.layout(idx.shape[1], idx.device, cache)
+        x = self.embed(idx, layout.start)
         all_probs = []
         for block in self.blocks:
             rec = {} if records is not None else None
@@ -127,7 +142,9 @@ class Transformer(nn.Module):
                 rec["h"] = x
                 records.append(rec)
             all_probs.append(probs)
-        x = self.norm(x[:, self.cfg.n_sink_tokens:])
+        if cache is not None:
+            cache.commit(idx.shape[1])
+        x = self.norm(x[:, layout.n_pos - idx.shape[1]:])  # the real tokens
         out = x if return_hidden else self.lm_head(x)
         return (out, all_probs) if return_probs else out
 

@@ -29,10 +29,13 @@ class Softmax(AttentionOp):
 
     def fused(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Layout,
               scale: float) -> Optional[torch.Tensor]:
-        """SDPA: is_causal for plain causal attention, else a boolean mask, or an additive one with position biases."""
+        """SDPA: is_causal for plain causal attention, no mask for one new query that sees every key (decoding),
+        else a boolean mask, or an additive one with position biases."""
         if layout.is_plain_causal:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
-        rows = torch.arange(layout.n_pos, device=q.device)
+        if layout.sees_every_key:
+            return F.scaled_dot_product_attention(q, k, v, scale=scale)
+        rows = layout.rows()
         mask, bias = layout.mask(rows), layout.bias(rows)
         if bias is not None:
             mask = bias.to(q.dtype).masked_fill(~mask, float("-inf"))
