@@ -1,4 +1,5 @@
-"""`sinklab`: measure and quantize checkpoints and models, report sweeps, export to transformers, prepare corpora."""
+"""`sinklab`: measure, evaluate, sample and quantize checkpoints and models, report sweeps, export to transformers,
+prepare corpora."""
 from __future__ import annotations
 
 import importlib
@@ -8,6 +9,8 @@ from typing import Optional, Sequence
 COMMANDS = {
     "measure": ("sinklab.measure", "sink and activation metrics of a checkpoint, run dir or transformers model"),
     "quant": ("sinklab.quant.cli", "validation perplexity in fp32 and with simulated W8A8 / W4A4 / W8A16 quantization"),
+    "eval": ("sinklab.evals.cli", "streaming perplexity (evicting KV cache), interventions on the sink, quantization"),
+    "sample": ("sinklab.evals.sample", "generate text from a trained model with a KV cache"),
     "report": ("sinklab.report", "tables and plots from a (finished or running) sweep dir"),
     "export-hf": ("sinklab.export_hf", "write a checkpoint as a transformers LlamaForCausalLM directory"),
     "prepare": ("sinklab.data.prepare", "tokenise a corpus once into sharded memmaps"),
