@@ -47,6 +47,24 @@ def make_model():
     return small_model
 
 
+@pytest.fixture(scope="session")
+def small_run(tmp_path_factory):
+    """A run dir (local corpus, BPE 300, blocks of 32, 2 validation blocks, a probe set of 10 x 16) with a random
+    2-layer d 32 model in checkpoints/last.ckpt: (run dir, its data module, the model)."""
+    try:
+        from sinklab.data import LMDataModule  # noqa: F401
+    except ImportError as err:
+        pytest.skip(f"sinklab.data.LMDataModule is not available ({err})")
+    from test_measure import natural_run, save_ckpt
+
+    run, dm = natural_run(tmp_path_factory.mktemp("small_run"))
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(vocab_size=dm.vocab_size, n_layer=2, n_head=4, d_model=32, d_ff=64,
+                                    block_size=32)).eval()
+    save_ckpt(model, run / "checkpoints" / "last.ckpt")
+    return run, dm, model
+
+
 def component_cases() -> list[dict]:
     """One config (overrides of SMALL) per registered component of every family, and per value of each choice or
     boolean knob it owns (softmax x sink_logit, kernel x kernel_map x attn_normalize, ...) and of each knob that lists

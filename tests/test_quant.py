@@ -198,19 +198,8 @@ def test_a_planted_outlier_channel_grows_the_w8a8_gap(trained_small):
 
 # ------------------------------------------------------------------------------------------------ the command
 @pytest.fixture(scope="module")
-def quant_run(tmp_path_factory):
-    """A run dir (local corpus, BPE 300, blocks of 32, 2 validation blocks) with a random 2-layer model."""
-    try:
-        from sinklab.data import LMDataModule  # noqa: F401
-    except ImportError as err:
-        pytest.skip(f"sinklab.data.LMDataModule is not available ({err})")
-    base = tmp_path_factory.mktemp("quant")
-    run, dm = natural_run(base)
-    torch.manual_seed(0)
-    model = Transformer(ModelConfig(vocab_size=dm.vocab_size, n_layer=2, n_head=4, d_model=32, d_ff=64,
-                                    block_size=32)).eval()
-    save_ckpt(model, run / "checkpoints" / "last.ckpt")
-    return run, dm, model
+def quant_run(small_run):
+    return small_run
 
 
 def direct_ppl(model, blocks) -> float:

@@ -67,6 +67,7 @@ class Transformer(nn.Module):
         self.norm = NORMS.selected(cfg).build(cfg) if block.final_norm else nn.Identity()
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.mask_mod = compose_mask(cfg.n_sink_tokens, cfg.prefix_len, cfg.window)
+        self.plain_causal = cfg.prefix_len == 0 and cfg.window is None  # mask_mod is `causal` (fused is_causal)
         self.register_load_state_dict_pre_hook(upgrade_state_dict)
         self.reset_parameters()
 
@@ -107,7 +108,7 @@ class Transformer(nn.Module):
         n_pos = T + (self.cfg.n_sink_tokens if start == 0 else 0)
         rope = self.pos.rotary(start + n_pos, start)
         return Layout(n_pos=n_pos, n_sink=self.cfg.n_sink_tokens, n_slots=self.cfg.n_slots,
-                      mask_mod=self.mask_mod, plain_causal=self.cfg.prefix_len == 0 and self.cfg.window is None,
+                      mask_mod=self.mask_mod, plain_causal=self.plain_causal,
                       logit_bias=self.pos.logit_bias, rope=rope, device=device, start=start,
                       rope_keys=self.pos.rotary(start + n_pos) if start else None, cache=cache)
 
