@@ -24,6 +24,9 @@ key. Query 1 keeps its only key. Learned sink tokens and a K / KV bias slot are 
 the first token of the text. Sink_1 under mask_first is near 0 by construction (only query 1 attends to token 1);
 it is reported to show where the attention went (alpha_1 of the other rows is 0).
 
+Validation: the run's validation blocks, with the BOS token at position 1 if its training blocks have one
+(data.bos), so that token 1 is what the model always saw there (its probe set has it too, data.probe_bos).
+
 --json prints one object: target, val_batches, val_targets, probe (num_seqs, seq_len), massive {layer (0-indexed),
 token (1-indexed), channels, values (mean |h|), mean_values (signed), ratio (top mean |h| / median |h|)}, seconds,
 and rows {name: {ppl, loss, dppl (ppl - the unchanged model's), sink1, alpha1, sink1_star (operations without row
@@ -155,6 +158,16 @@ def intervention(name: str, model, massive: dict, n_pos: int, seed: int, device)
 
 
 # ----------------------------------------------------------------------------------------------------- main
+def val_blocks_as_trained(dm, n_batches: Optional[int]) -> list[torch.Tensor]:
+    """The run's validation blocks (B, T + 1), with the BOS token at position 1 when its training blocks have one
+    (data.bos: the model never saw a sequence without it; the data module's own validation blocks are plain
+    text), the last token dropped to keep the length."""
+    blocks = list(islice(dm.val_dataloader(), n_batches))
+    if not getattr(dm.config, "bos", False):
+        return blocks
+    return [torch.cat([torch.full_like(b[:, :1], dm.eos_id), b[:, :-1]], dim=1) for b in blocks]
+
+
 def evaluate(model, val: list[torch.Tensor], probe: torch.Tensor, names: Sequence[str], massive: dict, seed: int,
              nll: Callable) -> tuple[dict, int]:
     """{name: row} for the unchanged model and each intervention, and the number of scored validation targets."""
@@ -188,8 +201,7 @@ def run(args) -> dict:
         raise UserError(f"{args.target} has no run config (.hydra/config.yaml): intervene reads the run's validation "
                         "blocks and probe set; pass a run dir or a checkpoint inside one")
     model = load_model(ckpt).to(device).eval()
-    val = read_run_data(Path(run_dir), {"num_workers": 0}, lambda dm: list(islice(dm.val_dataloader(),
-                                                                                  args.val_batches)),
+    val = read_run_data(Path(run_dir), {"num_workers": 0}, lambda dm: val_blocks_as_trained(dm, args.val_batches),
                         "TARGET", "the validation blocks", "check the run's data config")
     val = [b.to(device) for b in val]
     probe = probe_tokens(Path(run_dir), None, None).to(device)
