@@ -227,6 +227,19 @@ def test_cli(tmp_path):
     assert [r["paper_sink1"] for r in read_csv(out / "report.csv")] == ["", "99.5", "", "", ""]
 
 
+def test_extra_metric_columns_from_the_command_and_the_preset(tmp_path):
+    sweep = make_sweep(tmp_path)
+    res = report.build_report(sweep, tmp_path / "out", metrics=["sink/alpha1"])
+    assert [r["sink/alpha1"] for r in res["rows"]][:2] == [12.5 / 200, 37.25 / 200]  # the last logged values
+    assert "| sink/alpha1 " in res["md"].read_text()
+    mr = OmegaConf.load(sweep / "multirun.yaml")
+    mr.experiment.report_metrics = ["sink/alpha1", "sink/sink2"]  # Sink_2 has its own column already
+    OmegaConf.save(mr, sweep / "multirun.yaml")
+    res = report.build_report(sweep, tmp_path / "out", metrics=["epoch"])
+    assert res["columns"].index("sink/alpha1") < res["columns"].index("epoch")
+    assert "sink/sink2" not in res["columns"] and [r["epoch"] for r in res["rows"]][:2] == [0, 0]
+
+
 def test_read_metrics_sparse_rows(tmp_path):
     p = tmp_path / "metrics.csv"
     p.write_text("epoch,sink/sink1,step,train/loss,val/loss\r\n0,,9,5.0,\r\n0,4.5,9,,5.2\r\n0,,19,4.0,\r\n"
@@ -417,6 +430,8 @@ def test_values_outside_their_physical_range_are_ignored(tmp_path, caplog):
     (["--paper-tables", "bad.yaml"], "table weight_decay: sink1=120 is not allowed; allowed: a number in [0, 100]"),
     (["--paper-tables", "list.yaml"], "holds a list; expected a mapping of table names to rows"),
     (["--out", "a_file"], "--out a_file cannot be made a directory (File exists)"),
+    (["--metrics", "sink/alpha"], "metric 'sink/alpha' (--metrics / experiment.report_metrics) was logged by no job"
+                                  " of"),
 ])
 def test_bad_input_is_one_line(tmp_path, monkeypatch, capsys, args, message):
     sweep = make_sweep(tmp_path)

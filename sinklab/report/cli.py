@@ -14,9 +14,10 @@ from sinklab.report.table import aggregate, job_table, none_for_missing, status_
 
 
 def build_report(sweep_dir, out_dir=None, *, paper_tables: Optional[Path] = None, now: Optional[float] = None,
-                 stale_minutes: float = STALE_MINUTES) -> dict:
+                 stale_minutes: float = STALE_MINUTES, metrics: Sequence[str] = ()) -> dict:
     """Read every job of a sweep and write report.md, report.csv (and report_aggregate.csv when a setting has
-    several seeds) and the PNG plots into ``out_dir`` (default SWEEP_DIR/report).
+    several seeds) and the PNG plots into ``out_dir`` (default SWEEP_DIR/report). `metrics`: logged names to add as
+    columns (besides the preset's experiment.report_metrics).
 
     Returns {"out_dir", "md", "csv", "aggregate_csv" (or None), "plots": [paths], "rows": [one dict per job],
     "columns", "aggregate" (or None, else one dict per setting), "swept": [keys]}; missing values are None.
@@ -30,7 +31,7 @@ def build_report(sweep_dir, out_dir=None, *, paper_tables: Optional[Path] = None
     except OSError as e:
         raise UserError(f"--out {out_dir} cannot be made a directory ({e.strerror}); allowed: a directory or a new "
                         "path in a writable one") from e
-    jobs, metrics = job_table(sweep, tables)
+    jobs, metrics = job_table(sweep, tables, metrics)
     agg = aggregate(jobs, sweep.swept, metrics)
     csv_path = write_csv(out_dir / "report.csv", jobs)
     agg_path = write_csv(out_dir / "report_aggregate.csv", agg) if agg is not None else None
@@ -49,10 +50,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--paper-tables", type=Path, default=None, help="paper_tables.yaml (default: the packaged one)")
     ap.add_argument("--stale-minutes", type=float, default=STALE_MINUTES,
                     help="a job whose files have not changed for this long is not running any more (default 10)")
+    ap.add_argument("--metrics", nargs="+", default=[], metavar="NAME",
+                    help="logged metrics to add as columns, e.g. act/resid_kurtosis act/massive_top (besides the "
+                         "preset's experiment.report_metrics)")
     args = ap.parse_args(argv)
     try:
         res = build_report(args.sweep_dir, args.out, paper_tables=args.paper_tables,
-                           stale_minutes=args.stale_minutes)
+                           stale_minutes=args.stale_minutes, metrics=args.metrics)
     except UserError as e:
         print(f"sinklab report: error: {e}", file=sys.stderr)
         return 1

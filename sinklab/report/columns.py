@@ -42,14 +42,17 @@ SINK_METRICS = (SINK1_METRIC, *(_sink(k) for k in (2, 3, 4)), _sink(1, "_star"))
 LOSS_METRICS = (VAL_LOSS_METRIC, Metric("train_loss", TRAIN_LOSS, "train loss (nats)"))
 
 
-def metric_columns(logged: Iterable[str]) -> list[Metric]:
+def metric_columns(logged: Iterable[str], extra: Iterable[str] = ()) -> list[Metric]:
     """The metrics to report, given every metric name some job logged: the Sink_k, then slot scores
-    (sink/slot, sink/slot_<name>), then the losses."""
+    (sink/slot, sink/slot_<name>), then the losses, then the `extra` logged names asked for (`sinklab report
+    --metrics`, a preset's experiment.report_metrics), each under its own name."""
     logged = set(logged)
     slots = [m for m in map(_SLOT.match, sorted(logged)) if m]
-    return [m for m in SINK_METRICS if m.always or m.src in logged] + \
+    chosen = [m for m in SINK_METRICS if m.always or m.src in logged] + \
         [Metric(m.group(1), m.group(0), f"{m.group(1).replace('_', ' ')} score (%)") for m in slots] + \
         [m for m in LOSS_METRICS if m.always or m.src in logged]
+    shown = {m.src for m in chosen}
+    return chosen + [Metric(name, name, name, always=True) for name in dict.fromkeys(extra) if name not in shown]
 
 
 def fmt(v: Any, col: str = "") -> str:

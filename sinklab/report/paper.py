@@ -110,8 +110,11 @@ def paper_values(row: Optional[dict]) -> dict[str, Any]:
 
 
 def experiment_info(cfg: Any) -> dict[str, Any]:
-    """The experiment's name, its paper table, how its rows are matched, and the published source a preset without
-    a table follows (``experiment.reference``), from a (job or sweep) config."""
+    """The experiment's name, its paper table, how its rows are matched, the published source a preset without
+    a table follows (``experiment.reference``) and the logged metrics it reports besides the sink and the losses
+    (``experiment.report_metrics``), from a (job or sweep) config."""
     match = select(cfg, "experiment.paper_match")
+    extra = select(cfg, "experiment.report_metrics")
     return {"name": select(cfg, "experiment.name"), "paper_table": select(cfg, "experiment.paper_table"),
-            "paper_match": match if isinstance(match, dict) else {}, "reference": select(cfg, "experiment.reference")}
+            "paper_match": match if isinstance(match, dict) else {}, "reference": select(cfg, "experiment.reference"),
+            "report_metrics": [str(x) for x in extra] if isinstance(extra, (list, tuple)) else []}

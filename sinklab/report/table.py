@@ -1,14 +1,16 @@
 """The report's tables: one row per job and the mean ± std over seeds, written as CSV and as report.md."""
 from __future__ import annotations
 
+import difflib
 import json
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Optional, Sequence
 
 import numpy as np
 import pandas as pd
 
+from sinklab.errors import UserError
 from sinklab.io import atomic_write
 from sinklab.keys import SINK1, VAL_LOSS
 from sinklab.report.columns import Metric, fmt, metric_columns
@@ -21,11 +23,19 @@ STATUS_ORDER = (Status.COMPLETED, Status.RUNNING, Status.PREEMPTED, Status.FAILE
                 Status.UNKNOWN, Status.PENDING)
 
 
-def job_table(sweep: Sweep, tables: dict) -> tuple[pd.DataFrame, list[Metric]]:
-    """One row per job: job, swept keys, status, steps, final metrics, paper values, error, dir; and the metrics.
-    Missing values are None."""
-    metrics = metric_columns(name for j in sweep.jobs for name in j.final)
+def job_table(sweep: Sweep, tables: dict, extra: Sequence[str] = ()) -> tuple[pd.DataFrame, list[Metric]]:
+    """One row per job: job, swept keys, status, steps, final metrics (the sink and loss columns, the preset's
+    experiment.report_metrics, then `extra`), paper values, error, dir; and the metrics. Missing values are None."""
     sweep_exp = experiment_info(sweep.cfg)
+    logged = {name for j in sweep.jobs for name in j.final}
+    extra = [*sweep_exp["report_metrics"], *extra]
+    unknown = [name for name in extra if name not in logged]
+    if unknown and any(j.status == Status.COMPLETED for j in sweep.jobs):
+        near = difflib.get_close_matches(unknown[0], sorted(logged), n=3)
+        raise UserError(f"metric {unknown[0]!r} (--metrics / experiment.report_metrics) was logged by no job of "
+                        f"{sweep.dir}; " + (f"did you mean {', '.join(near)}?" if near else
+                                             f"logged: {', '.join(sorted(logged)[:12])}, ..."))
+    metrics = metric_columns(logged, extra)
     records = []
     for job in sweep.jobs:
         exp = experiment_info(job.cfg) if job.cfg is not None else sweep_exp
