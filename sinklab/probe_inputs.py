@@ -2,6 +2,7 @@
 (held-out natural text, read through the run's data config)."""
 from __future__ import annotations
 
+from itertools import islice
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -152,3 +153,13 @@ def choose_tokens(args, vocab_size: int, context: Optional[int], run_dir: Option
         (min(DEFAULT_SEQ_LEN, context) if context is not None else DEFAULT_SEQ_LEN)
     num_seqs = args.num_seqs if args.num_seqs is not None else DEFAULT_NUM_SEQS
     return make_tokens(kind, num_seqs, seq_len, vocab_size, args.seed), kind
+
+
+def val_blocks_as_trained(dm, n_batches: Optional[int]) -> list[torch.Tensor]:
+    """The run's validation blocks (B, T + 1), with the BOS token at position 1 when its training blocks have one
+    (data.bos: the model never saw a sequence without it; the data module's own validation blocks are plain
+    text), the last token dropped to keep the length."""
+    blocks = list(islice(dm.val_dataloader(), n_batches))
+    if not getattr(dm.config, "bos", False):
+        return blocks
+    return [torch.cat([torch.full_like(b[:, :1], dm.eos_id), b[:, :-1]], dim=1) for b in blocks]

@@ -115,8 +115,7 @@ def test_intervene_needs_a_run_dir(tmp_path, capsys):
 def test_validation_blocks_get_the_bos_token_the_model_was_trained_with(tmp_path):
     from omegaconf import OmegaConf
 
-    from sinklab.evals.intervene import val_blocks_as_trained
-    from sinklab.probe_inputs import read_run_data
+    from sinklab.probe_inputs import read_run_data, val_blocks_as_trained
 
     run, dm = natural_run(tmp_path)
     plain = val_blocks_as_trained(dm, None)

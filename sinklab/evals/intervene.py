@@ -38,7 +38,6 @@ import contextlib
 import math
 import sys
 import time
-from itertools import islice
 from pathlib import Path
 from typing import Callable, Iterator, Optional, Sequence
 
@@ -47,7 +46,8 @@ import torch
 from sinklab.errors import UserError
 from sinklab.measure import OneLineParser, command_main, pick_device
 from sinklab.model.masks import MaskMod, and_masks
-from sinklab.probe_inputs import checkpoint_and_run_dir, positive, probe_tokens, read_run_data
+from sinklab.probe_inputs import (checkpoint_and_run_dir, positive, probe_tokens, read_run_data,
+                                   val_blocks_as_trained)
 
 PROG = "sinklab eval intervene"
 INTERVENTIONS = ("zero", "mean", "mask_first", "mask_random")
@@ -151,23 +151,14 @@ def intervention(name: str, model, massive: dict, n_pos: int, seed: int, device)
     S = model.cfg.n_sink_tokens
     if name in ("zero", "mean"):
         values = torch.tensor(massive["mean_values"]) if name == "mean" else torch.zeros(len(massive["channels"]))
-        return set_activations(model, massive["layer"], S + massive["token"] - 1, massive["channels"], values.to(device))
+        position = S + massive["token"] - 1  # the token's sequence position, learned sink tokens first
+        return set_activations(model, massive["layer"], position, massive["channels"], values.to(device))
     if name == "mask_first":
         return extra_mask(model, drop_first_key(S))
     return extra_mask(model, drop_random_key(S, n_pos, seed, device))
 
 
 # ----------------------------------------------------------------------------------------------------- main
-def val_blocks_as_trained(dm, n_batches: Optional[int]) -> list[torch.Tensor]:
-    """The run's validation blocks (B, T + 1), with the BOS token at position 1 when its training blocks have one
-    (data.bos: the model never saw a sequence without it; the data module's own validation blocks are plain
-    text), the last token dropped to keep the length."""
-    blocks = list(islice(dm.val_dataloader(), n_batches))
-    if not getattr(dm.config, "bos", False):
-        return blocks
-    return [torch.cat([torch.full_like(b[:, :1], dm.eos_id), b[:, :-1]], dim=1) for b in blocks]
-
-
 def evaluate(model, val: list[torch.Tensor], probe: torch.Tensor, names: Sequence[str], massive: dict, seed: int,
              nll: Callable) -> tuple[dict, int]:
     """{name: row} for the unchanged model and each intervention, and the number of scored validation targets."""

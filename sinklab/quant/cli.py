@@ -6,7 +6,8 @@
     python -m sinklab.quant.cli ...                (the same)
 
 Data: a run's validation blocks (its data config in RUN_DIR/.hydra/config.yaml: data.val_num_blocks blocks of
-block_size + 1 tokens, all of them unless --val-batches) and, for the activation ranges, the first
+block_size + 1 tokens, all of them unless --val-batches, with the BOS token at position 1 when its training blocks
+have one, data.bos) and, for the activation ranges, the first
 --calib-batches batches of its training stream (as Bondarenko et al. calibrate on training data). --tokens
 FILE.npy (N, T) evaluates these sequences instead (T - 1 predictions each) and calibrates on --calib-tokens, or on
 the same sequences when that is not given. What is quantized and how: `sinklab.quant.fake`.
@@ -29,7 +30,8 @@ import torch
 
 from sinklab.errors import UserError
 from sinklab.measure import OneLineParser, check_one_target, command_main, pick_device
-from sinklab.probe_inputs import checkpoint_and_run_dir, load_tokens, positive, read_run_data
+from sinklab.probe_inputs import (checkpoint_and_run_dir, load_tokens, positive, read_run_data,
+                                   val_blocks_as_trained)
 from sinklab.quant.fake import GRANULARITIES, SCHEMES, evaluate
 
 PROG = "sinklab quant"
@@ -105,8 +107,7 @@ def token_batches(path: str, flag: str, meta: dict, batch_size: int) -> list[tor
 def run_batches(run_dir: Path, flag: str, args, meta: dict) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """The run's validation blocks (at most --val-batches batches) and its first --calib-batches training batches."""
     def read(dm):
-        return (list(islice(dm.val_dataloader(), args.val_batches)),
-                list(islice(dm.make_train_loader(), args.calib_batches)))
+        return (val_blocks_as_trained(dm, args.val_batches), list(islice(dm.make_train_loader(), args.calib_batches)))
 
     val, calib = read_run_data(run_dir, {"batch_size": args.batch_size, "num_workers": 0}, read, flag,
                                "the validation and training blocks", "pass --tokens FILE.npy")
