@@ -94,10 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap = _Parser(prog=PROG, description="Attention-sink metric (Sink_k, alpha_k, bias-slot / sink-token scores) "
                                         "and massive-activation statistics of a sinklab checkpoint or a local "
                                         "Hugging Face causal LM.")
-    ap.add_argument("target", nargs="?", default=None,
-                    help="a sinklab .ckpt or a run dir (uses its checkpoints/last.ckpt and its probe set)")
-    ap.add_argument("--hf-model", metavar="DIR", default=None,
-                    help="measure a local transformers causal-LM dir instead (LLaMA, Mistral, GPT-2, GPT-NeoX, ...)")
+    add_target_args(ap, "its probe set",
+                    "measure a local transformers causal-LM dir instead (LLaMA, Mistral, GPT-2, GPT-NeoX, ...)")
     src = ap.add_mutually_exclusive_group()
     src.add_argument("--tokens", metavar="FILE.npy", default=None,
                      help="measure exactly these sequences: an integer .npy of shape (N, T)")
@@ -320,6 +318,14 @@ def pick_device(name: str) -> torch.device:
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise UserError(f"--device {name}: CUDA is not available on this machine; use --device cpu")
     return dev
+
+
+def add_target_args(parser: argparse.ArgumentParser, uses: str, hf_help: str) -> None:
+    """TARGET (a checkpoint or run dir, of which the command `uses` ...) and --hf-model DIR: one of the two
+    (`check_one_target`)."""
+    parser.add_argument("target", nargs="?", default=None,
+                        help=f"a sinklab .ckpt or a run dir (uses its checkpoints/last.ckpt and {uses})")
+    parser.add_argument("--hf-model", metavar="DIR", default=None, help=hf_help)
 
 
 def check_one_target(args) -> None:

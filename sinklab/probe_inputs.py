@@ -26,8 +26,9 @@ def make_tokens(kind: str, num_seqs: int, seq_len: int, vocab_size: int, seed: i
     raise ValueError(f"unknown input kind {kind!r}")
 
 
-def load_tokens(path: str, vocab_size: int) -> torch.Tensor:
-    """An integer .npy of shape (N, T) with ids in [0, vocab_size) -> LongTensor; one-line errors otherwise."""
+def load_tokens(path: str, vocab_size: int, flat: bool = False) -> torch.Tensor:
+    """An integer .npy of shape (N, T) with ids in [0, vocab_size) -> LongTensor; one-line errors otherwise. flat: one
+    text of shape (N,) instead (N >= 2: a token and the next one to predict)."""
     p = Path(path)
     if not p.is_file():
         raise UserError(f"--tokens {path}: no such file")
@@ -39,7 +40,9 @@ def load_tokens(path: str, vocab_size: int) -> torch.Tensor:
         raise UserError(f"--tokens {path}: holds an archive, not one array; save one (N, T) array with np.save")
     if arr.dtype.kind not in "iu":
         raise UserError(f"--tokens {path}: dtype {arr.dtype} is not an integer type; save token ids as int64")
-    if arr.ndim != 2 or arr.shape[0] < 1 or arr.shape[1] < 1:
+    if flat and (arr.ndim != 1 or arr.shape[0] < 2):
+        raise UserError(f"--tokens {path}: shape {tuple(arr.shape)} is not one text (N,) with N >= 2 tokens")
+    if not flat and (arr.ndim != 2 or arr.shape[0] < 1 or arr.shape[1] < 1):
         raise UserError(f"--tokens {path}: shape {tuple(arr.shape)} is not (N, T) with N, T >= 1")
     lo, hi = int(arr.min()), int(arr.max())
     if lo < 0 or hi >= vocab_size:
@@ -95,6 +98,22 @@ def read_run_data(run_dir: Path, overrides: dict, read: Callable, flag: str, wha
     except Exception as err:
         first = (str(err).strip().splitlines() or [""])[0][:200]
         raise UserError(f"{flag}: cannot read {what} of {run_dir} ({type(err).__name__}: {first}); {hint}") from None
+
+
+def data_run_dir(args, run_dir: Optional[Path],
+                 hint: str = "pass --data RUN_DIR or --tokens FILE.npy") -> tuple[Path, str]:
+    """The run dir whose data a command reads, and the flag to name in its errors: --data RUN_DIR, else TARGET's own
+    run dir (one-line errors when --data is no run dir or there is none, ending with `hint`)."""
+    if args.data is not None:
+        data = Path(args.data)
+        if not (data / ".hydra" / "config.yaml").is_file():
+            raise UserError(f"--data {args.data}: not a run dir (it has no .hydra/config.yaml)")
+        return data, "--data"
+    if run_dir is None:
+        where = "an HF model has no run config" if getattr(args, "hf_model", None) else \
+            f"{args.target} has no run config (.hydra/config.yaml)"
+        raise UserError(f"choose the data: {where}; {hint}")
+    return run_dir, "TARGET"
 
 
 def probe_tokens(run_dir: Path, num_seqs: Optional[int], seq_len: Optional[int]) -> torch.Tensor:

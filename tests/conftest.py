@@ -3,6 +3,9 @@ component (the generic contract tests run over them)."""
 import itertools
 import os
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -15,6 +18,10 @@ import torch  # noqa: E402
 from sinklab.model import FAMILIES, ConfigError, ModelConfig, Transformer  # noqa: E402
 from sinklab.model.config import KNOBS  # noqa: E402
 
+# a fast real training run (tests/test_train.py and the runs the evaluation tests train): 2 layers, d 64
+FAST = ["model.n_layer=2", "model.d_model=64", "model.d_ff=128", "data.batch_size=16",
+        "trainer.val_check_interval=20", "trainer.limit_val_batches=4", "callbacks.sink.every_n_steps=20",
+        "callbacks.checkpoint.every_n_train_steps=20", "optim.warmup_steps=5", "trainer.enable_progress_bar=false"]
 SMALL = dict(vocab_size=97, n_layer=2, n_head=4, d_model=32, d_ff=64, block_size=24)
 WORDS = ["".join(random.Random(i).choice("etaoinshrdlucmfwypvbgk") for _ in range(1 + i % 8)) for i in range(300)]
 
@@ -96,3 +103,47 @@ def refused(case: dict) -> bool:
 def case_id(case: dict) -> str:
     return ",".join(f"{k}={v}" for k, v in case.items())
 
+
+
+def train(out: Path, *overrides: str, check: bool = True, warnings: str = "ignore") -> subprocess.CompletedProcess:
+    """`sinklab-train paths.output_dir=OUT` with FAST and `overrides`, in a subprocess as a user runs it."""
+    cmd = [sys.executable, "-m", "sinklab.train.entry", f"paths.output_dir={out}", *FAST, *overrides]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONWARNINGS": warnings})
+    if check and proc.returncode != 0:
+        raise AssertionError(f"training failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return proc
+
+
+@pytest.fixture(scope="session")
+def trained_run(tmp_path_factory) -> Path:
+    """A real short default run, shared by the sampling and streaming tests: `sinklab-train` with FAST for 120 steps
+    (Shakespeare, 1024 BPE with a BOS token at position 1, a 2-layer d 64 model of context 64, RoPE; ~20 s). At 40
+    steps greedy decoding repeats one token, which would hide a decoding bug."""
+    out = tmp_path_factory.mktemp("trained") / "run"
+    train(out, "trainer.max_steps=120")
+    return out
+
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def readme_cli_lines(prefix: str, paths: dict[str, Path]) -> list[list[str]]:
+    """The README's lines starting with `prefix` (e.g. "sinklab sample "), comments stripped, as the arguments after
+    `sinklab`; the placeholder paths of the README (keys of `paths`, e.g. runs/a) replaced by the test's."""
+    import shlex
+
+    lines = [line.split("  #", 1)[0].strip() for line in README.read_text().splitlines() if line.startswith(prefix)]
+    return [[str(paths.get(a, a)) for a in shlex.split(line)[1:]] for line in lines]
+
+
+def run_sinklab(capsys, *args: str) -> tuple[int, str, str]:
+    """`sinklab ARGS...` in this process: (exit code, stdout, stderr); argparse's usage errors exit too."""
+    from sinklab.cli import main
+
+    try:
+        rc = main(list(args))
+    except SystemExit as exc:
+        rc = exc.code
+    out, err = capsys.readouterr()
+    return rc, out, err

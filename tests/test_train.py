@@ -14,20 +14,7 @@ import pytest
 import torch
 
 import sinklab
-
-FAST = ["model.n_layer=2", "model.d_model=64", "model.d_ff=128", "data.batch_size=16",
-        "trainer.val_check_interval=20", "trainer.limit_val_batches=4", "callbacks.sink.every_n_steps=20",
-        "callbacks.checkpoint.every_n_train_steps=20", "optim.warmup_steps=5", "trainer.enable_progress_bar=false"]
-
-
-def train(out: Path, *overrides: str, check: bool = True, warnings: str = "ignore") -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "sinklab.train.entry", f"paths.output_dir={out}", *FAST, *overrides]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "PYTHONWARNINGS": warnings})
-    if check and proc.returncode != 0:
-        raise AssertionError(f"training failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    return proc
-
+from tests.conftest import FAST, train
 
 def rows(path: Path) -> list[dict]:
     with open(path) as f:

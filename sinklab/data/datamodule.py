@@ -197,6 +197,17 @@ class LMDataModule(StepLoader, L.LightningDataModule):
             probe[:, self._controls.fixed_position - 1] = self._controls.fixed_token_id
         return probe
 
+    def val_text(self, n_tokens: int) -> torch.Tensor:
+        """LongTensor (n_tokens,): the start of the validation split as one contiguous text (documents joined by the
+        separator, as stored), with the BOS id first when data.bos (as every training block starts). For evaluations
+        over contexts longer than a block (`sinklab eval streaming`)."""
+        self._prepared()
+        store, bos = self._stores["val"], int(self.config.bos)
+        if len(store) < n_tokens - bos:
+            raise UserError(f"the validation split has {len(store)} tokens, fewer than the {n_tokens - bos} asked for")
+        text = torch.from_numpy(store.read(0, n_tokens - bos))  # (n_tokens - bos,) int64
+        return torch.cat([torch.tensor([self.eos_id]), text]) if bos else text
+
     @property
     def first_probe_token(self) -> str:
         """What token 1 of the probe sequences is (Sink_1 scores attention on it), in words."""

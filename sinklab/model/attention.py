@@ -2,8 +2,8 @@
 the gate (`gates.py`, at one of the positions G1 .. G5, each named where it applies). The masks, RoPE and position
 biases of a sequence come in its `Layout` (`masks.py`).
 The explicit path works on query-row chunks, so the metric's memory is linear in T. With a KV cache in the layout,
-the keys and values of earlier positions come from the cache (stored before RoPE, so that a cache that evicts
-positions can rotate the kept keys at their new places).
+the keys and values of earlier positions come from the cache (an evicting cache stores them before RoPE, so that
+the kept keys are rotated at their new places; a dense one after).
 """
 from __future__ import annotations
 
@@ -43,17 +43,25 @@ class Attention(nn.Module):
     def qkv(self, x: torch.Tensor, layout: Layout):
         """x (B, N, d) -> q (B, H, N, hd), k and v (B, H, n_slots + start + N, hd), RoPE applied before the slot. A
         gate at G4 / G3 / G2 multiplies the query / key / value projection's output, before RoPE and the kv heads'
-        repeat. A KV cache adds the `start` positions it holds (un-rotated) and keeps the new ones."""
+        repeat. A KV cache adds the `start` positions it holds and keeps the new ones (see cache.py for when it holds
+        them rotated)."""
         B, N = x.shape[0], x.shape[1]
         gate = self.gate_proj
         # (B, N, h * hd) -> (B, h, N, hd) views, as einops' "b n (h d) -> b h n d" (no copy)
         q = gate.at(G4, x, self.q_proj(x).view(B, N, -1, self.hd).transpose(1, 2))
         k = gate.at(G3, x, self.k_proj(x).view(B, N, -1, self.hd).transpose(1, 2))
         v = gate.at(G2, x, self.v_proj(x).view(B, N, -1, self.hd).transpose(1, 2))
-        if layout.cache is not None:
-            k, v = layout.cache.extend(self.layer, k, v)  # (B, Hkv, start + N, hd)
-        if layout.rope is not None and self.rotates:
-            q, k = layout.rope(q), (layout.rope_keys or layout.rope)(k)
+        rope = layout.rope if self.rotates else None
+        cache = layout.cache
+        if cache is not None and cache.stores_rotated:  # a dense cache: keys keep their place, rotated once
+            if rope is not None:
+                q, k = rope(q), rope(k)
+            k, v = cache.extend(self.layer, k, v)  # (B, Hkv, start + N, hd)
+        else:
+            if cache is not None:
+                k, v = cache.extend(self.layer, k, v)  # un-rotated, (B, Hkv, start + N, hd)
+            if rope is not None:
+                q, k = rope(q), (layout.rope_keys or rope)(k)
         if self.n_kv != self.n_head:  # grouped-query attention: share each kv head across n_head / n_kv heads
             k = k.repeat_interleave(self.n_head // self.n_kv, dim=1)
             v = v.repeat_interleave(self.n_head // self.n_kv, dim=1)

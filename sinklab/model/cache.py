@@ -2,10 +2,11 @@
 Streaming Language Models with Attention Sinks").
 
 Per layer it holds the keys and values of the positions seen so far, (B, n_kv_heads, L, hd), as the layer computed
-them (after a G3 / G2 gate) but before RoPE, before the kv heads' repeat and without the K / KV bias slot: the
-attention rotates the keys at their place in the cache on every step and prepends the slot itself. So a cache that
-evicts positions re-indexes the kept ones, as StreamingLLM does ("positions within the cache"), and one that never
-evicts gives the full forward's logits.
+them (after a G3 / G2 gate), before the kv heads' repeat and without the K / KV bias slot (the attention prepends
+it). A cache that evicts holds the keys before RoPE: the attention rotates them at their place in the cache on every
+step, so evicting positions re-indexes the kept ones, as StreamingLLM does ("positions within the cache"). A cache
+that never evicts never moves a key, so it holds them after RoPE (`stores_rotated`) and a step rotates only its new
+keys: O(1) RoPE work per step instead of O(L) past thousands of tokens. It gives the full forward's logits.
 
 Eviction, after each forward: with `keep_first` x and `recent` y set, the cache keeps the model's learned sink tokens,
 the first x text tokens and the y most recent ones; a forward's new tokens see all of them and themselves. x = 0 is
@@ -20,7 +21,13 @@ import torch
 
 class KVCache:
     """Keys and values per layer, and the eviction policy (keep the first `keep_first` tokens and the `recent`
-    last). `n_sink` learned sink tokens (model.n_sink_tokens) are always kept, before the first tokens."""
+    last). `n_sink` learned sink tokens (model.n_sink_tokens) are always kept, before the first tokens.
+
+    Storage: one preallocated buffer per layer for the keys and one for the values, (B, Hkv, room, hd), written in
+    place; `room` doubles when a dense cache outgrows it (an evicting one never needs more than its capacity plus a
+    forward's tokens). So a decoding step copies only its new keys (and, when evicting, the `recent` kept ones), not
+    the whole cache: O(1) per step instead of O(L). `extend` returns views of the buffers, valid until the next
+    forward writes them."""
 
     def __init__(self, n_layer: int, n_sink: int = 0, keep_first: Optional[int] = None,
                  recent: Optional[int] = None):
@@ -30,10 +37,16 @@ class KVCache:
         if keep_first is not None and (keep_first < 0 or recent < 1):
             raise ValueError(f"KVCache: keep_first={keep_first} must be >= 0 and recent={recent} >= 1")
         self.n_sink, self.keep_first, self.recent = n_sink, keep_first, recent
-        self.k: list[Optional[torch.Tensor]] = [None] * n_layer
+        self.k: list[Optional[torch.Tensor]] = [None] * n_layer  # buffers (B, Hkv, room, hd)
         self.v: list[Optional[torch.Tensor]] = [None] * n_layer
         self.length = 0  # positions held (sink tokens included) before the next forward
         self.seen = 0  # text tokens the model has been given, evicted ones included
+        self._filled = 0  # positions written by the forward in progress (length + its new ones)
+
+    @property
+    def stores_rotated(self) -> bool:
+        """Keys are stored after RoPE (a dense cache: no key ever changes place), else before it."""
+        return self.recent is None
 
     @property
     def capacity(self) -> Optional[int]:
@@ -41,22 +54,32 @@ class KVCache:
         return None if self.recent is None else self.n_sink + self.keep_first + self.recent
 
     def extend(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append a forward's new keys and values (B, Hkv, N, hd) to the layer's; return all of them."""
-        if self.k[layer] is not None:
-            k = torch.cat([self.k[layer], k], dim=2)  # (B, Hkv, L + N, hd)
-            v = torch.cat([self.v[layer], v], dim=2)
-        self.k[layer], self.v[layer] = k, v
-        return k, v
+        """Append a forward's new keys and values (B, Hkv, N, hd) to the layer's; return all of them (views)."""
+        end = self.length + k.shape[2]
+        buf_k, buf_v = self.k[layer], self.v[layer]
+        if buf_k is None or buf_k.shape[2] < end or buf_k.shape[:2] != k.shape[:2] or buf_k.dtype != k.dtype:
+            room = max(end, 2 * buf_k.shape[2] if buf_k is not None else 0,
+                       (self.capacity or 0) + k.shape[2])
+            new_k = k.new_empty(k.shape[0], k.shape[1], room, k.shape[3])  # (B, Hkv, room, hd)
+            new_v = v.new_empty(v.shape[0], v.shape[1], room, v.shape[3])
+            if self.length:
+                new_k[:, :, :self.length] = buf_k[:, :, :self.length]
+                new_v[:, :, :self.length] = buf_v[:, :, :self.length]
+            self.k[layer], self.v[layer] = buf_k, buf_v = new_k, new_v
+        buf_k[:, :, self.length:end] = k
+        buf_v[:, :, self.length:end] = v
+        self._filled = end
+        return buf_k[:, :, :end], buf_v[:, :, :end]  # (B, Hkv, length + N, hd)
 
     def commit(self, n_tokens: int) -> None:
         """After a forward that gave the model `n_tokens` text tokens: count them, then evict."""
         self.seen += n_tokens
-        self.length = self.k[0].shape[2] if self.k[0] is not None else self.length
+        self.length = self._filled
         keep = self.capacity
         if keep is None or self.length <= keep:
             return
-        head = self.n_sink + self.keep_first
+        head, L = self.n_sink + self.keep_first, self.length
         for store in (self.k, self.v):
-            for i, t in enumerate(store):
-                store[i] = torch.cat([t[:, :, :head], t[:, :, t.shape[2] - self.recent:]], dim=2)
+            for t in store:  # the recent ones move to just after the head, in place (the source copied first)
+                t[:, :, head:keep] = t[:, :, L - self.recent:L].clone()
         self.length = keep

@@ -110,7 +110,8 @@ class Transformer(nn.Module):
         return Layout(n_pos=n_pos, n_sink=self.cfg.n_sink_tokens, n_slots=self.cfg.n_slots,
                       mask_mod=self.mask_mod, plain_causal=self.plain_causal,
                       logit_bias=self.pos.logit_bias, rope=rope, device=device, start=start,
-                      rope_keys=self.pos.rotary(start + n_pos) if start else None, cache=cache)
+                      rope_keys=self.pos.rotary(start + n_pos) if start and not cache.stores_rotated else None,
+                      cache=cache)
 
     def embed(self, idx: torch.Tensor, start: int = 0) -> torch.Tensor:
         """idx (B, T) -> x (B, S + T, d) with the learned sink tokens prepended (at start 0: a KV cache that holds

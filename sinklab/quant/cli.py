@@ -29,8 +29,8 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from sinklab.errors import UserError
-from sinklab.measure import OneLineParser, check_one_target, command_main, pick_device
-from sinklab.probe_inputs import (checkpoint_and_run_dir, load_tokens, positive, read_run_data,
+from sinklab.measure import OneLineParser, add_target_args, check_one_target, command_main, pick_device
+from sinklab.probe_inputs import (checkpoint_and_run_dir, data_run_dir, load_tokens, positive, read_run_data,
                                    val_blocks_as_trained)
 from sinklab.quant.fake import GRANULARITIES, SCHEMES, evaluate
 
@@ -43,9 +43,7 @@ def build_parser() -> OneLineParser:
     ap = OneLineParser(prog=PROG, description="Validation perplexity of a sinklab checkpoint or a local transformers "
                                               "causal LM in fp32 and with fake-quantized linear layers (weights "
                                               "symmetric, inputs asymmetric with static calibrated ranges).")
-    ap.add_argument("target", nargs="?", default=None,
-                    help="a sinklab .ckpt or a run dir (uses its checkpoints/last.ckpt and its data)")
-    ap.add_argument("--hf-model", metavar="DIR", default=None, help="evaluate a local transformers causal-LM dir")
+    add_target_args(ap, "its data", "evaluate a local transformers causal-LM dir")
     ap.add_argument("--data", metavar="RUN_DIR", default=None,
                     help="read validation and calibration blocks through this run's data config (default: TARGET's "
                          "run dir)")
@@ -132,16 +130,8 @@ def choose_data(args, meta: dict, run_dir: Optional[Path]) -> tuple[list, list, 
         return val, token_batches(calib_file, flag, meta, size)[:args.calib_batches], "tokens"
     if args.calib_tokens is not None:
         raise UserError("--calib-tokens goes with --tokens (a run's data calibrates on its training blocks)")
-    if args.data is not None:
-        data = Path(args.data)
-        if not (data / ".hydra" / "config.yaml").is_file():
-            raise UserError(f"--data {args.data}: not a run dir (it has no .hydra/config.yaml)")
-        return (*run_batches(data, "--data", args, meta), "run")
-    if run_dir is None:
-        where = "an HF model has no run config" if args.hf_model else \
-            f"{args.target} has no run config (.hydra/config.yaml)"
-        raise UserError(f"choose the data: {where}; pass --data RUN_DIR or --tokens FILE.npy")
-    return (*run_batches(run_dir, "TARGET", args, meta), "run")
+    data, flag = data_run_dir(args, run_dir)
+    return (*run_batches(data, flag, args, meta), "run")
 
 
 # ----------------------------------------------------------------------------------------------------- main

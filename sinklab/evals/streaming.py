@@ -1,0 +1,297 @@
+"""sinklab eval streaming: perplexity over a long text fed one token at a time through a KV cache of the first x + the
+y most recent tokens (StreamingLLM, Xiao et al. 2024, arXiv 2309.17453), for a grid of x and y, with the paper's
+baselines: dense attention and sliding window with re-computation.
+
+    sinklab eval streaming RUN_DIR_OR_CKPT [--first 0,1,4] [--recent 16,32,60] [--n-tokens 10000] [--json]
+    sinklab eval streaming CKPT --data RUN_DIR | --tokens FILE.npy      (another run's text, or one text (N,))
+    sinklab eval streaming --hf-model DIR (--data RUN_DIR | --tokens FILE.npy)   (a LLaMA-family transformers model)
+    ... [--baselines dense,recompute | none] [--bucket 256] [--plot FILE.png]
+
+Text: the first --n-tokens tokens (default 10000) of the run's validation split, contiguous (documents joined by the
+separator), with the BOS token first when the run's data uses one (data.bos); or a 1-D token file (all of it unless
+--n-tokens). Positions are re-indexed inside the cache (`sinklab.evals.perplexity`, which says what the paper does
+and what is decided here, e.g. that y counts the token being fed, so x + y <= the context). transformers models use
+their own DynamicCache, evicted and re-rotated after each step (`sinklab.evals.hf_cache`).
+
+--json prints one object: target, source ("sinklab" | "hf"), data ("run" | "tokens"), text (where it comes from),
+n_tokens, targets (n_tokens - 1 scored predictions), context, bucket, bucket_ends (the last target position of each
+bucket), notes [...], seconds, and settings [{name, kind ("streaming" | "dense" | "recompute"), first, recent, keys
+(the most keys a prediction attends to), loss, ppl, bucket_ppl [...], seconds}]. User errors are one line on stderr
+and exit code 2.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+
+from sinklab.errors import UserError
+from sinklab.evals import perplexity as pp
+from sinklab.measure import OneLineParser, add_target_args, check_one_target, command_main, pick_device
+from sinklab.probe_inputs import data_run_dir, load_tokens, positive, read_run_data
+from sinklab.quant.cli import load_target
+
+PROG = "sinklab eval streaming"
+DEFAULT_N_TOKENS = 10_000
+BASELINES = ("dense", "recompute")
+
+
+def int_list(text: str) -> list[int]:
+    """'0,1,4' -> [0, 1, 4] (argparse type: a bad value is a one-line usage error)."""
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers >= 0, e.g. 0,1,4")
+    return list(dict.fromkeys(values))
+
+
+def baseline_list(text: str) -> list[str]:
+    names = [v.strip() for v in text.split(",") if v.strip()]
+    if names == ["none"]:
+        return []
+    bad = [n for n in names if n not in BASELINES]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"{text!r}: unknown baseline {(bad or [''])[0]!r}; allowed: "
+                                         f"{', '.join(BASELINES)} (comma-separated) or none")
+    return list(dict.fromkeys(names))
+
+
+def build_parser() -> OneLineParser:
+    ap = OneLineParser(prog=PROG, description="Perplexity over a long text fed one token at a time through a KV cache "
+                                              "that keeps the first x and the y most recent tokens (StreamingLLM), "
+                                              "positions re-indexed inside the cache; with dense attention and "
+                                              "sliding-window recomputation as baselines.")
+    add_target_args(ap, "its validation text",
+                    "evaluate a local transformers LLaMA-family model instead (RoPE, rotate-half)")
+    ap.add_argument("--data", metavar="RUN_DIR", default=None,
+                    help="read the text from this run's validation split (default: TARGET's run dir)")
+    ap.add_argument("--tokens", metavar="FILE.npy", default=None, help="evaluate this text instead: ids of shape (N,)")
+    ap.add_argument("--n-tokens", type=int, default=None,
+                    help=f"tokens of text (default {DEFAULT_N_TOKENS:,} of the run's text; all of --tokens)")
+    ap.add_argument("--first", type=int_list, default=[0, 1, 4], metavar="X,...",
+                    help="first tokens kept in the cache (the attention sinks), comma-separated (default 0,1,4)")
+    ap.add_argument("--recent", type=int_list, default=None, metavar="Y,...",
+                    help="most recent tokens kept, the one being fed included, comma-separated; x + y <= the model "
+                         "context (default: the context minus the largest x)")
+    ap.add_argument("--baselines", type=baseline_list, default=list(BASELINES), metavar="B,...",
+                    help="dense (a cache that never evicts, past the context) and/or recompute (each token from the "
+                         "last `context` tokens recomputed), or none (default dense,recompute)")
+    ap.add_argument("--bucket", type=int, default=256, help="targets per position bucket of the plot (default 256)")
+    ap.add_argument("--batch-size", type=int, default=32, help="windows per forward of the recompute baseline")
+    ap.add_argument("--plot", metavar="FILE.png", default=None, help="draw perplexity vs position, one line a setting")
+    ap.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:1, ...")
+    ap.add_argument("--json", action="store_true", help="print one JSON object (see the module docstring)")
+    return ap
+
+
+# ----------------------------------------------------------------------------------------------------- inputs
+def choose_text(args, meta: dict, run_dir: Optional[Path]) -> tuple[torch.Tensor, str, str]:
+    """(tokens (N,), "run" | "tokens", where the text comes from, in words)."""
+    if args.tokens is not None:
+        if args.data is not None:
+            raise UserError("pass either --data RUN_DIR or --tokens FILE.npy, not both")
+        tokens = load_tokens(args.tokens, meta["vocab_size"], flat=True)
+        if args.n_tokens is not None and args.n_tokens > tokens.shape[0]:
+            raise UserError(f"--n-tokens {args.n_tokens} exceeds the {tokens.shape[0]} tokens of --tokens "
+                            f"{args.tokens}")
+        return tokens[:args.n_tokens], "tokens", f"--tokens {args.tokens}"
+    run, flag = data_run_dir(args, run_dir)
+    n = args.n_tokens or DEFAULT_N_TOKENS
+    text, bos = read_run_data(run, {"num_workers": 0}, lambda dm: (dm.val_text(n), bool(dm.config.bos)), flag,
+                              "the validation text", "pass --tokens FILE.npy (one text of shape (N,))")
+    top = int(text.max())
+    if top >= meta["vocab_size"]:
+        raise UserError(f"{flag} {run}: the text has token id {top}, the model's vocabulary is "
+                        f"[0, {meta['vocab_size'] - 1}] (was the model trained on this data?)")
+    return text, "run", f"the first {n:,} tokens of {run}'s validation split" + (" (BOS first)" if bos else "")
+
+
+def grid(args, meta: dict) -> list[tuple[int, int]]:
+    """The (x, y) settings, checked against the model context."""
+    context = meta["context"]
+    recent = args.recent
+    if recent is None:
+        if context is None:
+            raise UserError("the model config has no context length: pass --recent Y,...")
+        recent = [context - max(args.first)]
+        if recent[0] < 2:
+            raise UserError(f"--first {max(args.first)} leaves {recent[0]} recent tokens in the model context "
+                            f"{context}; allowed: x <= {context - 2}")
+    for y in recent:
+        if y < 2:
+            raise UserError(f"--recent {y}: allowed: >= 2 (the token being fed and at least one before it)")
+    for x in args.first:
+        for y in recent:
+            if context is not None and x + y > context:
+                raise UserError(f"--first {x} --recent {y}: x + y = {x + y} exceeds the model context {context}; "
+                                f"allowed: x + y <= {context}")
+    return [(x, y) for x in args.first for y in recent]
+
+
+# ----------------------------------------------------------------------------------------------------- main
+def run(args) -> dict:
+    check_one_target(args)
+    for name, value in (("--n-tokens", args.n_tokens), ("--bucket", args.bucket), ("--batch-size", args.batch_size)):
+        positive(name, value)
+    if args.plot is not None and Path(args.plot).suffix.lower() != ".png":
+        raise UserError(f"--plot {args.plot}: allowed: a .png file name")
+    if args.n_tokens is not None and args.n_tokens < 2:
+        raise UserError(f"--n-tokens {args.n_tokens}: allowed: >= 2 (a token and the next one to predict)")
+    device = pick_device(args.device)
+    t0 = time.perf_counter()
+    model, _, meta, run_dir = load_target(args, device)
+    hf = meta["source"] == "hf"
+    if meta["prefix_len"]:
+        raise UserError(f"model.prefix_len={meta['prefix_len']}: a prefix LM's first tokens see each other, so it "
+                        "has no token-by-token stream; allowed: causal models (model.prefix_len=0)")
+    settings = grid(args, meta)
+    tokens, kind, where = choose_text(args, meta, run_dir)
+    if hf:
+        from sinklab.evals.hf_cache import rotary_embedding
+
+        rotary_embedding(model, args.hf_model)  # refuse what cannot be re-rotated before any work
+    tokens = tokens.to(device)
+    res = {"target": meta["target"], "source": meta["source"], "data": kind, "text": where,
+           "n_tokens": int(tokens.shape[0]), "targets": int(tokens.shape[0] - 1), "context": meta["context"],
+           "bucket": args.bucket, "notes": [], "settings": []}
+    res["bucket_ends"] = pp.bucket_ends(res["targets"], args.bucket)
+    if not hf and model.pos.absolute(1) is not None and settings:
+        res["notes"].append(f"model.pos={model.cfg.pos} adds absolute positions to the embeddings: a kept token keeps "
+                            "the position it came in at, only the token being fed takes its place in the cache "
+                            "(StreamingLLM re-indexes relative positions: RoPE, ALiBi)")
+    runs = [(f"x={x} y={y}", "streaming", {"first": x, "recent": y, "keys": min(x + y, res["targets"])})
+            for x, y in settings]
+    if "dense" in args.baselines:
+        skip = dense_skip(model, hf, tokens.shape[0])
+        if skip:
+            res["notes"].append(f"dense: skipped: {skip}")
+        else:
+            runs.append(("dense", "dense", {"first": None, "recent": None, "keys": res["targets"]}))
+    if "recompute" in args.baselines:
+        if meta["context"] is None:
+            res["notes"].append("recompute: skipped: the model config has no context length")
+        else:
+            runs.append((f"recompute {meta['context']}", "recompute",
+                         {"first": None, "recent": None, "keys": meta["context"]}))
+    with torch.no_grad():
+        for name, kind, extra in runs:
+            res["settings"].append({"name": name, "kind": kind, **extra,
+                                    **score(args, name, kind, tokens, model, hf, extra, res["bucket_ends"])})
+    if args.plot:
+        res["plot"] = str(plot(res, args.plot))
+    res["seconds"] = round(time.perf_counter() - t0, 3)
+    return res
+
+
+def dense_skip(model, hf: bool, n: int) -> Optional[str]:
+    """Why dense attention cannot run over n tokens (absolute positions end at the table), or None."""
+    if hf:
+        return None
+    try:
+        model.pos.absolute(model.cfg.n_sink_tokens + n)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def score(args, name: str, kind: str, tokens: torch.Tensor, model, hf: bool, extra: dict, ends: list[int]) -> dict:
+    """One setting's loss and perplexity, overall and per bucket, with a progress bar on stderr (off with --json or
+    when stderr is not a terminal)."""
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=tokens.shape[0] - 1, desc=name, unit="tok", leave=False, file=sys.stderr,
+               disable=args.json or not sys.stderr.isatty())
+    t0 = time.perf_counter()
+    try:
+        if kind == "recompute":
+            nll = pp.recompute_nll(logits_fn(model, hf), tokens, extra["keys"], args.batch_size, bar.update)
+        else:
+            nll = pp.stream_nll(stepper(model, hf, extra["first"], extra["recent"], args.hf_model), tokens,
+                                bar.update)
+    finally:
+        bar.close()
+    return {"loss": float(nll.double().mean()), "ppl": pp.perplexity(nll), "bucket_ppl": pp.bucket_ppl(nll, ends),
+            "seconds": round(time.perf_counter() - t0, 3)}
+
+
+def stepper(model, hf: bool, first: Optional[int], recent: Optional[int], where: Optional[str]) -> pp.Step:
+    """One token at a time through a cache of the first + recent tokens (both None: dense)."""
+    if hf:
+        from sinklab.evals.hf_cache import HFStream
+
+        return HFStream(model, first, recent, where)
+    return pp.sinklab_step(model, model.new_cache() if first is None else pp.streaming_cache(model, first, recent))
+
+
+def logits_fn(model, hf: bool) -> pp.LogitsOf:
+    if hf:
+        from sinklab.evals.hf_cache import hf_logits
+
+        return hf_logits(model)
+    return pp.sinklab_logits(model)
+
+
+def plot(res: dict, path: str) -> Path:
+    """Perplexity per position bucket, one line a setting (the baselines dashed), log y; the context marked."""
+    from matplotlib.figure import Figure
+
+    from sinklab.io import atomic_write
+
+    fig = Figure(figsize=(8.0, 4.8), dpi=150, layout="constrained")
+    ax = fig.add_subplot()
+    colors = iter(f"C{i}" for i in range(100))
+    for s in res["settings"]:
+        baseline = s["kind"] != "streaming"
+        ax.plot(res["bucket_ends"], s["bucket_ppl"], lw=1.6 if baseline else 1.2, ls="--" if baseline else "-",
+                color={"dense": "0.45", "recompute": "black"}.get(s["kind"]) or next(colors),
+                label=f"{s['name']} ({s['ppl']:.2f})")
+    if res["context"]:
+        ax.axvline(res["context"], color="grey", lw=0.8, ls=":", label=f"context {res['context']}")
+    ax.set_yscale("log")
+    ax.set_xlabel(f"position in the text (end of each bucket of {res['bucket']} targets)")
+    ax.set_ylabel("perplexity")
+    ax.set_title(f"streaming perplexity, first x + recent y tokens: {'/'.join(Path(res['target']).parts[-3:])}",
+                 fontsize=10)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    try:
+        return atomic_write(path, lambda fh: fig.savefig(fh, format="png"))
+    except OSError as err:
+        raise UserError(f"--plot {path}: cannot write it ({err.strerror or err})") from None
+
+
+def format_table(res: dict) -> str:
+    import pandas as pd
+
+    rows = [{"setting": s["name"], "first x": s["first"] if s["first"] is not None else "-",
+             "recent y": s["recent"] if s["recent"] is not None else "-", "keys": s["keys"], "ppl": s["ppl"],
+             f"ppl 1st {res['bucket']}": s["bucket_ppl"][0], f"ppl last {res['bucket']}": s["bucket_ppl"][-1],
+             "seconds": s["seconds"]} for s in res["settings"]]
+    three = lambda v: f"{v:.3f}"  # noqa: E731
+    lines = [f"{res['source']} model {res['target']}, context {res['context']}",
+             f"text: {res['text']}; {res['targets']:,} targets, fed one token at a time",
+             "", pd.DataFrame(rows).to_string(index=False, float_format=three) if rows else "(no settings)"]
+    streaming = [s for s in res["settings"] if s["kind"] == "streaming"]
+    if len(streaming) > 1:
+        pivot = pd.DataFrame(streaming).pivot(index="first", columns="recent", values="ppl")
+        pivot.index, pivot.columns = [f"x={v}" for v in pivot.index], [f"y={v}" for v in pivot.columns]
+        lines += ["", "perplexity by first x (rows) and recent y (columns):", pivot.to_string(float_format=three)]
+    lines += [""] + [f"note: {n}" for n in res["notes"]]
+    lines += ["keys: the most keys a prediction attends to (x + y, the token itself included)"]
+    if "plot" in res:
+        lines.append(f"plot: {res['plot']}")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    return command_main(PROG, build_parser(), run, format_table, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
