@@ -1,6 +1,6 @@
 """Causal self-attention, its pieces chosen by name: the operation (`ops/`), the attention bias (`attn_bias.py`) and
 the gate (`gates.py`, at one of the positions G1 .. G5, each named where it applies). The masks, RoPE and position
-biases of a sequence come in its `Layout` (`masks.py`).
+biases of a sequence come in its `Layout` (`masks.py`); the backend (`backends.py`) runs softmax attention.
 The explicit path works on query-row chunks, so the metric's memory is linear in T. With a KV cache in the layout,
 the keys and values of earlier positions come from the cache (stored before RoPE, so that a cache that evicts
 positions can rotate the kept keys at their new places).
@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from .backends import select_backend
 from .gates import G1, G2, G3, G4, G5
 from .masks import Layout
 from .registry import ATTENTION_OPS, ATTN_BIASES, GATES, POSITIONS
@@ -36,7 +37,8 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(H * hd, d, bias=False)
         self.gate_proj = GATES.selected(cfg)(cfg)
         self.op = ATTENTION_OPS.selected(cfg)(cfg)
-        self.use_fused = cfg.fused
+        self.backend = select_backend(cfg)
+        self.use_fused = self.backend.fuses
         self.rotates = POSITIONS.selected(cfg).rotates(cfg, layer)  # False in a NoPE layer (model.nope_every)
         self.layer = layer  # its index in a KV cache
 
@@ -83,7 +85,7 @@ class Attention(nn.Module):
             probs = self.probs(q, k, layout, layout.rows())  # (B, H, N, Tk)
             o = probs @ v  # (B, H, N, hd)
         else:
-            o = self.op.fused(q, k, v, layout, self.scale) if self.use_fused else None
+            o = self.op.fused(q, k, v, layout, self.scale, self.backend) if self.use_fused else None
             if o is None:
                 o = self.explicit(q, k, v, layout)
         o = self.gate_proj.at(G1, x, self.attn_bias.output(o))
