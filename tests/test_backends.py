@@ -1,17 +1,20 @@
-"""Attention backends (sinklab/model/backends.py), beyond the generic contract (tests/test_contracts.py checks every
-component on them, forward and gradients)."""
+"""Attention backends (sinklab/model/backends.py) and memory-linear training (model.attn_memory=linear), beyond the
+generic contract (tests/test_contracts.py checks every component on both, forward and gradients)."""
+import math
 import warnings
 
 import pytest
 import torch
 
-from sinklab.model import ConfigError, ModelConfig, backends
+from sinklab.model import ConfigError, ModelConfig, Transformer, backends
+from sinklab.perf import peak_memory
 from tests.conftest import SMALL, small_model, token_ids
 from tests.test_contracts import assert_same_logits_and_grads, logits_and_grads
 
 
 @pytest.mark.parametrize("bad,message", [
     (dict(attn_backend="triton"), "model.attn_backend='triton' is not supported; allowed: sdpa, flex, explicit"),
+    (dict(attn_memory="low"), "model.attn_memory='low' is not supported; allowed: keep_maps, linear"),
     (dict(fused=False, attn_backend="flex"), "model.fused=false (the explicit path) contradicts "
                                              "model.attn_backend=flex; set model.attn_backend=explicit"),
 ])
@@ -26,6 +29,8 @@ def test_the_backend_is_resolved_in_one_place():
                                                   dict(attn_backend="explicit"))] == ["sdpa", "flex", "explicit",
                                                                                       "explicit"]
     assert ModelConfig(attn_backend="flex", sink_logit="learned").can_fuse and not ModelConfig(sink_logit="zero").can_fuse
+    assert ModelConfig(attn_op="kernel", attn_memory="linear").can_fuse
+    assert not ModelConfig(attn_op="kernel", attn_memory="linear", window=5, block_size=8).can_fuse
     assert [type(small_model(**kw).blocks[0].attn.backend).__name__ for kw in ({}, dict(attn_backend="flex"),
                                                                                dict(fused=False))] == [
         "SDPABackend", "FlexBackend", "ExplicitBackend"]
@@ -84,3 +89,25 @@ def test_flex_equals_the_explicit_maps_on_combined_switches(case, flex_on_cpu):
                                  logits_and_grads(small_model(**case).train(), idx, return_probs=True))
     assert len(flex_on_cpu) == m.cfg.n_layer
 
+
+def training_peak(T: int, **overrides) -> int:
+    """Peak bytes of one forward + backward of a 1-layer model at T tokens, batch 1."""
+    torch.manual_seed(0)
+    m = Transformer(ModelConfig(vocab_size=64, n_layer=1, n_head=2, d_model=32, d_ff=64, block_size=T, **overrides))
+    idx = token_ids(B=1, T=T, vocab=64)
+
+    def step():
+        torch.nn.functional.cross_entropy(m(idx)[0], idx[0]).backward()
+    step()  # gradients allocated: the measured step holds the same
+    return peak_memory(step, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("op", [dict(attn_op="sigmoid"), dict(attn_op="kernel", attn_normalize=True),
+                                dict(sink_logit="learned")], ids=lambda c: c.get("attn_op", "sink_logit"))
+def test_memory_linear_training_grows_linearly_in_t(op):
+    """Peak training memory from T = 512 to 2048: the explicit maps kept for backward grow ~T^2 (with the linear
+    terms, an exponent 1.56 .. 1.79 here), attn_memory=linear (row chunks recomputed in backward, kernel attention in
+    its linear form) ~T (1.00)."""
+    def exponent(**kw):
+        return math.log(training_peak(2048, **op, **kw) / training_peak(512, **op, **kw)) / math.log(4)
+    assert exponent(attn_memory="linear") <= 1.2 < 1.4 <= exponent()

@@ -1,7 +1,7 @@
 """The contract every registered component passes (sinklab/model/registry.py). A newly registered attention
 operation, positional encoding, norm, FFN, gate or attention bias is tested here without new test code: its fused,
-chunked and explicit paths agree (forward and gradients), and so does FlexAttention (model.attn_backend=flex),
-decoding with a KV cache gives the full forward's logits,
+chunked and explicit paths agree (forward and gradients), and so do FlexAttention (model.attn_backend=flex) and the
+memory-linear training paths (model.attn_memory=linear), decoding with a KV cache gives the full forward's logits,
 it is causal, its rows sum to one where it says so, the
 chunked sink metric equals the brute-force one, it trains a step, and a file of its config group selects it."""
 from functools import lru_cache
@@ -63,12 +63,13 @@ def takes_flex(model) -> bool:
 
 
 @pytest.mark.parametrize("case,mask", WITH_MASKS, ids=[f"{case_id(c)}-{m}" for c, m in WITH_MASKS])
-def test_flex_paths_equal_the_explicit_maps(case, mask, flex_on_cpu):
-    """FlexAttention for every softmax variant (model.attn_backend=flex; the others take the explicit path's row
-    chunks, 5 rows each): the explicit maps' logits and gradients."""
+def test_flex_and_memory_linear_paths_equal_the_explicit_maps(case, mask, flex_on_cpu):
+    """FlexAttention for every softmax variant (model.attn_backend=flex), with model.attn_memory=linear for the
+    others (the explicit path's row chunks, 5 rows each, recomputed in backward; kernel attention in its causal linear
+    form): the explicit maps' logits and gradients."""
     idx = token_ids()
     explicit = logits_and_grads(small_model(**case, **MASKS[mask]).train(), idx, return_probs=True)
-    m = small_model(**case, **MASKS[mask], attn_backend="flex").train()
+    m = small_model(**case, **MASKS[mask], attn_backend="flex", attn_memory="linear").train()
     for block in m.blocks:
         block.attn.row_chunk = 5
     assert_same_logits_and_grads(logits_and_grads(m, idx), explicit)
@@ -96,13 +97,13 @@ NEW_PATH_CASES = [(case, mask) for case, mask in WITH_MASKS if next(iter(case)) 
 
 
 @pytest.mark.parametrize("case,mask", NEW_PATH_CASES, ids=[f"{case_id(c)}-{m}" for c, m in NEW_PATH_CASES])
-def test_flex_decodes_with_a_kv_cache(case, mask, flex_on_cpu):
-    """FlexAttention sees a KV cache's earlier keys and the bias slots: a 6-token prompt, a 3-token chunk, then one
-    token at a time give the explicit path's logits (for the operations, positions and biases, which meet the
-    cache's key layout)."""
+def test_flex_and_linear_forms_decode_with_a_kv_cache(case, mask, flex_on_cpu):
+    """FlexAttention and kernel attention's causal linear form see a KV cache's earlier keys and the bias slots:
+    a 6-token prompt, a 3-token chunk, then one token at a time give the explicit path's logits (for the operations,
+    positions and biases, which meet the cache's key layout)."""
     idx = token_ids()
     full = small_model(**case, **MASKS[mask], attn_backend="explicit")(idx)
-    m = small_model(**case, **MASKS[mask], attn_backend="flex")
+    m = small_model(**case, **MASKS[mask], attn_backend="flex", attn_memory="linear")
     cache = m.new_cache()
     cuts = [0, 6, 9] + list(range(10, idx.shape[1] + 1))
     with torch.no_grad():  # flex's forward runs on every device

@@ -18,6 +18,10 @@ from sinklab.errors import word
 from . import components  # noqa: F401  (registers every component)
 from .registry import ATTENTION_OPS, ATTN_BACKENDS, ATTN_BIASES, FAMILIES, POSITIONS, ConfigError, check_positive_int
 
+# model.attn_memory: the explicit path keeps each row chunk's map for backward, or nothing quadratic in T (chunks
+# recomputed in backward, kernel attention in its causal linear form)
+ATTN_MEMORY = ("keep_maps", "linear")
+
 
 @dataclass
 class BaseModelConfig:
@@ -51,6 +55,7 @@ class BaseModelConfig:
     # execution
     fused: bool = True  # false: every operation through its explicit maps (attn_backend=explicit; for old configs)
     attn_backend: str = "sdpa"  # sdpa | flex | explicit: which kernel runs softmax attention (model/backends.py)
+    attn_memory: str = "keep_maps"  # keep_maps | linear: training memory of the ops without a fused kernel
     compile: bool = False
 
 
@@ -179,6 +184,9 @@ class ModelConfigMethods:
 
     def validate_execution(self) -> None:
         ATTN_BACKENDS.get(self.attn_backend)  # one line naming the key and the backends
+        if self.attn_memory not in ATTN_MEMORY:
+            raise ConfigError(f"model.attn_memory={self.attn_memory!r} is not supported; "
+                              f"allowed: {', '.join(ATTN_MEMORY)}")
         if not self.fused and self.attn_backend == "flex":
             raise ConfigError(f"model.fused=false (the explicit path) contradicts model.attn_backend="
                               f"{self.attn_backend}; set model.attn_backend=explicit and leave fused=true")
