@@ -25,15 +25,14 @@ def test_a_bad_execution_choice_is_one_line_naming_the_key(bad, message):
 
 
 def test_the_backend_is_resolved_in_one_place():
-    assert [ModelConfig(**kw).backend for kw in ({}, dict(attn_backend="flex"), dict(fused=False),
-                                                  dict(attn_backend="explicit"))] == ["sdpa", "flex", "explicit",
-                                                                                      "explicit"]
-    assert ModelConfig(attn_backend="flex", sink_logit="learned").can_fuse and not ModelConfig(sink_logit="zero").can_fuse
+    choices = ({}, dict(attn_backend="flex"), dict(fused=False), dict(attn_backend="explicit"))
+    assert [ModelConfig(**kw).backend for kw in choices] == ["sdpa", "flex", "explicit", "explicit"]
+    assert [type(small_model(**kw).blocks[0].attn.backend).__name__ for kw in choices] == [
+        "SDPABackend", "FlexBackend", "ExplicitBackend", "ExplicitBackend"]
+    assert ModelConfig(attn_backend="flex", sink_logit="learned").can_fuse
+    assert not ModelConfig(sink_logit="zero").can_fuse  # sdpa has no extra logit
     assert ModelConfig(attn_op="kernel", attn_memory="linear").can_fuse
     assert not ModelConfig(attn_op="kernel", attn_memory="linear", window=5, block_size=8).can_fuse
-    assert [type(small_model(**kw).blocks[0].attn.backend).__name__ for kw in ({}, dict(attn_backend="flex"),
-                                                                               dict(fused=False))] == [
-        "SDPABackend", "FlexBackend", "ExplicitBackend"]
 
 
 def fallback_warnings(caught) -> list[str]:
