@@ -73,6 +73,26 @@ def test_flex_trains_through_sdpa_where_it_has_no_backward():
         backends.warn_once.cache_clear()
 
 
+def test_flex_falls_back_under_a_dispatch_mode(flex_on_cpu):
+    """Lightning's model summary runs a forward under torch's FlopCounterMode, where eager FlexAttention raises and
+    leaves later flex calls of the process broken: flex is not tried there, and runs again afterwards."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    backends.warn_once.cache_clear()
+    idx = token_ids()
+    m = small_model(attn_backend="flex", sink_logit="learned")
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad(), FlopCounterMode(display=False):
+        warnings.simplefilter("always")
+        outs = [m(idx), m(idx)]
+    (message,) = fallback_warnings(caught)
+    assert "a torch dispatch mode is active" in message and not flex_on_cpu
+    for out in outs:
+        torch.testing.assert_close(out, small_model(sink_logit="learned")(idx), atol=0, rtol=0)
+    with torch.no_grad():
+        torch.testing.assert_close(m(idx), outs[0], atol=2e-5, rtol=1e-5)
+    assert len(flex_on_cpu) == m.cfg.n_layer
+
+
 @pytest.mark.parametrize("case", [dict(n_kv_head=2), dict(n_head=2, head_dim=6, n_kv_head=1, window=5),
                                   dict(softmax_scale=2.0, sink_logit="learned", pos="alibi"),
                                   dict(n_sink_tokens=2, prefix_len=4, window=3, attn_bias="kv", pos="alibi",

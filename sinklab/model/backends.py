@@ -13,8 +13,9 @@ biases and an optional extra logit per head in the denominator. Chosen in one pl
   and the bias table are built once per forward for every layer (`Layout.memo`). Decided here: FlexAttention is
   compiled once per process on a GPU (`torch.compile(flex_attention)`) and runs eagerly elsewhere, where torch
   evaluates it densely (a slow reference: right for tests, not for training). Where FlexAttention is unavailable
-  (no flex in this torch, or no backward on this device, as on torch's CPU builds) the call falls back to `sdpa`,
-  which is today's behaviour, with one warning per reason and process.
+  (no flex in this torch, no backward on this device as on torch's CPU builds, or no flex under an active torch
+  mode such as the FlopCounterMode of Lightning's model summary) the call falls back to `sdpa`, which is today's
+  behaviour, with one warning per reason and process.
 - `explicit`: every operation through its explicit maps (`Attention.explicit`), the reference the others are
   tested against.
 """
@@ -124,6 +125,9 @@ def flex_missing(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Optional[
     """Why FlexAttention cannot run this call, or None."""
     if flex_attention is None:
         return f"torch {torch.__version__} has no torch.nn.attention.flex_attention (torch >= 2.5)"
+    if not torch.compiler.is_compiling() and torch._C._len_torch_dispatch_stack() > 0:
+        # eager flex raises under a dispatch mode, and the failed attempt breaks later flex calls in the process
+        return "a torch dispatch mode is active (e.g. the FlopCounterMode of Lightning's model summary)"
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     if needs_grad and not flex_trains_on(q.device.type):
         return f"torch {torch.__version__} has no FlexAttention backward on {q.device.type}"
