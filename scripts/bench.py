@@ -1,9 +1,11 @@
 #!/usr/bin/env python
 """Training throughput of sinklab against a minimal plain-PyTorch LLaMA, MFU against this machine's measured
-matmul peak, the sink callback's share of training time, the metric's memory, and data loading's share.
+matmul peak, the sink callback's share of training time, the metric's memory, and data loading's share; on its own,
+peak training memory against T per attention operation (`--section memory`, scripts/bench_memory.py).
 
     python scripts/bench.py --config tiny|14m|60m [--steps N] [--threads N] [--batch B] [--compile]
                             [--device cpu|cuda] [--dtype fp32|bf16] [--quick] [--skip NAME ...]
+    python scripts/bench.py --section memory [--memory-T T ...] [--memory-speed-T T ...] [--memory-ops OP ...]
 
 Prints one line per figure (`name: value  (details)`); see docs/performance.md for measured figures and method.
 Timings are wall clock; on a shared machine read the ratios (each taken within one round of alternating runs in
@@ -297,7 +299,17 @@ def main(argv=None) -> int:
     ap.add_argument("--skip", nargs="*", default=[], choices=SECTIONS, help="sections to leave out")
     ap.add_argument("--metric-T", type=int, nargs="+", default=None,
                     help="metric lengths (default 64 1024 4096 8192; 64 1024 with --quick)")
+    ap.add_argument("--section", choices=["all", "memory"], default="all",
+                    help="memory: only peak training memory vs T per attention operation (scripts/bench_memory.py)")
+    ap.add_argument("--memory-T", type=int, nargs="+", default=[256, 512, 1024, 2048, 4096],
+                    help="sequence lengths of the memory section (at least two)")
+    ap.add_argument("--memory-speed-T", type=int, nargs="*", default=[1024, 4096],
+                    help="lengths at which the memory section times the new path against the explicit one")
+    ap.add_argument("--memory-rounds", type=int, default=3, help="alternating timed rounds per length")
+    ap.add_argument("--memory-ops", nargs="+", default=None, help="operations of the memory section (default all)")
     args = ap.parse_args(argv)
+    if args.section == "memory":
+        return memory_section(args)
 
     t_start = time.perf_counter()
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -400,6 +412,24 @@ def main(argv=None) -> int:
 
     emit("total", f"{time.perf_counter() - t_start:.0f} s",
          f"load average {load0:.2f} at start, {os.getloadavg()[0]:.2f} at the end")
+    return 0
+
+
+def memory_section(args) -> int:
+    import bench_memory
+
+    ops = args.memory_ops or list(bench_memory.OPS)
+    unknown = sorted(set(ops) - set(bench_memory.OPS))
+    if unknown or len(args.memory_T) < 2:
+        print(f"error: --memory-ops {' '.join(unknown)} unknown (allowed: {', '.join(bench_memory.OPS)})" if unknown
+              else "error: --memory-T needs at least two lengths (the growth exponent is a slope)", file=sys.stderr)
+        return 2
+    torch.set_num_threads(args.threads or os.cpu_count() or 1)
+    emit("setup", f"memory section on {args.device}",
+         f"{_cpu_name() if args.device == 'cpu' else torch.cuda.get_device_name()}; torch {torch.__version__}; "
+         f"load average {os.getloadavg()[0]:.2f}")
+    device = torch.device(args.device)
+    bench_memory.run(emit, Timer(device), sorted(args.memory_T), args.memory_speed_T, args.memory_rounds, device, ops)
     return 0
 
 

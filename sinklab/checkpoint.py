@@ -55,7 +55,8 @@ def _why_unreadable(err: Exception) -> str:
 
 
 TRAINING_KEYS = ("global_step", "loops", "optimizer_states", "lr_schedulers", "callbacks")
-EXECUTION_KEYS = ("compile", "fused")  # may differ between a checkpoint and the run that resumes it
+# may differ between a checkpoint and the run that resumes it
+EXECUTION_KEYS = ("compile", "fused", "attn_backend", "attn_memory")
 
 
 def read_training_checkpoint(path: Union[str, Path]) -> dict:

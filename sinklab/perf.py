@@ -1,8 +1,12 @@
 """The dense matmul FLOP/s that MFU is measured against (training's perf/mfu with peak_flops=auto, and
-scripts/bench.py): the datasheet figure of a known GPU at 16-bit precision, else this machine's measured limit."""
+scripts/bench.py): the datasheet figure of a known GPU at 16-bit precision, else this machine's measured limit; and
+the peak tensor memory of a training step (scripts/bench.py memory)."""
 from __future__ import annotations
 
+import json
+import tempfile
 import time
+from pathlib import Path
 from typing import Callable, Optional
 
 import torch
@@ -80,3 +84,29 @@ def peak_matmul_flops(device: torch.device, dtype: torch.dtype, seconds: float =
     while time.perf_counter() < end:
         best = max(best, probe(reps))
     return best
+
+
+def peak_memory(fn: Callable[[], object], device: torch.device) -> int:
+    """Bytes of tensor memory `fn` holds at its worst moment, above what was allocated when it started. CUDA: the
+    allocator's peak (max_memory_allocated). CPU, which keeps no such statistics: the allocator's running total that
+    torch.profiler records with every allocation and free (profile_memory=True; the `[memory]` events of its Chrome
+    trace), which counts what was allocated while profiling, so the baseline is the total before the first event."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        _sync(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        start = torch.cuda.memory_allocated(device)
+        fn()
+        _sync(device)
+        return torch.cuda.max_memory_allocated(device) - start
+    with tempfile.TemporaryDirectory() as tmp:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+            fn()
+        trace = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(trace))
+        events = [e for e in json.loads(trace.read_text())["traceEvents"]
+                  if e.get("name") == "[memory]" and e["args"].get("Device Type") == 0]  # 0: the CPU
+    if not events:
+        return 0
+    first = min(events, key=lambda e: e["ts"])["args"]
+    return max(e["args"]["Total Allocated"] for e in events) - (first["Total Allocated"] - first["Bytes"])

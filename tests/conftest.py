@@ -54,6 +54,30 @@ def make_model():
     return small_model
 
 
+@pytest.fixture
+def flex_on_cpu(monkeypatch):
+    """FlexAttention with gradients on the CPU; yields the list of its calls (one entry each) from
+    sinklab.model.backends. torch's CPU builds refuse flex's backward in its front end (`_validate_device`) before
+    the eager implementation runs, whose dense reference backward (the same higher-order op) is what checks sinklab's
+    mask_mod, score_mod and log-sum-exp composition; the refusal is lifted for the test only."""
+    flex = pytest.importorskip("torch.nn.attention.flex_attention")
+    from sinklab.model import backends
+
+    real, calls = backends.flex_attention, []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(flex, "_validate_device", lambda *tensors: None)
+    monkeypatch.setattr(backends, "flex_attention", counted)
+    backends.flex_trains_on.cache_clear()
+    assert backends.flex_trains_on("cpu")
+    calls.clear()
+    yield calls
+    backends.flex_trains_on.cache_clear()
+
+
 @pytest.fixture(scope="session")
 def small_run(tmp_path_factory):
     """A run dir (local corpus, BPE 300, blocks of 32, 2 validation blocks, a probe set of 10 x 16) with a random

@@ -1,6 +1,7 @@
 """The contract every registered component passes (sinklab/model/registry.py). A newly registered attention
 operation, positional encoding, norm, FFN, gate or attention bias is tested here without new test code: its fused,
-chunked and explicit paths agree (forward and gradients), decoding with a KV cache gives the full forward's logits,
+chunked and explicit paths agree (forward and gradients), and so do FlexAttention (model.attn_backend=flex) and the
+memory-linear training paths (model.attn_memory=linear), decoding with a KV cache gives the full forward's logits,
 it is causal, its rows sum to one where it says so, the
 chunked sink metric equals the brute-force one, it trains a step, and a file of its config group selects it."""
 from functools import lru_cache
@@ -11,7 +12,8 @@ import torch
 from omegaconf import OmegaConf
 
 from sinklab.metrics.sink import attention_scores, brute_force_alpha
-from sinklab.model import FAMILIES
+from sinklab.model import ATTENTION_OPS, FAMILIES
+from sinklab.model.ops.softmax import Softmax
 from tests.conftest import case_id, component_cases, small_model, token_ids
 
 CASES = component_cases()
@@ -42,13 +44,36 @@ def test_fused_chunked_and_explicit_paths_agree(case, mask):
         block.attn.use_fused, block.attn.row_chunk = False, 5  # query rows in chunks of 5
     chunked = logits_and_grads(m, idx)
     for other in (explicit, chunked):
-        torch.testing.assert_close(other[0], fused[0], atol=2e-5, rtol=1e-5)
-        assert other[1].keys() == fused[1].keys()
-        for name in fused[1]:
-            # float32 sums make an error relative to the tensor's largest entry (a sink token's gradient reaches
-            # ~3e3 and carries ~1e-3 of noise on every entry, its small ones included), so atol grows with it
-            atol = 1e-4 + 1e-5 * fused[1][name].abs().max().item()
-            torch.testing.assert_close(other[1][name], fused[1][name], atol=atol, rtol=1e-4, msg=name)
+        assert_same_logits_and_grads(other, fused)
+
+
+def assert_same_logits_and_grads(got, want):
+    torch.testing.assert_close(got[0], want[0], atol=2e-5, rtol=1e-5)
+    assert got[1].keys() == want[1].keys()
+    for name in want[1]:
+        # float32 sums make an error relative to the tensor's largest entry (a sink token's gradient reaches
+        # ~3e3 and carries ~1e-3 of noise on every entry, its small ones included), so atol grows with it
+        atol = 1e-4 + 1e-5 * want[1][name].abs().max().item()
+        torch.testing.assert_close(got[1][name], want[1][name], atol=atol, rtol=1e-4, msg=name)
+
+
+def takes_flex(model) -> bool:
+    """Whether attn_backend=flex computes the model's operation (every softmax variant)."""
+    return issubclass(ATTENTION_OPS.selected(model.cfg), Softmax)
+
+
+@pytest.mark.parametrize("case,mask", WITH_MASKS, ids=[f"{case_id(c)}-{m}" for c, m in WITH_MASKS])
+def test_flex_and_memory_linear_paths_equal_the_explicit_maps(case, mask, flex_on_cpu):
+    """FlexAttention for every softmax variant (model.attn_backend=flex), with model.attn_memory=linear for the
+    others (the explicit path's row chunks, 5 rows each, recomputed in backward; kernel attention in its causal linear
+    form): the explicit maps' logits and gradients."""
+    idx = token_ids()
+    explicit = logits_and_grads(small_model(**case, **MASKS[mask]).train(), idx, return_probs=True)
+    m = small_model(**case, **MASKS[mask], attn_backend="flex", attn_memory="linear").train()
+    for block in m.blocks:
+        block.attn.row_chunk = 5
+    assert_same_logits_and_grads(logits_and_grads(m, idx), explicit)
+    assert len(flex_on_cpu) == (m.cfg.n_layer if takes_flex(m) else 0)  # one call per layer, no fallback
 
 
 @pytest.mark.parametrize("case,mask", WITH_MASKS, ids=[f"{case_id(c)}-{m}" for c, m in WITH_MASKS])
@@ -66,6 +91,25 @@ def test_decoding_with_a_kv_cache_gives_the_full_forward_logits(case, mask):
         steps.append(out[0] if isinstance(out, tuple) else out)
     assert cache.length == m.cfg.n_sink_tokens + idx.shape[1] and cache.seen == idx.shape[1]
     torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=2e-5, rtol=1e-5)
+
+
+NEW_PATH_CASES = [(case, mask) for case, mask in WITH_MASKS if next(iter(case)) in MASK_FAMILIES]
+
+
+@pytest.mark.parametrize("case,mask", NEW_PATH_CASES, ids=[f"{case_id(c)}-{m}" for c, m in NEW_PATH_CASES])
+def test_flex_and_linear_forms_decode_with_a_kv_cache(case, mask, flex_on_cpu):
+    """FlexAttention and kernel attention's causal linear form see a KV cache's earlier keys and the bias slots:
+    a 6-token prompt, a 3-token chunk, then one token at a time give the explicit path's logits (for the operations,
+    positions and biases, which meet the cache's key layout)."""
+    idx = token_ids()
+    full = small_model(**case, **MASKS[mask], attn_backend="explicit")(idx)
+    m = small_model(**case, **MASKS[mask], attn_backend="flex", attn_memory="linear")
+    cache = m.new_cache()
+    cuts = [0, 6, 9] + list(range(10, idx.shape[1] + 1))
+    with torch.no_grad():  # flex's forward runs on every device
+        steps = [m(idx[:, a:b], cache=cache) for a, b in zip(cuts, cuts[1:])]
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=2e-5, rtol=1e-5)
+    assert len(flex_on_cpu) == (m.cfg.n_layer * len(steps) if takes_flex(m) else 0)
 
 
 @pytest.mark.parametrize("case", CASES, ids=case_id)

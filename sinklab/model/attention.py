@@ -1,9 +1,12 @@
 """Causal self-attention, its pieces chosen by name: the operation (`ops/`), the attention bias (`attn_bias.py`) and
 the gate (`gates.py`, at one of the positions G1 .. G5, each named where it applies). The masks, RoPE and position
-biases of a sequence come in its `Layout` (`masks.py`).
-The explicit path works on query-row chunks, so the metric's memory is linear in T. With a KV cache in the layout,
-the keys and values of earlier positions come from the cache (an evicting cache stores them before RoPE, so that
-the kept keys are rotated at their new places; a dense one after).
+biases of a sequence come in its `Layout` (`masks.py`); the backend (`backends.py`) runs softmax attention.
+The explicit path works on query-row chunks, so the metric's memory is linear in T. In training each chunk's map is
+kept for backward (`model.attn_memory=keep_maps`, fastest at short T), or recomputed in backward (`linear`:
+activation checkpointing per row chunk, `torch.utils.checkpoint`, so training memory is linear in T too; decided
+here: the chunk is the unit, nothing else is recomputed). With a KV cache in the layout, the keys and values of
+earlier positions come from the cache (an evicting cache stores them before RoPE, so that the kept keys are rotated
+at their new places; a dense one after).
 """
 from __future__ import annotations
 
@@ -12,7 +15,9 @@ from typing import Optional
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
+from .backends import select_backend
 from .gates import G1, G2, G3, G4, G5
 from .masks import Layout
 from .registry import ATTENTION_OPS, ATTN_BIASES, GATES, POSITIONS
@@ -20,7 +25,8 @@ from .registry import ATTENTION_OPS, ATTN_BIASES, GATES, POSITIONS
 
 class Attention(nn.Module):
     # the explicit path computes this many query rows at a time: without autograd (measurement) it never holds a
-    # full (B, H, N, Tk) map; with autograd each chunk's map is kept for backward, as the unchunked path would
+    # full (B, H, N, Tk) map; with autograd each chunk's map is kept for backward (attn_memory=keep_maps), as the
+    # unchunked path would, or recomputed in backward (attn_memory=linear)
     row_chunk: int = 256
 
     def __init__(self, cfg, layer: int = 0):
@@ -36,7 +42,9 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(H * hd, d, bias=False)
         self.gate_proj = GATES.selected(cfg)(cfg)
         self.op = ATTENTION_OPS.selected(cfg)(cfg)
-        self.use_fused = cfg.fused
+        self.backend = select_backend(cfg)
+        self.use_fused = self.backend.fuses
+        self.recompute = cfg.attn_memory == "linear"
         self.rotates = POSITIONS.selected(cfg).rotates(cfg, layer)  # False in a NoPE layer (model.nope_every)
         self.layer = layer  # its index in a KV cache
 
@@ -73,12 +81,22 @@ class Attention(nn.Module):
         return self.op.probs(q, k, layout, rows, self.scale)
 
     def explicit(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Layout) -> torch.Tensor:
-        """Query rows in chunks: memory O(B * H * row_chunk * Tk), linear in the sequence length."""
+        """Query rows in chunks: memory O(B * H * row_chunk * Tk), linear in the sequence length (in training too
+        when each chunk is recomputed in backward)."""
+        recompute = self.recompute and torch.is_grad_enabled()
         chunks = []
         for r0 in range(0, layout.n_pos, self.row_chunk):
-            rows = layout.rows(r0, r0 + self.row_chunk)  # their positions
-            chunks.append(self.probs(q[:, :, r0:r0 + len(rows)], k, layout, rows) @ v)  # (B, H, R, hd)
+            qr = q[:, :, r0:r0 + self.row_chunk]  # (B, H, R, hd)
+            if recompute:
+                chunks.append(checkpoint(self.rows_output, qr, k, v, layout, r0, use_reentrant=False,
+                                         preserve_rng_state=False))
+            else:
+                chunks.append(self.rows_output(qr, k, v, layout, r0))
         return torch.cat(chunks, dim=2)  # (B, H, N, hd)
+
+    def rows_output(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Layout, r0: int) -> torch.Tensor:
+        """The output of query rows r0 .. r0 + R - 1 through their map: q (B, H, R, hd) -> (B, H, R, hd)."""
+        return self.probs(q, k, layout, layout.rows(r0, r0 + q.shape[2])) @ v
 
     def forward(self, x: torch.Tensor, layout: Layout, record: Optional[dict] = None, return_probs: bool = False):
         """x (B, N, d) -> (B, N, d). `record` receives q, k, v and the output `attn` (after o_proj);
@@ -91,7 +109,7 @@ class Attention(nn.Module):
             probs = self.probs(q, k, layout, layout.rows())  # (B, H, N, Tk)
             o = probs @ v  # (B, H, N, hd)
         else:
-            o = self.op.fused(q, k, v, layout, self.scale) if self.use_fused else None
+            o = self.op.fused(q, k, v, layout, self.scale, self.backend) if self.use_fused else None
             if o is None:
                 o = self.explicit(q, k, v, layout)
         o = self.gate_proj.at(G1, x, self.attn_bias.output(o))

@@ -16,7 +16,11 @@ from typing import Any, Optional
 from sinklab.errors import word
 
 from . import components  # noqa: F401  (registers every component)
-from .registry import ATTENTION_OPS, ATTN_BIASES, FAMILIES, POSITIONS, ConfigError, check_positive_int
+from .registry import ATTENTION_OPS, ATTN_BACKENDS, ATTN_BIASES, FAMILIES, POSITIONS, ConfigError, check_positive_int
+
+# model.attn_memory: the explicit path keeps each row chunk's map for backward, or nothing quadratic in T (chunks
+# recomputed in backward, kernel attention in its causal linear form)
+ATTN_MEMORY = ("keep_maps", "linear")
 
 
 @dataclass
@@ -49,7 +53,9 @@ class BaseModelConfig:
     init_std: Optional[float] = None  # None = sqrt(2 / (5 d)) as in the reference study
     bias_init_std: float = 0.02
     # execution
-    fused: bool = True  # use a fused kernel whenever the operation has one
+    fused: bool = True  # false: every operation through its explicit maps (attn_backend=explicit; for old configs)
+    attn_backend: str = "sdpa"  # sdpa | flex | explicit: which kernel runs softmax attention (model/backends.py)
+    attn_memory: str = "keep_maps"  # keep_maps | linear: training memory of the ops without a fused kernel
     compile: bool = False
 
 
@@ -97,8 +103,13 @@ class ModelConfigMethods:
         return ATTN_BIASES.selected(self).n_slots
 
     @property
+    def backend(self) -> str:
+        """The attention backend that runs: model.attn_backend, or explicit where model.fused=false."""
+        return self.attn_backend if self.fused else "explicit"
+
+    @property
     def can_fuse(self) -> bool:
-        return self.fused and ATTENTION_OPS.selected(self).fusable(self)
+        return ATTENTION_OPS.selected(self).fusable(self)
 
     def llama_mismatches(self) -> list[str]:
         """What LLaMA cannot represent, as 'model.key=value (LLaMA needs ...)'; empty when exportable."""
@@ -140,6 +151,7 @@ class ModelConfigMethods:
             if self.n_head % self.n_kv_head:
                 raise ConfigError(f"model.n_kv_head={self.n_kv_head} must divide model.n_head={self.n_head}")
         self.validate_masks()
+        self.validate_execution()
         if self.n_sink_tokens < 0:
             raise ConfigError(f"model.n_sink_tokens={self.n_sink_tokens} must be >= 0")
         for key in ("softmax_scale", "norm_eps"):
@@ -169,6 +181,15 @@ class ModelConfigMethods:
         if self.prefix_len >= self.block_size:
             raise ConfigError(f"model.prefix_len={self.prefix_len} must be smaller than the context "
                               f"model.block_size={self.block_size}")
+
+    def validate_execution(self) -> None:
+        ATTN_BACKENDS.get(self.attn_backend)  # one line naming the key and the backends
+        if self.attn_memory not in ATTN_MEMORY:
+            raise ConfigError(f"model.attn_memory={self.attn_memory!r} is not supported; "
+                              f"allowed: {', '.join(ATTN_MEMORY)}")
+        if not self.fused and self.attn_backend == "flex":
+            raise ConfigError(f"model.fused=false (the explicit path) contradicts model.attn_backend="
+                              f"{self.attn_backend}; set model.attn_backend=explicit and leave fused=true")
 
     def validate_knob_owners(self) -> None:
         """A knob away from its default whose component is not selected would silently do nothing: refused."""

@@ -9,7 +9,7 @@ With a KV cache (`cache.py`) the queries are the new positions start .. start + 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import torch
@@ -90,6 +90,7 @@ class Layout:
     start: int = 0  # positions held by a KV cache before this forward's queries
     rope_keys: Optional[Callable[[torch.Tensor], torch.Tensor]] = None  # RoPE of the keys 0 .. start + n_pos - 1
     cache: Optional[Any] = None  # the KV cache (cache.KVCache) the layers read and extend, or None
+    memo: dict = field(default_factory=dict, repr=False)  # what a backend builds once per forward for every layer
 
     @property
     def n_key_pos(self) -> int:
@@ -121,6 +122,25 @@ class Layout:
         if self.n_slots:
             seen = torch.cat([torch.ones(len(rows), self.n_slots, dtype=torch.bool, device=self.device), seen], 1)
         return seen
+
+    def key_mask_mod(self) -> MaskMod:
+        """`mask_mod` over this forward's query rows 0 .. n_pos - 1 and key indices 0 .. n_keys - 1 (the bias slots
+        first, always visible): the indices a fused kernel (FlexAttention) passes, mapped to positions."""
+        n_slots, start, mod = self.n_slots, self.start, self.mask_mod
+
+        def mask(b, h, q_idx, kv_idx):
+            return (kv_idx < n_slots) | mod(b, h, q_idx + start, (kv_idx - n_slots).clamp(min=0))
+        return mask
+
+    def bias_by_distance(self) -> Optional[torch.Tensor]:
+        """(H, 2 P - 1) logit bias by key - query distance d = -(P - 1) .. P - 1 at entry d + P - 1, P = n_key_pos:
+        what a fused kernel looks up instead of building (H, R, n_keys). ALiBi and T5 relative biases depend on the
+        positions only through d, so the row of the last position against keys 0 .. 2 P - 2 holds every distance."""
+        if self.logit_bias is None:
+            return None
+        P = self.n_key_pos
+        last = torch.tensor([P - 1], device=self.device)
+        return self.logit_bias(last, torch.arange(2 * P - 1, device=self.device))[:, 0]  # (H, 1, 2P - 1) -> (H, 2P - 1)
 
     def bias(self, rows: torch.Tensor) -> Optional[torch.Tensor]:
         """(H, R, n_keys) additive logit bias from ALiBi / relative positions, zero on the bias slot."""

@@ -119,3 +119,5 @@ GATES: Registry = Registry("gate", "attention-output gate", llama="none", group=
 ATTN_BIASES: Registry = Registry("attn_bias", "attention bias", llama="none", group="bias")
 
 FAMILIES: tuple[Registry, ...] = (POSITIONS, NORMS, NORM_POSITIONS, FFNS, ATTENTION_OPS, ATTN_BIASES, GATES)
+# how attention runs, not what it computes (an execution choice, like model.compile): not an architecture family
+ATTN_BACKENDS: Registry = Registry("attn_backend", "attention backend", llama="sdpa", group="backend")

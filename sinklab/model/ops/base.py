@@ -6,6 +6,7 @@ from typing import Any, ClassVar, Optional
 
 import torch
 
+from ..backends import AttentionBackend
 from ..masks import Layout
 from ..registry import Component
 
@@ -17,14 +18,14 @@ class AttentionOp(Component, torch.nn.Module):
     `probs` for an operation without logits. It declares:
       row_normalised(cfg)  whether every row of its map sums to one (else the metric also reports Sink*)
       has_logits           whether it has logits that ALiBi / relative biases can be added to
-      fused(...)           a fused kernel's output, or None to use the explicit map
+      fusable(cfg)         whether `fused` computes it with this config (backend, masks, model.attn_memory)
+      fused(...)           a fused kernel's output (softmax: through the backend), or None to use the explicit map
       llama_ok(cfg)        whether transformers' LLaMA can represent it (export-hf asks)
     Its parameters (a learned sink logit, a feature map) are submodules / parameters of the op.
     """
 
     has_logits: ClassVar[bool] = True
     rows_sum_to_one: ClassVar[bool] = False  # what row_normalised says unless a knob decides
-    fuses: ClassVar[bool] = False  # what fusable says: `fused` computes this operation
 
     def __init__(self, cfg: Any):
         super().__init__()
@@ -36,11 +37,11 @@ class AttentionOp(Component, torch.nn.Module):
 
     @classmethod
     def fusable(cls, cfg: Any) -> bool:
-        """Whether `fused` computes this operation (checked without building it)."""
-        return cls.fuses
+        """Whether `fused` computes this operation under this config (checked without building it)."""
+        return False
 
-    def fused(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Layout,
-              scale: float) -> Optional[torch.Tensor]:
+    def fused(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Layout, scale: float,
+              backend: AttentionBackend) -> Optional[torch.Tensor]:
         """q (B, H, N, hd), k and v (B, H, n_keys, hd) -> (B, H, N, hd), or None where there is no fused path."""
         return None
 

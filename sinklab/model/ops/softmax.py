@@ -6,8 +6,8 @@ import dataclasses
 from typing import Any, Optional
 
 import torch
-import torch.nn.functional as F
 
+from ..backends import AttentionBackend
 from ..masks import Layout
 from ..registry import ATTENTION_OPS
 from .base import AttentionOp
@@ -15,7 +15,7 @@ from .base import AttentionOp
 
 @ATTENTION_OPS.register("softmax")
 class Softmax(AttentionOp):
-    """softmax over the visible keys; fused through scaled_dot_product_attention."""
+    """softmax over the visible keys; fused through the backend (sinklab/model/backends.py)."""
 
     @dataclasses.dataclass
     class Knobs:
@@ -25,21 +25,15 @@ class Softmax(AttentionOp):
     def resolve(cls, cfg: Any) -> type:
         return {"none": Softmax, "learned": LearnedSinkLogitSoftmax, "zero": OffByOneSoftmax}[cfg.sink_logit]
 
-    rows_sum_to_one = fuses = llama = True
+    rows_sum_to_one = llama = True
 
-    def fused(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Layout,
-              scale: float) -> Optional[torch.Tensor]:
-        """SDPA: is_causal for plain causal attention, no mask for one new query that sees every key (decoding),
-        else a boolean mask, or an additive one with position biases."""
-        if layout.is_plain_causal:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
-        if layout.sees_every_key:
-            return F.scaled_dot_product_attention(q, k, v, scale=scale)
-        rows = layout.rows()
-        mask, bias = layout.mask(rows), layout.bias(rows)
-        if bias is not None:
-            mask = bias.to(q.dtype).masked_fill(~mask, float("-inf"))
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    @classmethod
+    def fusable(cls, cfg: Any) -> bool:
+        return cfg.backend != "explicit"
+
+    def fused(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Layout, scale: float,
+              backend: AttentionBackend) -> Optional[torch.Tensor]:
+        return backend.softmax(q, k, v, layout, scale)
 
     def normalise(self, s: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
         return torch.softmax(s.masked_fill(~seen, float("-inf")), dim=-1)
@@ -48,14 +42,18 @@ class Softmax(AttentionOp):
 class OffByOneSoftmax(Softmax):
     """softmax over the keys and one extra zero logit, dropped from the map: rows sum to less than one."""
 
-    rows_sum_to_one = fuses = llama = False
+    rows_sum_to_one = llama = False
 
     @classmethod
     def llama_mismatch(cls, cfg: Any) -> Optional[str]:
         return f"model.sink_logit={cfg.sink_logit} (LLaMA needs none)"
 
-    def fused(self, q, k, v, layout, scale) -> None:
-        return None
+    @classmethod
+    def fusable(cls, cfg: Any) -> bool:
+        return cfg.backend == "flex"  # sdpa has no extra logit
+
+    def fused(self, q, k, v, layout, scale, backend):
+        return backend.softmax(q, k, v, layout, scale, sink=self.extra_logit(q))
 
     def extra_logit(self, s: torch.Tensor) -> torch.Tensor:
         return torch.zeros(self.n_head, device=s.device)
