@@ -415,3 +415,42 @@ def test_every_job_of_the_preset_trains_one_step(name, tmp_path):
         check_job_dir(job_dir, name)
     report = build_report(tmp_path)
     assert len(report["rows"]) == len(jobs) and all(r["status"] != "pending" for r in report["rows"])
+
+
+EVAL_SWEEP = QUANT_SWEEP.parent / "eval_sweep.sh"
+
+
+def test_eval_sweep_script_gathers_streaming_and_intervene_into_csvs(tmp_path, small_run):
+    """experiments/cpu/eval_sweep.sh on a one-job sweep (the shared small run as job 0, a job 1 without a
+    checkpoint): streaming.csv and intervene.csv hold each job's overrides and its JSON's numbers."""
+    import shutil
+
+    import pandas as pd
+
+    run, _, _ = small_run
+    sweep = tmp_path / "sweep"
+    shutil.copytree(run, sweep / "0")
+    (sweep / "0" / ".hydra" / "overrides.yaml").write_text("- seed=0\n")
+    (sweep / "1" / ".hydra").mkdir(parents=True)
+    env = {**ENV, "PATH": str(Path(sys.executable).parent) + os.pathsep + ENV.get("PATH", "")}
+    for kind, options in (("streaming", ["--n-tokens", "200", "--first", "0,1", "--recent", "8",
+                                         "--baselines", "recompute"]),
+                          ("intervene", ["--val-batches", "1", "--interventions", "mask_first"])):
+        proc = subprocess.run(["bash", str(EVAL_SWEEP), str(sweep), kind, *options], capture_output=True, text=True,
+                              timeout=300, env=env)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert f"{sweep / '1'}: no checkpoints/last.ckpt" in proc.stderr
+        (row,) = pd.read_csv(sweep / f"{kind}.csv", dtype={"job": str}).to_dict("records")
+        res = json.loads((sweep / "0" / f"{kind}.json").read_text())
+        assert row["job"] == "0" and row["seed"] == 0
+        if kind == "streaming":
+            assert [s["kind"] for s in res["settings"]] == ["streaming", "streaming", "recompute"]
+            for s, column in zip(res["settings"], ("x0_y8", "x1_y8", "recompute")):
+                assert row[f"{column}_ppl"] == pytest.approx(s["ppl"]) and row[f"{column}_keys"] == s["keys"]
+        else:
+            assert row["massive_layer"] == res["massive"]["layer"] + 1
+            for name in ("none", "mask_first"):
+                for key in ("ppl", "dppl", "sink1", "alpha1"):
+                    assert row[f"{name}_{key}"] == pytest.approx(res["rows"][name][key])
+    bad = subprocess.run(["bash", str(EVAL_SWEEP), str(sweep), "measure"], capture_output=True, text=True, env=env)
+    assert bad.returncode == 2 and "EVAL measure is not one of quant, streaming, intervene" in bad.stderr
