@@ -155,7 +155,7 @@ def test_one_preset_per_ablation_of_the_paper():
 def test_preset_sweep_composes_validates_and_covers_the_paper_table(name, scale):
     base = composed(f"experiment={name}", f"scale={scale}", hydra=True)
     assert base.experiment.name == name
-    assert base.hydra.runtime.choices.scale == scale and base.scale.name == scale  # scale= beats the preset's cpu
+    assert base.hydra.runtime.choices.scale == scale and base.scale.name == scale  # scale= beats the preset's own
     assert base.model.block_size == CONTEXT[scale] and base.data.block_size == CONTEXT[scale]
     assert base.ckpt_path == "auto" and name in base.tags and f"scale-{scale}" in base.tags
     assert base.hydra.sweeper._target_.endswith("BasicSweeper")

@@ -136,12 +136,16 @@ def test_reproduce_script_lists_the_results_sweeps():
     total = sum(len(jobs_of(c)) for c in reproduce_sweeps(("sweep",)))  # the default: every `sweep`, no `extra`
     assert f"{total} jobs" in README.read_text() and f"all {total} jobs" in REPRODUCE.read_text(), total
     extra = {words[1]: len(jobs_of(c)) for words, c in zip(reproduce_lines(("extra",)), reproduce_sweeps(("extra",)))}
-    assert set(extra) == {"residual_sinks", "gate_positions", "outliers_quant"}, extra  # issue 15, opt-in
+    assert set(extra) == {"residual_sinks", "gate_positions", "outliers_quant", "sink_uses"}, extra  # 15, 16: opt-in
     text = REPRODUCE.read_text()
     assert all(f"{name} {n}" in text for name, n in extra.items())  # the header's job counts
 
 
+QUICK_PRESETS = ("residual_sinks", "gate_positions", "outliers_quant", "sink_uses")  # their default: scale=quick
+
+
 @pytest.mark.parametrize("command", reproduce_sweeps())
 def test_every_reproduce_sweep_composes_and_validates(command):
+    quick = any(f"experiment={name}" in command for name in QUICK_PRESETS)
     for job, cfg in validated_jobs(command):
-        assert cfg.scale.name == "cpu" and cfg.trainer.max_steps == 3000, (command, job)
+        assert (cfg.scale.name, cfg.trainer.max_steps) == (("quick", 1600) if quick else ("cpu", 3000)), (command, job)

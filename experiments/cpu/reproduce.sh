@@ -4,12 +4,14 @@
 #   bash experiments/cpu/reproduce.sh [OUT_DIR] [NAME ...]
 #
 # OUT_DIR defaults to logs/cpu_findings; NAMEs pick sweeps (default: all 23 jobs, ~4 hours on 2 cores: each 3000-step job
-# takes ~10 min on 2 idle cores, ~19 min when two run side by side on one thread each). The `extra` sweeps (issue 15:
-# residual_sinks 12 jobs, gate_positions 9, outliers_quant 6, ~4.5 hours together) run only when their NAME is given:
-#   bash experiments/cpu/reproduce.sh logs/cpu_findings residual_sinks gate_positions outliers_quant
-# outliers_quant's jobs are then evaluated by `sinklab quant` into OUT_DIR/outliers_quant/quant.csv. Each sweep goes to
+# takes ~10 min on 2 idle cores, ~19 min when two run side by side on one thread each). The `extra` sweeps run only
+# when their NAME is given, at scale=quick (1600 steps, ~4 min per job on one thread, two side by side): issue 15's
+# residual_sinks 12 jobs, gate_positions 18, outliers_quant 12, issue 16's sink_uses 10 (~1.7 hours together):
+#   bash experiments/cpu/reproduce.sh logs/cpu_findings residual_sinks gate_positions outliers_quant sink_uses
+# outliers_quant's jobs are then evaluated by `sinklab quant`, and its and sink_uses' jobs by `sinklab eval streaming`
+# and `sinklab eval intervene`, into OUT_DIR/NAME/{quant,streaming,intervene}.csv (eval_sweep.sh). Each sweep goes to
 # OUT_DIR/NAME and its `sinklab report` to OUT_DIR/NAME/report; the window sweep is also measured on probes as long as
-# its windows. Every sweep runs on scale=cpu (the experiment presets default to it). RESULTS.md names, for each
+# its windows. Every other sweep runs on scale=cpu. RESULTS.md names, for each
 # number, the sweep it came from; tests/test_readme.py composes and validates every job listed here.
 set -euo pipefail
 OUT=${1:-logs/cpu_findings}
@@ -56,13 +58,22 @@ sweep random       experiment=random_tokens "data.random_positions=[1],[1,2]"
 sweep no_bos       scale=cpu data.bos=false data.probe_bos=false
 sweep window       experiment=window experiment.variant=w512,w1024 seed=2
 
-# 4. residual sinks, gate positions, outliers and quantization (issue 15): only when named
+# 4. residual sinks, gate positions, outliers and quantization (issue 15), what sinks are for (issue 16): only when
+# named, at scale=quick (the presets' default)
 extra residual_sinks experiment=residual_sinks
-extra gate_positions experiment=gate_positions
-extra outliers_quant experiment=outliers_quant
+extra gate_positions experiment=gate_positions seed=0,1
+extra outliers_quant experiment=outliers_quant seed=0,1
+extra sink_uses      experiment=sink_uses seed=0,1
+EVAL="$(dirname "$0")/eval_sweep.sh"
 if named outliers_quant; then
-  bash "$(dirname "$0")/quant_sweep.sh" "$OUT/outliers_quant"   # sinklab quant --json per job -> quant.csv
+  bash "$EVAL" "$OUT/outliers_quant" quant   # sinklab quant --json per job -> quant.csv
 fi
+for name in outliers_quant sink_uses; do
+  if named "$name"; then
+    bash "$EVAL" "$OUT/$name" intervene
+    bash "$EVAL" "$OUT/$name" streaming --first 0,1,4 --recent 16,60
+  fi
+done
 
 # the window models measured on probes no longer than their windows (16 and 32 tokens), where every query sees
 # token 1; the recipe's seed-2 model measured the same way for comparison
