@@ -146,6 +146,14 @@ def check_job_dir(job_dir: Path, name: str) -> dict:
 
 
 # ------------------------------------------------------------------------------------------- composition (fast)
+@pytest.mark.parametrize("scale", ("quick", *SCALES))
+def test_each_scale_saves_its_last_step(scale):
+    """The checkpoint cadence divides max_steps, so checkpoints/last.ckpt (what `sinklab measure / quant / eval`
+    read) is the model at the end of training, not one up to every_n_train_steps - 1 steps older."""
+    cfg = composed(f"scale={scale}")
+    assert cfg.trainer.max_steps % cfg.callbacks.checkpoint.every_n_train_steps == 0, scale
+
+
 def test_one_preset_per_ablation_of_the_paper():
     assert set(PRESETS) == REQUIRED
 
