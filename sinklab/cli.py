@@ -18,30 +18,33 @@ COMMANDS = {
 }
 
 
-def usage() -> str:
-    lines = ["usage: sinklab COMMAND [ARGS...]", "", "commands:"]
-    lines += [f"  {name:<10} {desc}" for name, (_, desc) in COMMANDS.items()]
-    lines += ["", "training is `sinklab-train` (Hydra); `sinklab COMMAND --help` for a command's options"]
-    return "\n".join(lines)
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def dispatch(prog: str, commands: dict[str, tuple[str, str]], footer: str,
+             argv: Optional[Sequence[str]] = None) -> int:
+    """Run `prog NAME ARGS...`: NAME's module's main(ARGS) (imported only then); the listing for no NAME or --help,
+    and a one-line error (exit 2) for an unknown NAME or a UserError. `sinklab` and `sinklab eval` are both this."""
     from sinklab.errors import UserError
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
-        print(usage())
+        lines = [f"usage: {prog} COMMAND [ARGS...]", "", "commands:"]
+        lines += [f"  {name:<10} {desc}" for name, (_, desc) in commands.items()]
+        print("\n".join(lines + ["", footer]))
         return 0
     name, rest = argv[0], argv[1:]
-    if name not in COMMANDS:
-        print(f"sinklab: unknown command {name!r}; allowed: {', '.join(COMMANDS)}", file=sys.stderr)
+    if name not in commands:
+        print(f"{prog}: unknown command {name!r}; allowed: {', '.join(commands)}", file=sys.stderr)
         return 2
-    module = importlib.import_module(COMMANDS[name][0])
+    module = importlib.import_module(commands[name][0])
     try:
         return int(module.main(rest) or 0)
     except UserError as err:
-        print(f"sinklab {name}: error: {err}", file=sys.stderr)
+        print(f"{prog} {name}: error: {err}", file=sys.stderr)
         return 2
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    return dispatch("sinklab", COMMANDS, "training is `sinklab-train` (Hydra); `sinklab COMMAND --help` for a "
+                    "command's options", argv)
 
 
 if __name__ == "__main__":

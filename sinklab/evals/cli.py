@@ -1,9 +1,10 @@
 """`sinklab eval SUBCOMMAND`: evaluations of a checkpoint, a run dir or a transformers model."""
 from __future__ import annotations
 
-import importlib
 import sys
 from typing import Optional, Sequence
+
+from sinklab.cli import dispatch
 
 SUBCOMMANDS = {
     "streaming": ("sinklab.evals.streaming", "perplexity over a long text with a KV cache of x first + y recent tokens"),
@@ -12,18 +13,9 @@ SUBCOMMANDS = {
 }
 
 
-def usage() -> str:
-    lines = ["usage: sinklab eval SUBCOMMAND [ARGS...]", "", "subcommands:"]
-    lines += [f"  {name:<10} {desc}" for name, (_, desc) in SUBCOMMANDS.items()]
-    return "\n".join(lines + ["", "`sinklab eval SUBCOMMAND --help` for its options"])
-
-
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help"):
-        print(usage())
-        return 0
-    if argv[0] not in SUBCOMMANDS:
-        print(f"sinklab eval: unknown subcommand {argv[0]!r}; allowed: {', '.join(SUBCOMMANDS)}", file=sys.stderr)
-        return 2
-    return int(importlib.import_module(SUBCOMMANDS[argv[0]][0]).main(argv[1:]) or 0)
+    return dispatch("sinklab eval", SUBCOMMANDS, "`sinklab eval SUBCOMMAND --help` for its options", argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
