@@ -32,6 +32,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from sinklab.config import CONF_DIR, compose, validate_config
 from sinklab.data.controls import BlockControls
+from sinklab.errors import UserError
 from sinklab.report import build_report, load_paper_tables, match_paper_row
 
 PRESETS = sorted(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml"))
@@ -39,11 +40,12 @@ SCALES = ("cpu", "paper")
 TABLES = load_paper_tables()
 # one preset per ablation of Gu et al. (ICLR 2025), plus sink_free beyond the paper and the presets of other papers'
 # claims (issue 15: residual sinks, Qwen's gate positions, outliers and quantization; issue 16: what sinks are for),
-# which name their source in experiment.reference instead of a paper_tables.yaml table
+# which name their source in experiment.reference instead of a paper_tables.yaml table; no_bos maps where a sink on
+# an arbitrary first token begins (issue 17)
 REQUIRED = {"learning_rate", "batch_size", "weight_decay", "data_amount", "fixed_token_position", "random_tokens",
             "prefix_lm", "window", "positional_encoding", "post_norm", "ffn", "heads", "biases", "bias_head_sharing",
             "fixed_value_bias", "attention_operation", "softmax_scale", "sigmoid_no_norm_lr_wd", "sink_free",
-            "residual_sinks", "gate_positions", "outliers_quant", "sink_uses"}
+            "residual_sinks", "gate_positions", "outliers_quant", "sink_uses", "no_bos"}
 CONTEXT = {"cpu": 64, "paper": 2048}
 SECTIONS = ("model", "data", "optim", "trainer")
 # keeps one job to seconds: one step, validation and sink measurement on a few blocks
@@ -164,7 +166,9 @@ def test_preset_sweep_composes_validates_and_covers_the_paper_table(name, scale)
     base = composed(f"experiment={name}", f"scale={scale}", hydra=True)
     assert base.experiment.name == name
     assert base.hydra.runtime.choices.scale == scale and base.scale.name == scale  # scale= beats the preset's own
-    assert base.model.block_size == CONTEXT[scale] and base.data.block_size == CONTEXT[scale]
+    setting = OmegaConf.select(base, "experiment.setting")  # a preset whose variants set the context (no_bos)
+    context = setting.get("ctx") if OmegaConf.is_dict(setting) else None
+    assert base.model.block_size == (context or CONTEXT[scale]) and base.data.block_size == base.model.block_size
     assert base.ckpt_path == "auto" and name in base.tags and f"scale-{scale}" in base.tags
     assert base.hydra.sweeper._target_.endswith("BasicSweeper")
     params = sweep_params(name, scale)
@@ -306,6 +310,38 @@ def test_paired_values_move_together_and_unknown_variants_fail():
     unknown = composed("experiment=learning_rate", "experiment.variant=lr3e-4_20k")
     with pytest.raises(OmegaConfBaseException):  # a label the table lacks
         OmegaConf.to_container(unknown.optim, resolve=True)
+    # what sinklab-train says before any compute: one line with the allowed labels, or the scales the preset has
+    with pytest.raises(UserError, match=r"^experiment.variant='lr3e-4_20k' is not a variant of "
+                                        r"experiment=learning_rate; allowed: lr8e-4_10k, .*lr1e-4_80k$"):
+        validate_config(unknown)
+    with pytest.raises(UserError, match=r"^experiment=learning_rate has no settings for scale=quick; "
+                                        r"allowed: scale=paper, scale=cpu$"):
+        validate_config(composed("experiment=learning_rate", "scale=quick"))
+
+
+def test_no_bos_variants_move_one_axis_at_fixed_tokens_per_step():
+    """experiment=no_bos: no BOS in training blocks or probes; at each scale every variant sees the same tokens per
+    optimizer step as the scale's own default, and differs from the centre variant (ctx_mid at the CPU scales, the
+    context-2048 60m model at scale=paper) in one axis: context, depth / width, lr or weight decay."""
+    axes = {"ctx": ("model.block_size",), "deep": ("model.n_layer",), "wide": ("model.d_model", "model.d_ff"),
+            "lr": ("optim.lr",), "wd": ("optim.weight_decay",)}
+    keys = sorted({k for ks in axes.values() for k in ks})
+    for scale in ("quick", *SCALES):
+        base = composed(f"scale={scale}")
+        tokens = _global_batch(base) * base.data.block_size
+        centre = _variant("no_bos", scale, "ctx_long" if scale == "paper" else "ctx_mid")
+        variants = [job[0].partition("=")[2] for job in sweep_jobs(sweep_params("no_bos", scale))]
+        assert len(variants) == 10
+        for v in variants:
+            cfg = _variant("no_bos", scale, v)
+            assert not cfg.data.bos and not cfg.data.probe_bos, (scale, v)
+            assert _global_batch(cfg) * cfg.model.block_size == tokens, (scale, v)
+            changed = {k for k in keys if value_of(cfg, k) != value_of(centre, k)}
+            allowed = set().union(*(axes[a] for a in axes if v.startswith(a) or (a in v.split("_"))))
+            assert changed <= allowed, (scale, v, changed)
+            assert changed or v == centre.experiment.variant, (scale, v)
+        big = _variant("no_bos", scale, "deep_wide")
+        assert big.model.n_layer >= 2 * centre.model.n_layer and big.model.d_model >= 2 * centre.model.d_model
 
 
 # ------------------------------------------------------------------------------ one real step per preset (fast)

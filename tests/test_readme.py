@@ -6,6 +6,7 @@ checks the rest as a user would type them.
 """
 from __future__ import annotations
 
+import re
 import shlex
 from pathlib import Path
 
@@ -136,16 +137,21 @@ def test_reproduce_script_lists_the_results_sweeps():
     total = sum(len(jobs_of(c)) for c in reproduce_sweeps(("sweep",)))  # the default: every `sweep`, no `extra`
     assert f"{total} jobs" in README.read_text() and f"all {total} jobs" in REPRODUCE.read_text(), total
     extra = {words[1]: len(jobs_of(c)) for words, c in zip(reproduce_lines(("extra",)), reproduce_sweeps(("extra",)))}
-    assert set(extra) == {"residual_sinks", "gate_positions", "outliers_quant", "sink_uses"}, extra  # 15, 16: opt-in
+    assert set(extra) == {"residual_sinks", "gate_positions", "outliers_quant", "sink_uses",  # 15, 16: opt-in
+                          "no_bos_map", "no_bos_tokens", "no_bos_big", "no_bos_seed1", "no_bos_ctx1024",  # 17
+                          "no_bos_with_bos", "no_bos_with_bos_long"}, extra
     text = REPRODUCE.read_text()
     assert all(f"{name} {n}" in text for name, n in extra.items())  # the header's job counts
 
 
-QUICK_PRESETS = ("residual_sinks", "gate_positions", "outliers_quant", "sink_uses")  # their default: scale=quick
+QUICK_PRESETS = ("residual_sinks", "gate_positions", "outliers_quant", "sink_uses", "no_bos")  # default: scale=quick
 
 
 @pytest.mark.parametrize("command", reproduce_sweeps())
 def test_every_reproduce_sweep_composes_and_validates(command):
     quick = any(f"experiment={name}" in command for name in QUICK_PRESETS)
     for job, cfg in validated_jobs(command):
-        assert (cfg.scale.name, cfg.trainer.max_steps) == (("quick", 1600) if quick else ("cpu", 3000)), (command, job)
+        steps = re.search(r"trainer\.max_steps=(\d+)", command)  # a longer run of a preset's variant
+        default = ("quick", 1600) if quick else ("cpu", 3000)
+        assert (cfg.scale.name, cfg.trainer.max_steps) == (default[0], int(steps[1]) if steps else default[1]), \
+            (command, job)

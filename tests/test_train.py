@@ -97,6 +97,20 @@ def test_resume_from_last_continues_the_step_count(run, tmp_path):
     assert ckpt["global_step"] == 80
 
 
+def test_a_longer_constant_lr_run_repeats_the_shorter_one_step_for_step(tmp_path):
+    """With a constant lr after warmup, a run of 40 steps logs exactly the losses and sink metric of a 20-step run
+    over its first 20 steps: the data order and the schedule do not depend on max_steps, so a long run's early
+    measurements stand for the shorter runs (what experiment=no_bos's training-token axis rests on)."""
+    short, long = tmp_path / "short", tmp_path / "long"
+    for out, steps in ((short, 20), (long, 40)):
+        train(out, f"trainer.max_steps={steps}", "optim.schedule=constant")
+    for key in ("train/loss", "sink/alpha1", "val/loss"):
+        first = column(short / "metrics.csv", key)
+        assert first, key
+        assert column(long / "metrics.csv", key)[:len(first)] == first, key
+    assert max(s for s, _ in column(long / "metrics.csv", "train/loss")) > 20
+
+
 # ---------------------------------------------------------------------------------------------- model.compile
 def backend_is_installed(name: str) -> bool:
     import importlib.util

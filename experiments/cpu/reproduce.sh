@@ -8,6 +8,11 @@
 # when their NAME is given, at scale=quick (1600 steps, ~4 min per job on one thread, two side by side): issue 15's
 # residual_sinks 12 jobs, gate_positions 18, outliers_quant 12, issue 16's sink_uses 10 (~1.7 hours together):
 #   bash experiments/cpu/reproduce.sh logs/cpu_findings residual_sinks gate_positions outliers_quant sink_uses
+# and issue 17's map of where a sink on an arbitrary first token begins (no BOS): no_bos_map 10 (~50 min), then
+# no_bos_tokens 1 (the context-256 model for 19,200 steps, ~35 min) and no_bos_big 1 (the 6-layer width-256 model for
+# 4,800 steps, ~46 min), each also measured on 256-token probes (measure_T256.txt in every job dir of context >= 256);
+# with them RESULTS.md section 6 used no_bos_seed1 4 (~13 min), no_bos_ctx1024 1 (~8 min) and the BOS controls
+# no_bos_with_bos 2 (~18 min) and no_bos_with_bos_long 1 (~12 min).
 # outliers_quant's jobs are then evaluated by `sinklab quant`, and its and sink_uses' jobs by `sinklab eval streaming`
 # and `sinklab eval intervene`, into OUT_DIR/NAME/{quant,streaming,intervene}.csv (eval_sweep.sh). Each sweep goes to
 # OUT_DIR/NAME and its `sinklab report` to OUT_DIR/NAME/report; the window sweep is also measured on probes as long as
@@ -64,6 +69,23 @@ extra residual_sinks experiment=residual_sinks
 extra gate_positions experiment=gate_positions seed=0,1
 extra outliers_quant experiment=outliers_quant seed=0,1
 extra sink_uses      experiment=sink_uses seed=0,1
+
+# 5. where a sink on an arbitrary first token begins (issue 17), at scale=quick, only when named
+extra no_bos_map     experiment=no_bos
+extra no_bos_tokens  experiment=no_bos experiment.variant=ctx_mid trainer.max_steps=19200
+extra no_bos_big     experiment=no_bos experiment.variant=deep_wide trainer.max_steps=4800
+extra no_bos_seed1   experiment=no_bos experiment.variant=ctx_short,ctx_mid,ctx_long,wd_zero seed=1
+extra no_bos_ctx1024 experiment=no_bos experiment.variant=ctx_long model.block_size=1024 data.batch_size=1
+extra no_bos_with_bos      experiment=no_bos experiment.variant=ctx_mid,deep_wide data.bos=true data.probe_bos=true
+extra no_bos_with_bos_long experiment=no_bos experiment.variant=ctx_mid data.bos=true data.probe_bos=true trainer.max_steps=6400
+for name in no_bos_map no_bos_tokens no_bos_big no_bos_seed1 no_bos_ctx1024 no_bos_with_bos no_bos_with_bos_long; do
+  if named "$name"; then  # the models of context >= 256 (all but ctx_short's 64) also on probes of 256 tokens
+    for job in "$OUT/$name"/*/; do
+      grep -q "experiment.variant=ctx_short" "$job/.hydra/overrides.yaml" && continue
+      sinklab measure "$job" --seq-len 256 | tee "$job/measure_T256.txt"
+    done
+  fi
+done
 EVAL="$(dirname "$0")/eval_sweep.sh"
 if named outliers_quant; then
   bash "$EVAL" "$OUT/outliers_quant" quant   # sinklab quant --json per job -> quant.csv

@@ -17,6 +17,7 @@ from sinklab.errors import UserError
 from sinklab.model.config import ModelConfig
 
 from .messages import unknown_key_message
+from .store import CONF_DIR
 from .schema import Check, choice, either, integer, is_int, not_allowed, number, show, string
 
 __all__ = ["validate_config", "built", "check_devices"]
@@ -156,12 +157,32 @@ def built(cfg: DictConfig, key: str) -> Any:
         raise UserError(f"{full_key} does not resolve: {str(err).splitlines()[0]}") from None
 
 
+def _check_experiment(cfg: DictConfig) -> None:
+    """A preset with labelled variants (experiment.variants, picked by experiment.variant, often per scale): the label
+    and the scale must be among its entries."""
+    exp = cfg.get("experiment") if isinstance(cfg, DictConfig) else None
+    variants = exp.get("variants") if isinstance(exp, DictConfig) else None
+    if not isinstance(variants, DictConfig):
+        return
+    name, variant = exp.get("name", "?"), exp.get("variant")
+    if variant not in variants:
+        raise UserError(f"experiment.variant={show(_plain(variant))} is not a variant of experiment={name}; "
+                        f"allowed: {', '.join(map(str, variants.keys()))}")
+    entry, scale = variants[variant], _select(cfg, "scale.name")
+    scales = sorted(p.stem for p in (CONF_DIR / "scale").glob("*.yaml"))
+    given = [str(k) for k in entry.keys() if str(k) in scales] if isinstance(entry, DictConfig) else []
+    if given and scale not in given:
+        raise UserError(f"experiment={name} has no settings for scale={scale}; allowed: "
+                        f"{', '.join(f'scale={s}' for s in given)}")
+
+
 def validate_config(cfg: DictConfig) -> ModelConfig:
     """Refuse bad training configs with one line naming the key, the value and what is allowed."""
     model_node = _select(cfg, "model")
     if not isinstance(model_node, DictConfig):
         raise UserError(f"model={show(_plain(model_node))} is not a model config; choose a preset: model=tiny, "
                         "model=14m, model=60m or model=1b")
+    _check_experiment(cfg)
     # the hydra node (present in configs composed with return_hydra_config) is Hydra's: its sweep dir
     # interpolates hydra.job.num, which is only set inside a job, so it is not searched
     missing = sorted(OmegaConf.missing_keys(OmegaConf.masked_copy(cfg, [k for k in cfg.keys() if k != "hydra"])))
