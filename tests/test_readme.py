@@ -149,9 +149,7 @@ QUICK_PRESETS = ("residual_sinks", "gate_positions", "outliers_quant", "sink_use
 
 @pytest.mark.parametrize("command", reproduce_sweeps())
 def test_every_reproduce_sweep_composes_and_validates(command):
-    quick = any(f"experiment={name}" in command for name in QUICK_PRESETS)
+    scale, steps = ("quick", 1600) if any(f"experiment={name}" in command for name in QUICK_PRESETS) else ("cpu", 3000)
+    longer = re.search(r"trainer\.max_steps=(\d+)", command)  # a longer run of a preset's variant
     for job, cfg in validated_jobs(command):
-        steps = re.search(r"trainer\.max_steps=(\d+)", command)  # a longer run of a preset's variant
-        default = ("quick", 1600) if quick else ("cpu", 3000)
-        assert (cfg.scale.name, cfg.trainer.max_steps) == (default[0], int(steps[1]) if steps else default[1]), \
-            (command, job)
+        assert (cfg.scale.name, cfg.trainer.max_steps) == (scale, int(longer[1]) if longer else steps), (command, job)

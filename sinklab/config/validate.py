@@ -17,8 +17,8 @@ from sinklab.errors import UserError
 from sinklab.model.config import ModelConfig
 
 from .messages import unknown_key_message
-from .store import CONF_DIR
 from .schema import Check, choice, either, integer, is_int, not_allowed, number, show, string
+from .store import CONF_DIR
 
 __all__ = ["validate_config", "built", "check_devices"]
 _MISSING = object()
@@ -160,7 +160,7 @@ def built(cfg: DictConfig, key: str) -> Any:
 def _check_experiment(cfg: DictConfig) -> None:
     """A preset with labelled variants (experiment.variants, picked by experiment.variant, often per scale): the label
     and the scale must be among its entries."""
-    exp = cfg.get("experiment") if isinstance(cfg, DictConfig) else None
+    exp = cfg.get("experiment")
     variants = exp.get("variants") if isinstance(exp, DictConfig) else None
     if not isinstance(variants, DictConfig):
         return
@@ -172,7 +172,8 @@ def _check_experiment(cfg: DictConfig) -> None:
     scales = sorted(p.stem for p in (CONF_DIR / "scale").glob("*.yaml"))
     given = [str(k) for k in entry.keys() if str(k) in scales] if isinstance(entry, DictConfig) else []
     if given and scale not in given:
-        raise UserError(f"experiment={name} has no settings for scale={scale}; allowed: "
+        chosen = f"scale={scale}" if scale is not _MISSING else "no scale (~scale)"
+        raise UserError(f"experiment={name} has no settings for {chosen}; allowed: "
                         f"{', '.join(f'scale={s}' for s in given)}")
 
 
