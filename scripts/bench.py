@@ -5,9 +5,13 @@ peak training memory against T per attention operation (`--section memory`, scri
 
     python scripts/bench.py --config tiny|14m|60m [--steps N] [--threads N] [--batch B] [--compile]
                             [--device cpu|cuda] [--dtype fp32|bf16] [--quick] [--skip NAME ...]
+                            [--set OVERRIDE ...] [--data corpus|random] [--vocab V] [--json PATH]
     python scripts/bench.py --section memory [--memory-T T ...] [--memory-speed-T T ...] [--memory-ops OP ...]
 
 Prints one line per figure (`name: value  (details)`); see docs/performance.md for measured figures and method.
+`--set` takes Hydra overrides of the composed config (an attention path: `--set model/attn=sink_logit
+model.attn_backend=flex`); `--data random --vocab 50432` times the paper's shape (its padded GPT-NeoX vocabulary) on
+random tokens, with no corpus. On a GPU, MFU is also given against the datasheet's dense bf16 peak (sinklab.perf).
 Timings are wall clock; on a shared machine read the ratios (each taken within one round of alternating runs in
 the same process), not the absolute tokens/s. Not part of the unit tests.
 """
@@ -36,7 +40,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
-from sinklab.perf import matmul_probe  # noqa: E402  (shared with training's peak_flops=auto)
+from sinklab.perf import datasheet_peak, matmul_probe  # noqa: E402  (shared with training's peak_flops=auto)
 
 # sequences per step: 2048 tokens in every config (tiny: the data default of 32 blocks), so that a CPU step takes
 # seconds, not minutes; --batch 32 gives the data default for 14m / 60m too
@@ -164,7 +168,11 @@ def median_ci(xs) -> str:
     return f"{v[k]:.3f}..{v[n - 1 - k]:.3f}"
 
 
+FIGURES: dict[str, dict[str, str]] = {}  # every emitted line, for --json
+
+
 def emit(name: str, value: str, detail: str = "") -> None:
+    FIGURES[name] = {"value": value, "detail": detail}
     print(f"{name}: {value}" + (f"  ({detail})" if detail else ""), flush=True)
 
 
@@ -231,17 +239,57 @@ def ratios(a: list[float], b: list[float]) -> list[float]:
 
 
 # ====================================================================== setup
-def compose_cfg(config: str, batch: int, device: torch.device):
+def compose_cfg(config: str, batch: int, device: torch.device, overrides: tuple[str, ...] = ()):
     from sinklab.config import compose
 
     return compose([f"model={config}", f"data.batch_size={batch}",
-                    "trainer.accelerator=" + ("gpu" if device.type == "cuda" else "cpu")])
+                    "trainer.accelerator=" + ("gpu" if device.type == "cuda" else "cpu"), *overrides])
 
 
-def build_datamodule(cfg):
-    """The real LMDataModule of the default config (Shakespeare, cached); None if it cannot be prepared."""
+class RandomTokens:
+    """Uniform random token blocks in the shape of LMDataModule's batches ((B, T + 1) int64), for timing the paper's
+    shape without a corpus; a LightningDataModule for the Lightning section, with the probe set of the sink callback."""
+
+    def __init__(self, vocab: int, batch: int, T: int, seed: int = 0):
+        import lightning as L
+
+        self.vocab_size, self.batch, self.T, self.num_workers = vocab, batch, T, 0
+        gen = torch.Generator().manual_seed(seed)
+        self.blocks = torch.randint(0, vocab, (8 * batch, T + 1), generator=gen)
+        self.probe = torch.randint(0, vocab, (100, 64), generator=gen)
+        outer = self
+
+        class Module(L.LightningDataModule):
+            def train_dataloader(self):
+                return outer.make_train_loader()
+
+            def probe_tokens(self):
+                return outer.probe
+
+        self.module = Module()
+
+    def make_train_loader(self, step: int = 0):
+        def batches():
+            i = step
+            while True:
+                j = (i % 8) * self.batch
+                yield self.blocks[j:j + self.batch]
+                i += 1
+
+        return batches()
+
+    def probe_tokens(self) -> torch.Tensor:
+        return self.probe
+
+
+def build_datamodule(cfg, data: str = "corpus", vocab: int = 50432, batch: int = 1):
+    """The real LMDataModule of the composed config (Shakespeare, cached), or random tokens (--data random, or where
+    the corpus cannot be prepared)."""
     from hydra.utils import instantiate
 
+    if data == "random":
+        emit("data", f"random tokens, vocab {vocab}", "--data random: no corpus")
+        return RandomTokens(vocab, batch, cfg.model.block_size)
     try:
         dm = instantiate(cfg.data, _recursive_=False)
         with warnings.catch_warnings():
@@ -253,14 +301,13 @@ def build_datamodule(cfg):
         return None
 
 
-def make_runs(cfg, dm, B: int, device, dtype, peak_flops=None):
+def make_runs(cfg, dm, B: int, device, dtype, peak_flops=None, vocab: int = 50432):
     from omegaconf import OmegaConf
 
     from sinklab.train.module import LitLM
 
     mc = OmegaConf.to_container(cfg.model, resolve=True)
-    if dm is not None:
-        mc["vocab_size"] = dm.vocab_size
+    mc["vocab_size"] = dm.vocab_size if dm is not None else vocab
     optim = OmegaConf.to_container(cfg.optim, resolve=True)
     torch.manual_seed(0)
     lit = LitLM(model={**mc, "compile": False}, optim=optim, max_steps=cfg.trainer.max_steps,
@@ -297,6 +344,13 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     ap.add_argument("--quick", action="store_true", help="fewer repeats and metric lengths: a smoke check")
     ap.add_argument("--skip", nargs="*", default=[], choices=SECTIONS, help="sections to leave out")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="OVERRIDE",
+                    help="a Hydra override of the composed config, e.g. model/attn=sink_logit (repeatable)")
+    ap.add_argument("--data", choices=["corpus", "random"], default="corpus",
+                    help="corpus: the composed data module (Shakespeare by default); random: random tokens")
+    ap.add_argument("--vocab", type=int, default=50432,
+                    help="vocabulary of --data random (default 50432, the paper's padded GPT-NeoX one)")
+    ap.add_argument("--json", type=Path, default=None, help="also write every figure to this JSON file")
     ap.add_argument("--metric-T", type=int, nargs="+", default=None,
                     help="metric lengths (default 64 1024 4096 8192; 64 1024 with --quick)")
     ap.add_argument("--section", choices=["all", "memory"], default="all",
@@ -329,9 +383,9 @@ def main(argv=None) -> int:
     warnings.filterwarnings("ignore", ".*LeafSpec.*")
     load0 = os.getloadavg()[0]
 
-    cfg = compose_cfg(args.config, B, device)
-    dm = build_datamodule(cfg)
-    lit, ref, sink, plain, batches, mc, optim, diff = make_runs(cfg, dm, B, device, dtype)
+    cfg = compose_cfg(args.config, B, device, tuple(args.overrides))
+    dm = build_datamodule(cfg, args.data, args.vocab, B)
+    lit, ref, sink, plain, batches, mc, optim, diff = make_runs(cfg, dm, B, device, dtype, vocab=args.vocab)
     T = lit.cfg.block_size
     tokens = B * T
     fpt = lit.net.flops_per_token(T)
@@ -340,8 +394,10 @@ def main(argv=None) -> int:
          f"{dev_name}; {threads} threads of {os.cpu_count()} cores; torch {torch.__version__}; "
          f"{lit.net.num_params() / 1e6:.2f}M non-embedding params; vocab {lit.cfg.vocab_size}; "
          f"{fpt / 1e6:.1f} MFLOP/token (6N + 12 L H hd T); "
-         f"{'Shakespeare train loader batches' if dm is not None else 'random tokens'}")
-    emit("reference check", f"|loss difference| {diff:.1e}", "same weights copied into the plain reference")
+         f"{'random tokens' if dm is None or isinstance(dm, RandomTokens) else 'train loader of ' + cfg.data.corpus}"
+         + (f"; overrides: {' '.join(args.overrides)}" if args.overrides else ""))
+    emit("reference check", f"|loss difference| {diff:.1e}", "same weights copied into the plain reference"
+         + ("; --set changes the model, so the plain LLaMA is a timing reference only" if args.overrides else ""))
     if device.type == "cpu" and load0 >= 1.0:
         emit("warning", f"load average {load0:.2f} on {os.cpu_count()} cores before the benchmark",
              "other processes may compete for the cores: absolute figures are low and noisy; read the ratios "
@@ -391,6 +447,11 @@ def main(argv=None) -> int:
              f"per round: model FLOP/s / that round's matmul probe, IQR {spread(mfu)}; reference "
              f"{100 * med(mfu_ref):.1f}%; counting half the attention square (what causal attention computes): "
              f"{100 * causal * med(mfu):.1f}%; train with peak_flops={peak:.3g} to log perf/mfu")
+    sheet = datasheet_peak(device, dtype)
+    if sheet is not None:
+        emit("MFU sinklab (datasheet)", f"{100 * fpt * tokens / med(ts) / sheet:.1f}% of {sheet / 1e12:.1f} TFLOP/s",
+             f"{dev_name}'s dense 16-bit datasheet peak (sinklab.perf.DATASHEET_16BIT); reference "
+             f"{100 * fpt * tokens / med(tr) / sheet:.1f}%")
     if meter is not None:
         meter.report({i: t / ts[i] for i, t in cb_t.items()}, med(ts))
     if data_t:
@@ -400,18 +461,22 @@ def main(argv=None) -> int:
              f"real LMDataModule loader, num_workers={dm.num_workers} (loads in the training process)")
 
     # ---- the whole sinklab training step under Lightning (loop, logging, clipping, scheduler, data loading)
-    if "lightning" not in skip and dm is not None:
-        lightning_section(cfg, dm, mc, optim, plain, max(4, steps // 2) if args.quick else steps,
-                          device, dtype, peak, tokens)
+    if "lightning" not in skip:
+        lightning_section(cfg, dm.module if isinstance(dm, RandomTokens) else dm, mc, optim, plain,
+                          max(4, steps // 2) if args.quick else steps, device, dtype, peak, tokens)
 
     if args.compile and "compile" not in skip:
-        compile_section(lit, mc, optim, cfg, sink, steps, device, dtype, tokens)
+        compile_section(lit, mc, optim, cfg, sink, steps, device, dtype, tokens, fpt)
 
     if "metric" not in skip:
         metric_section(args.metric_T or ([64, 1024] if args.quick else [64, 1024, 4096, 8192]), device)
 
     emit("total", f"{time.perf_counter() - t_start:.0f} s",
          f"load average {load0:.2f} at start, {os.getloadavg()[0]:.2f} at the end")
+    if args.json is not None:
+        import json
+
+        args.json.write_text(json.dumps({"argv": sys.argv[1:], "figures": FIGURES}, indent=1))
     return 0
 
 
@@ -563,7 +628,7 @@ def _read_metrics(path: Path) -> dict[str, list[float]]:
     return out
 
 
-def compile_section(lit, mc, optim, cfg, eager: Run, steps: int, device, dtype, tokens) -> None:
+def compile_section(lit, mc, optim, cfg, eager: Run, steps: int, device, dtype, tokens, fpt: float) -> None:
     """torch.compile of sinklab's model through LitLM(model.compile=true), timed alternately with eager."""
     from sinklab.train.module import LitLM
 
@@ -592,6 +657,11 @@ def compile_section(lit, mc, optim, cfg, eager: Run, steps: int, device, dtype, 
          f"{'torch.compile active' if compiled else 'fell back to eager'}; first two steps (compiling) {t_compile:.0f} s; "
          f"compiled {tokens / med(times['compiled']):,.0f} tokens/s; 95% CI {median_ci(speed)}, IQR {spread(speed)}"
          + (f"; warnings: {notes}" if notes else ""))
+    sheet = datasheet_peak(device, dtype)
+    if sheet is not None:
+        emit("MFU compiled (datasheet)", f"{100 * fpt * tokens / med(times['compiled']) / sheet:.1f}% of "
+             f"{sheet / 1e12:.1f} TFLOP/s", f"eager {100 * fpt * tokens / med(times['sinklab']) / sheet:.1f}% in the "
+             f"same rounds; {torch.cuda.get_device_name(device)}'s dense 16-bit datasheet peak")
 
 
 def metric_section(Ts: list[int], device: torch.device) -> None:
