@@ -2,14 +2,14 @@
 
 transformers is an optional extra (``pip install 'sinklab[hf]'``); nothing here imports it at module level.
 
-Attention maps come from ``output_attentions=True`` with the eager kernel (maps are materialised, one batch at a
-time, and reduced layer by layer with `column_scores`). The residual stream per layer is captured with forward
+Every registered metric (`sinklab.metrics.METRICS`) measures a HF model through `HFTarget`, the same way it
+measures a sinklab model: attention maps come from ``output_attentions=True`` with the eager kernel (materialised,
+one batch at a time, handed to the metrics layer by layer). The residual stream per layer is captured with forward
 hooks on the decoder layers: HF's ``output_hidden_states`` replaces its last entry with the output of the final
 norm, which would hide the last layer's massive activations. Queries, keys and values are recomputed from each
 attention's input in a forward pre-hook (`project_qkv`: the model's own projections and, for RoPE models, its own
 ``apply_rotary_pos_emb`` on the (cos, sin) the model hands to the attention); the attention's output (after its
-output projection) in a forward hook. Statistics use the same functions as `sinklab.metrics.activation_stats`
-(`hidden_state_stats`, `qkv_stats`, `attention_output_stats`); norm weights are not read from HF models.
+output projection) in a forward hook. Norm weights are not read from HF models (metrics with `needs_model`).
 """
 from __future__ import annotations
 
@@ -22,11 +22,9 @@ from einops import rearrange
 from torch import nn
 
 from sinklab.errors import UserError
-from sinklab.metrics.activations import ActivationStats, attention_output_stats, hidden_state_stats, qkv_stats
-from sinklab.metrics.sink import AttentionScores, column_scores, renormalise
+from sinklab.metrics.sink import AttentionScores
 
 INSTALL_HINT = "--hf-model needs transformers, an optional extra: pip install 'sinklab[hf]'"
-QKV_NAMES = ("k1", "v1", "cos1", "cosj")  # the names of `qkv_stats`, left out when a layout is not known
 ROW_SUM_TOL = 1e-3  # rows whose sum differs from 1 by more than this: the op is not row-normalised (Sink* reported)
 
 
@@ -150,109 +148,115 @@ def project_qkv(attn: nn.Module, hidden: torch.Tensor, position_embeddings=None)
     return q, k, v
 
 
-class LayerRecorder:
-    """Forward hooks on the decoder layers and their attentions. During one forward, per layer i, `stats[i]`
-    receives `hidden_state_stats` of the layer's output (the residual stream), `qkv_stats` of the queries, keys
-    and values recomputed from the attention's input (`project_qkv`) and `attention_output_stats` of the
-    attention's output, reduced at once so nothing per layer is kept. `qkv_supported` turns False when some
-    attention's layout is not known (its key statistics are then left out); a model whose layers have no attention
-    module found here has no attention-output statistics either."""
+class HFTarget:
+    """A Hugging Face causal LM as a measurement target (`sinklab.metrics.record`): forward hooks on each decoder
+    layer (its output: the residual stream `h`), on its attention's input (a pre-hook recomputing `q`, `k`, `v`
+    with `project_qkv`) and output (`attn`); a layer's tensors go to the metrics when the layer has run. The maps
+    come from ``output_attentions=True`` after the forward, one layer at a time as one chunk of every row.
+    `row_normalised` is known after the maps were seen (every row summed to one within 1e-3); `settle` tells the
+    metrics. Key statistics are left out for attention layouts `project_qkv` does not know."""
 
-    def __init__(self, layers: list[nn.Module]):
-        self.stats: list[dict[str, torch.Tensor]] = [{} for _ in layers]
-        self.qkv_supported = True
-        self.hooks = []
-        for i, layer in enumerate(layers):
-            self.hooks.append(layer.register_forward_hook(self._hidden_hook(i)))
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.layers = decoder_layers(model)
+        tcfg = text_config(model)
+        self.n_layer = len(self.layers) if self.layers else int(getattr(tcfg, "num_hidden_layers", 0) or 0)
+        self.n_head = int(getattr(tcfg, "num_attention_heads", 0) or 0)
+        self.row_normalised = True
+
+    def context(self, eps=(0.3,), k: int = 4):
+        from sinklab.metrics import Context
+
+        return Context(n_layer=self.n_layer, n_head=self.n_head, row_normalised=None, eps=list(eps), k=k)
+
+    def settle(self, metrics) -> None:
+        for m in metrics:
+            m.ctx.row_normalised = self.row_normalised
+
+    def _hooks(self, names: set, on_layer) -> list:
+        current: dict = {}
+        handles = []
+
+        def hidden(i):
+            def hook(_module, _inputs, output):
+                if "h" in names:
+                    current["h"] = output[0] if isinstance(output, (tuple, list)) else output  # (B, T, d)
+                rec = dict(current)
+                current.clear()
+                on_layer(i, rec)
+            return hook
+
+        def attn_out(_module, _inputs, output):
+            current["attn"] = output[0] if isinstance(output, (tuple, list)) else output  # after the projection
+
+        def qkv(attn, args, kwargs):
+            hidden_states = args[0] if args else kwargs.get("hidden_states")
+            found = project_qkv(attn, hidden_states, kwargs.get("position_embeddings")) \
+                if hidden_states is not None else None
+            if found is not None:
+                current.update(zip(("q", "k", "v"), found))
+
+        for i, layer in enumerate(self.layers):
             attn = attention_module(layer)
-            if attn is None:
-                self.qkv_supported = False
-            else:
-                self.hooks.append(attn.register_forward_pre_hook(self._qkv_hook(i), with_kwargs=True))
-                self.hooks.append(attn.register_forward_hook(self._attn_hook(i)))
+            if attn is not None and "attn" in names:
+                handles.append(attn.register_forward_hook(attn_out))
+            if attn is not None and names & {"q", "k", "v"}:
+                handles.append(attn.register_forward_pre_hook(qkv, with_kwargs=True))
+            handles.append(layer.register_forward_hook(hidden(i)))
+        return handles
 
-    def _hidden_hook(self, i: int):
-        def hook(_module, _inputs, output):
-            h = output[0] if isinstance(output, (tuple, list)) else output  # (B, T, d)
-            self.stats[i].update(hidden_state_stats(h))
-        return hook
+    def run(self, idx: torch.Tensor, metrics) -> None:
+        names = set().union(*(m.records for m in metrics)) if metrics else set()
+        device = next(self.model.parameters()).device
+        idx = idx.to(device)
 
-    def _attn_hook(self, i: int):
-        def hook(_module, _inputs, output):
-            a = output[0] if isinstance(output, (tuple, list)) else output  # (B, T, d), after the output projection
-            self.stats[i].update(attention_output_stats(a))
-        return hook
+        def on_layer(i: int, rec: dict) -> None:
+            for m in metrics:
+                m.update(i, {n: rec[n] for n in m.records if n in rec})
 
-    def _qkv_hook(self, i: int):
-        def hook(attn, args, kwargs):
-            hidden = args[0] if args else kwargs.get("hidden_states")
-            qkv = project_qkv(attn, hidden, kwargs.get("position_embeddings")) if hidden is not None else None
-            if qkv is None:
-                self.qkv_supported = False
-            else:
-                self.stats[i].update(qkv_stats(*qkv))
-        return hook
-
-    def start_batch(self) -> None:
-        self.stats = [{} for _ in self.stats]
-
-    def batch_stats(self) -> list[dict[str, torch.Tensor]]:
-        """Per layer, this batch's statistics (the key statistics only when every layer has them)."""
-        if self.qkv_supported:
-            return self.stats
-        return [{name: v for name, v in s.items() if name not in QKV_NAMES} for s in self.stats]
-
-    def remove(self) -> None:
-        for h in self.hooks:
-            h.remove()
+        handles = self._hooks(names, on_layer) if self.layers else []
+        try:
+            out = self.model(input_ids=idx, attention_mask=torch.ones_like(idx), output_attentions=True,
+                             output_hidden_states=not self.layers, use_cache=False)
+        finally:
+            for h in handles:
+                h.remove()
+        if not self.layers:  # no decoder-layer list found: HF's hidden states (the last one is after the final norm)
+            for i, h in enumerate(out.hidden_states[1:]):
+                on_layer(i, {"h": h})
+        maps = out.attentions
+        if not maps or any(m is None for m in maps):
+            raise UserError("--hf-model: the model returned no attention maps with output_attentions=True "
+                            "(its eager attention does not expose them)")
+        if len(maps) != self.n_layer:
+            raise UserError(f"--hf-model: {len(maps)} attention maps for {self.n_layer} decoder layers; this "
+                            "architecture is not supported")
+        rows = torch.arange(idx.shape[1], device=device)
+        for i, m in enumerate(maps):  # (B, H, T, T), one layer at a time
+            m = m.float()
+            if self.row_normalised and (m.sum(-1) - 1).abs().max().item() > ROW_SUM_TOL:
+                self.row_normalised = False
+            for metric in metrics:
+                if "maps" in metric.records:
+                    metric.update_maps(i, rows, m)
 
 
 @torch.no_grad()
 def hf_scores(model: nn.Module, tokens: torch.Tensor, k: int = 4,
               batch_size: int = 25) -> tuple[AttentionScores, bool, dict]:
-    """tokens (N, T) -> (scores with alpha (N, L, H, K) and alpha_star, row_normalised, activation statistics).
+    """tokens (N, T) -> (the sink metric's scores with alpha (N, L, H, K) and alpha_star, row_normalised, the
+    activation metrics' results merged): every registered metric through `HFTarget`."""
+    from sinklab.metrics import METRICS, measure_all
 
-    alpha_star (the metric on |A| / sum |A|) is always computed; row_normalised says whether every row of every
-    map summed to one (within 1e-3), in which case Sink* equals Sink. The statistics are those of
-    `sinklab.metrics.activation_stats` (massive activations, h1 / k1 / v1 norm ratios, cos_q_k1, cos_q_kj); the
-    key statistics are left out for attention layouts `project_qkv` does not know."""
-    layers = decoder_layers(model)
-    recorder = LayerRecorder(layers) if layers else None
-    device = next(model.parameters()).device
-    alphas, alphas_star = [], []
-    row_normalised = True
-    acc = ActivationStats()
-    try:
-        for start in range(0, tokens.shape[0], batch_size):
-            idx = tokens[start:start + batch_size].to(device)
-            if recorder is not None:
-                recorder.start_batch()
-            out = model(input_ids=idx, attention_mask=torch.ones_like(idx), output_attentions=True,
-                        output_hidden_states=recorder is None, use_cache=False)
-            maps = out.attentions
-            if not maps or any(m is None for m in maps):
-                raise UserError("--hf-model: the model returned no attention maps with output_attentions=True "
-                                "(its eager attention does not expose them)")
-            per_layer, per_layer_star = [], []
-            for m in maps:  # (B, H, T, T), one layer at a time
-                m = m.float()
-                if row_normalised and (m.sum(-1) - 1).abs().max().item() > ROW_SUM_TOL:
-                    row_normalised = False
-                per_layer.append(column_scores(m, 0, k)[0])
-                per_layer_star.append(column_scores(renormalise(m), 0, k)[0])
-            if recorder is not None:
-                stats = recorder.batch_stats()
-            else:  # no decoder-layer list found: HF's hidden states (the last one is after the final norm)
-                stats = [hidden_state_stats(h) for h in out.hidden_states[1:]]
-            del maps, out  # free this batch's maps before the next forward
-            alphas.append(torch.stack(per_layer, 1).cpu())  # (B, L, H, K)
-            alphas_star.append(torch.stack(per_layer_star, 1).cpu())
-            if len(stats) != len(per_layer) or any("top" not in s for s in stats):
-                raise UserError(f"--hf-model: captured {len(stats)} decoder-layer outputs for {len(per_layer)} "
-                                "attention maps; this architecture is not supported")
-            acc.update(stats)
-    finally:
-        if recorder is not None:
-            recorder.remove()
-    scores = AttentionScores(alpha=torch.cat(alphas), alpha_star=torch.cat(alphas_star))
-    return scores, row_normalised, acc.result()
+    target = HFTarget(model)
+    metrics = METRICS.build(target.context(k=k))
+    measure_all(target, tokens, metrics, batch_size)
+    stats: dict = {}
+    scores = None
+    for m in metrics:
+        result = m.result()
+        if m.name == "sink":
+            scores = result["scores"]
+        elif m.name in ("massive", "norms", "outliers", "residual_sinks"):
+            stats.update(result)
+    return scores, target.row_normalised, stats

@@ -36,7 +36,9 @@ User errors are one line on stderr and exit code 2.
         of each norm; the norm minima for sinklab checkpoints only} (see sinklab.metrics.outliers),
     gates {mean, low_share, first_token: over all layers; by_layer {mean, low_share, first_token: per-layer lists}}:
         the gate scores act(X W_theta) of a model with `model.gate` (Qwen's gated attention): their mean, the share
-        below 0.1 and the mean on token 1, from the same forwards (sinklab.metrics.gates); {} without a gate.
+        below 0.1 and the mean on token 1, from the same forwards (sinklab.metrics.gates); {} without a gate,
+    entropy {mean, by_layer, by_head}: attention entropy in nats (sinklab.metrics.entropy),
+    and the part of any other registered metric (`sinklab.metrics.METRICS`) under its json_key.
 Non-finite values (a norm ratio with T = 1) are null.
 """
 from __future__ import annotations
@@ -53,15 +55,10 @@ import numpy as np
 import torch
 
 from sinklab.errors import UserError
-from sinklab.metrics.activations import MASSIVE_KEYS, NORM_KEYS, OUTLIER_KEYS
-from sinklab.metrics.gates import GATE_KEYS
 from sinklab.probe_inputs import (DEFAULT_NUM_SEQS, DEFAULT_SEQ_LEN, INPUTS, checkpoint_and_run_dir, choose_tokens,
                                   positive)
 
 PROG = "sinklab measure"
-# activation statistics in the JSON's residual_sinks object (resid_sink_ dropped from the names)
-RESIDUAL_SINK_JSON = ("h_avg", "resid_sink_top", "resid_sink_channel", "resid_sink_ratio",
-                      "resid_sink_channel_share", "attn_norm_min", "ffn_norm_min", "final_norm_min")
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -128,76 +125,31 @@ def _number(text: str) -> bool:
 
 
 # ----------------------------------------------------------------------------------------------------- results
-def rates(alpha: torch.Tensor, eps: float) -> dict[str, float]:
-    """alpha (N, L, H, K) -> {"1": Sink_1, ...} in percent (per sequence over heads, then mean)."""
-    from sinklab.metrics.sink import sink_rate
-
-    return {str(j + 1): v for j, v in enumerate(sink_rate(alpha, eps).tolist())}
-
-
-def build_result(scores, eps: Sequence[float], slot_names: list[str], row_normalised: bool, stats: dict,
-                 meta: dict) -> dict:
-    """The JSON object (see the module docstring of sinklab.measure and `main`)."""
+def build_result(metrics, meta: dict) -> dict:
+    """The JSON object: `meta`, then each measured metric's part (`Metric.json`), in the registry's order."""
     res: dict[str, Any] = dict(meta)
-    K = scores.alpha.shape[-1]
-    res["eps"] = [float(e) for e in eps]
-    res["k"] = K
-    res["row_normalised"] = row_normalised
-    res["sink"] = rates(scores.alpha, eps[0])
-    res["sink_by_eps"] = {f"{e:g}": rates(scores.alpha, e) for e in eps}
-    # Sink*: the metric on |A| / sum |A|, which is A itself when rows sum to one (then exactly Sink)
-    star = scores.alpha_star if not row_normalised and scores.alpha_star is not None else scores.alpha
-    res["sink_star"] = rates(star, eps[0])
-    res["sink_star_by_eps"] = {f"{e:g}": rates(star, e) for e in eps}
-    res["alpha"] = scores.alpha[..., 0].mean(0).tolist()  # (L, H): alpha_1 mean over sequences
-    res["alpha_mean"] = {str(j + 1): scores.alpha[..., j].mean().item() for j in range(K)}
-    res["sink1_by_layer"] = (100.0 * (scores.alpha[..., 0] > eps[0]).float().mean(dim=(0, 2))).tolist()
-    if not row_normalised and scores.alpha_star is not None:
-        res["alpha_star"] = scores.alpha_star[..., 0].mean(0).tolist()
-    for name, slot in (("slot", scores.slot), ("slot_star", scores.slot_star if not row_normalised else None)):
-        if slot is None:
-            continue
-
-        def slot_rates(e: float, slot=slot) -> dict[str, float]:
-            r = 100.0 * (slot > e).float().mean(dim=(1, 2)).mean(0)  # (n_extra,)
-            return {n: v for n, v in zip(slot_names, r.tolist())}
-
-        res[name] = slot_rates(eps[0])
-        res[f"{name}_by_eps"] = {f"{e:g}": slot_rates(e) for e in eps}
-        res[f"{name}_alpha"] = {n: slot[..., i].mean(0).tolist() for i, n in enumerate(slot_names)}  # (L, H)
-    res["massive"] = {key.removeprefix("massive_"): stats[key] for key in MASSIVE_KEYS if key in stats}
-    res["norms"] = {key: stats[key] for key in NORM_KEYS if key in stats}
-    res["first_token_attn"] = {"mean": res["alpha_mean"]["1"],
-                               "by_layer": scores.alpha[..., 0].mean(dim=(0, 2)).tolist()}  # alpha_1, Qwen's name
-    res["outliers"] = {key: stats[key] for key in OUTLIER_KEYS if key in stats}
-    res["residual_sinks"] = {key.removeprefix("resid_sink_"): stats[key] for key in RESIDUAL_SINK_JSON
-                             if key in stats}
-    res["gates"] = gates_object(stats.get("gates", {}))
+    for metric in metrics:
+        part = metric.json(metric.result())
+        if metric.json_key is None:
+            res.update(part)
+        else:
+            res[metric.json_key] = part
+    res.setdefault("gates", {})
     return res
-
-
-def gates_object(flat: dict[str, float]) -> dict:
-    """`gate_stats`' names (gate_mean, ..., layer<l>/gate_mean, ...) -> the JSON's gates object; {} without gates."""
-    if not flat:
-        return {}
-    n_layers = sum(key.endswith("/gate_mean") for key in flat)
-    return {**{key.removeprefix("gate_"): flat[key] for key in GATE_KEYS},
-            "by_layer": {key.removeprefix("gate_"): [flat[f"layer{i}/{key}"] for i in range(n_layers)]
-                         for key in GATE_KEYS}}
 
 
 def measure_checkpoint(args, device: torch.device) -> dict:
     from sinklab.checkpoint import load_model
-    from sinklab.metrics import activation_stats, attention_scores, slot_names
+    from sinklab.metrics import METRICS, SinklabTarget, measure_all
 
     ckpt, run_dir = checkpoint_and_run_dir(args.target)
     model = load_model(ckpt).to(device)
     cfg = model.cfg
     tokens, kind = choose_tokens(args, cfg.vocab_size, cfg.block_size, run_dir)
     check_k(args.k, tokens.shape[1])
-    tokens = tokens.to(device)
-    scores = attention_scores(model, tokens, k=args.k, batch_size=args.batch_size)
-    stats = activation_stats(model, tokens, batch_size=args.batch_size)
+    target = SinklabTarget(model)
+    metrics = METRICS.build(target.context(args.eps, args.k))
+    measure_all(target, tokens.to(device), metrics, batch_size=args.batch_size)
     meta = {"target": str(ckpt), "source": "sinklab", "input": kind, "seed": args.seed,
             "seq_len": int(tokens.shape[1]), "num_seqs": int(tokens.shape[0]),
             "model": {"n_layer": cfg.n_layer, "n_head": cfg.n_head, "attn_op": cfg.attn_op, "pos": cfg.pos,
@@ -205,24 +157,27 @@ def measure_checkpoint(args, device: torch.device) -> dict:
                       "gate_act": cfg.gate_act}}
     if args.tokens is not None:
         meta["tokens_file"] = str(args.tokens)
-    return build_result(scores, args.eps, slot_names(cfg), cfg.row_normalised, stats, meta)
+    return build_result(metrics, meta)
 
 
 def measure_hf(args, device: torch.device) -> dict:
     from sinklab import hf
+    from sinklab.metrics import METRICS, measure_all
 
     model = hf.load_hf_model(args.hf_model, device)
     tokens, kind = choose_tokens(args, hf.vocab_size(model), hf.context_length(model), None)
     check_k(args.k, tokens.shape[1])
-    scores, row_normalised, stats = hf.hf_scores(model, tokens, k=args.k, batch_size=args.batch_size)
+    target = hf.HFTarget(model)
+    metrics = METRICS.build(target.context(args.eps, args.k))
+    measure_all(target, tokens, metrics, batch_size=args.batch_size)
     tcfg = hf.text_config(model)
     meta = {"target": str(args.hf_model), "source": "hf", "input": kind, "seed": args.seed,
             "seq_len": int(tokens.shape[1]), "num_seqs": int(tokens.shape[0]),
-            "model": {"model_type": getattr(tcfg, "model_type", None), "n_layer": scores.alpha.shape[1],
-                      "n_head": scores.alpha.shape[2]}}
+            "model": {"model_type": getattr(tcfg, "model_type", None), "n_layer": target.n_layer,
+                      "n_head": target.n_head}}
     if args.tokens is not None:
         meta["tokens_file"] = str(args.tokens)
-    return build_result(scores, args.eps, [], row_normalised, stats, meta)
+    return build_result(metrics, meta)
 
 
 def check_k(k: int, T: int) -> None:

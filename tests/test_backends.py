@@ -105,7 +105,7 @@ def test_flex_equals_the_explicit_maps_on_combined_switches(case, flex_on_cpu):
     idx = token_ids()
     m = small_model(attn_backend="flex", **case).train()
     assert_same_logits_and_grads(logits_and_grads(m, idx),
-                                 logits_and_grads(small_model(**case).train(), idx, return_probs=True))
+                                 logits_and_grads(small_model(**case).train(), idx, explicit=True))
     assert len(flex_on_cpu) == m.cfg.n_layer
 
 

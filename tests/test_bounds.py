@@ -1,4 +1,4 @@
-"""Every logged number is within its physical bounds (sinklab.keys.BOUNDS), in a real training run: shares in
+"""Every logged number is within its physical bounds (sinklab.keys.all_bounds), in a real training run: shares in
 [0, 100] %, cosines in [-1, 1], norms and losses >= 0, MFU in (0, 1], SiLU gate scores >= their minimum -0.278. A
 utilisation above 1 is never logged."""
 import math
@@ -9,7 +9,7 @@ import sys
 import pandas as pd
 import pytest
 
-from sinklab.keys import BOUNDS, bounds
+from sinklab.keys import all_bounds, bounds
 
 SHORT = ["trainer.max_steps=30", "trainer.val_check_interval=15", "callbacks.sink.every_n_steps=15",
          "trainer.log_every_n_steps=5", "trainer.enable_progress_bar=false", "data.batch_size=8"]
@@ -37,7 +37,7 @@ def test_every_logged_metric_is_within_its_bounds(tmp_path, switches):
     assert (gate_families <= set(metrics.columns)) if gated else not gate_families & set(metrics.columns)
     for name in metrics.columns:
         limits = bounds(name)
-        assert limits is not None, f"{name} has no bounds in sinklab.keys.BOUNDS"
+        assert limits is not None, f"{name} has no bounds (its metric's `bounds`, or sinklab.keys)"
         values = metrics[name].dropna()
         assert len(values) and values.map(math.isfinite).all(), name
         assert values.between(*limits).all(), (name, limits, values[~values.between(*limits)].tolist())
@@ -57,4 +57,6 @@ def test_bounds_cover_distinct_families():
     assert bounds("act/gate_low_share") == bounds("act/layer2/gate_low_share") == (0.0, 1.0)
     silu_min = min(x / 1000 / (1 + math.exp(-x / 1000)) for x in range(-3000, 0))  # x sigmoid(x), x < 0
     assert bounds("act/layer0/gate_mean") == bounds("act/gate_first_token") == (pytest.approx(silu_min), math.inf)
-    assert bounds("something/new") is None and len({p for p, _ in BOUNDS}) == len(BOUNDS)
+    assert bounds("act/attn_entropy") == bounds("act/layer1/attn_entropy") == (0.0, math.inf)
+    patterns = [p for p, _ in all_bounds()]
+    assert bounds("something/new") is None and len(set(patterns)) == len(patterns)

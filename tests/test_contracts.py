@@ -21,10 +21,18 @@ MASKS = {"causal": {}, "prefix": {"prefix_len": 4}, "window": {"window": 5}, "si
 CONF = Path(__file__).resolve().parents[1] / "conf" / "model"
 
 
-def logits_and_grads(m, idx, **kw):
+def logits_and_grads(m, idx, explicit: bool = False):
+    """Logits and gradients of a fixed function of them; `explicit`: every layer through its explicit maps (the
+    query rows of T <= 256 in one chunk: the whole map)."""
     m.zero_grad()
-    out = m(idx, **kw)
-    logits = out[0] if isinstance(out, tuple) else out
+    fused = [b.attn.use_fused for b in m.blocks]
+    for b in m.blocks:
+        b.attn.use_fused = b.attn.use_fused and not explicit
+    try:
+        logits = m(idx)
+    finally:
+        for b, f in zip(m.blocks, fused):
+            b.attn.use_fused = f
     (logits * torch.linspace(-1, 1, logits.shape[-1])).sum().backward()
     return logits.detach(), {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
 
@@ -39,7 +47,7 @@ def test_fused_chunked_and_explicit_paths_agree(case, mask):
     m = small_model(**case, **MASKS[mask]).train()
     idx = token_ids()
     fused = logits_and_grads(m, idx)  # the op's fused kernel where it has one
-    explicit = logits_and_grads(m, idx, return_probs=True)  # whole maps
+    explicit = logits_and_grads(m, idx, explicit=True)  # whole maps
     for block in m.blocks:
         block.attn.use_fused, block.attn.row_chunk = False, 5  # query rows in chunks of 5
     chunked = logits_and_grads(m, idx)
@@ -68,7 +76,7 @@ def test_flex_and_memory_linear_paths_equal_the_explicit_maps(case, mask, flex_o
     others (the explicit path's row chunks, 5 rows each, recomputed in backward; kernel attention in its causal linear
     form): the explicit maps' logits and gradients."""
     idx = token_ids()
-    explicit = logits_and_grads(small_model(**case, **MASKS[mask]).train(), idx, return_probs=True)
+    explicit = logits_and_grads(small_model(**case, **MASKS[mask]).train(), idx, explicit=True)
     m = small_model(**case, **MASKS[mask], attn_backend="flex", attn_memory="linear").train()
     for block in m.blocks:
         block.attn.row_chunk = 5
@@ -79,7 +87,7 @@ def test_flex_and_memory_linear_paths_equal_the_explicit_maps(case, mask, flex_o
 @pytest.mark.parametrize("case,mask", WITH_MASKS, ids=[f"{case_id(c)}-{m}" for c, m in WITH_MASKS])
 def test_decoding_with_a_kv_cache_gives_the_full_forward_logits(case, mask):
     """A 6-token prompt (it covers the prefix LM's 4), a 3-token chunk, then one token at a time; odd steps through
-    the explicit maps (return_probs), even ones through the fused kernel where the op has one."""
+    the explicit maps, even ones through the fused kernel where the op has one."""
     m = small_model(**case, **MASKS[mask])
     idx = token_ids()
     full = m(idx)
@@ -87,8 +95,9 @@ def test_decoding_with_a_kv_cache_gives_the_full_forward_logits(case, mask):
     cuts = [0, 6, 9] + list(range(10, idx.shape[1] + 1))
     steps = []
     for i, (a, b) in enumerate(zip(cuts, cuts[1:])):
-        out = m(idx[:, a:b], cache=cache, return_probs=bool(i % 2))
-        steps.append(out[0] if isinstance(out, tuple) else out)
+        for block in m.blocks:
+            block.attn.use_fused = m.cfg.can_fuse and not i % 2
+        steps.append(m(idx[:, a:b], cache=cache))
     assert cache.length == m.cfg.n_sink_tokens + idx.shape[1] and cache.seen == idx.shape[1]
     torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=2e-5, rtol=1e-5)
 

@@ -6,6 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from sinklab.metrics import attention_maps
+
 from sinklab.metrics.gates import gate_stats, record_gates
 from sinklab.model import ATTENTION_OPS, ConfigError, ModelConfig
 from tests.conftest import SMALL, small_model, token_ids
@@ -14,13 +16,19 @@ H, HD, D = 4, 8, 32  # SMALL's heads, head width and model width
 ACTS = {"sigmoid": torch.sigmoid, "silu": F.silu}
 
 
-def block0_inputs(m, idx, **kw):
-    """Run the model; return block 0's input h, its attention's input X and output, and the forward's result."""
+def block0_inputs(m, idx, records=None):
+    """Run the model; return block 0's input h, its attention's input X and output, and the forward's result;
+    `records` (a list) receives block 0's q, k, v as the operation sees them (its hook points)."""
     seen = {}
     hooks = [m.blocks[0].register_forward_pre_hook(lambda mod, args: seen.update(h=args[0])),
              m.blocks[0].attn.register_forward_hook(lambda mod, args, out: seen.update(x=args[0], out=out))]
+    if records is not None:
+        records.append({})
+        attn = m.blocks[0].attn
+        hooks += [point.register_forward_hook(lambda mod, args, out, name=name: records[0].update({name: out}))
+                  for point, name in ((attn.hook_q, "q"), (attn.hook_k, "k"), (attn.hook_v, "v"))]
     with torch.no_grad():
-        result = m(idx, **kw)
+        result = m(idx)
     for h in hooks:
         h.remove()
     return seen["h"], seen["x"], seen["out"], result
@@ -113,7 +121,8 @@ def test_fused_and_explicit_paths_agree_under_gqa_and_rope(position, gate, share
     m = small_model(gate=gate, gate_shared=shared, gate_position=position, n_kv_head=2).train()
     idx = token_ids()
     fused = m(idx)
-    explicit = m(idx, return_probs=True)[0]
+    explicit = small_model(gate=gate, gate_shared=shared, gate_position=position, n_kv_head=2,
+                           attn_backend="explicit")(idx)
     torch.testing.assert_close(explicit, fused, atol=2e-5, rtol=1e-5)
     fused.sum().backward()
     assert m.blocks[0].attn.gate_proj.weight.grad.abs().max() > 0
@@ -213,7 +222,7 @@ def test_clipped_softmax_with_zeta_1_alpha_0_is_softmax():
 def test_clipped_softmax_gives_exact_zeros_and_is_scored_with_sink_star():
     m = small_model(attn_op="clipped_softmax", clip_alpha=8.0)
     assert not m.cfg.row_normalised and not m.cfg.can_fuse and not m.cfg.llama_compatible
-    _, maps = m(token_ids(), return_probs=True)
+    maps = attention_maps(m, token_ids())
     visible = torch.ones(24, 24, dtype=torch.bool).tril()
     assert (maps[0][..., visible] == 0).float().mean() > 0.05  # visible keys clipped to exactly 0
 

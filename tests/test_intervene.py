@@ -10,7 +10,8 @@ import torch
 
 from conftest import small_model, token_ids
 from sinklab.cli import main as sinklab_main
-from sinklab.evals.intervene import drop_first_key, drop_random_key, extra_mask, find_massive, set_activations
+from sinklab.evals.intervene import drop_first_key, drop_random_key, find_massive, set_activations
+from sinklab.metrics import SinklabTarget, attention_maps
 from sinklab.model import ModelConfig, Transformer
 from test_measure import natural_run, save_ckpt
 
@@ -21,24 +22,23 @@ def test_masking_the_first_key_removes_its_column_on_every_path(case):
     idx = token_ids(B=2, T=12)
     S = m.cfg.n_sink_tokens
     plain = m(idx)
-    with extra_mask(m, drop_first_key(S)):
-        fused = m(idx)  # the fused kernel (softmax) must take the mask: no is_causal shortcut
-        explicit, probs = m(idx, return_probs=True)
+    mask = drop_first_key(S)
+    fused = m(idx, extra_mask=mask)  # the fused kernel (softmax) must take the mask: no is_causal shortcut
+    explicit = small_model(**case, attn_backend="explicit")(idx, extra_mask=mask)
     torch.testing.assert_close(fused, explicit, atol=2e-5, rtol=1e-5)
     assert not torch.allclose(fused, plain, atol=1e-3)
-    for a in probs:  # (B, H, S + T, n_keys)
+    for a in attention_maps(m, idx, extra_mask=mask):  # (B, H, S + T, n_keys)
         assert (a[:, :, S + 1:, S] == 0).all() and (a[:, :, S, S] > 0).all()
         if m.cfg.row_normalised:  # softmax renormalises over the remaining keys
             torch.testing.assert_close(a.sum(-1), torch.ones_like(a.sum(-1)))
-    assert m.mask_mod(None, None, torch.tensor([[5]]), torch.tensor([[S]])).item()  # restored on leaving
+    torch.testing.assert_close(m(idx), plain, atol=0, rtol=0)  # the model itself is unchanged
 
 
 def test_the_random_control_drops_one_earlier_key_per_query():
     m = small_model()
     idx = token_ids(B=1, T=12)
-    _, before = m(idx, return_probs=True)
-    with extra_mask(m, drop_random_key(0, 12, seed=3, device=idx.device)):
-        _, after = m(idx, return_probs=True)
+    before = attention_maps(m, idx)
+    after = attention_maps(m, idx, extra_mask=drop_random_key(0, 12, seed=3, device=idx.device))
     zeros = (after[0][0, 0] == 0) & (before[0][0, 0] > 0)  # (T, T) newly zero entries, head 0
     assert zeros[:2].sum() == 0  # queries 1 and 2 have no key other than token 1 and themselves
     for q in range(2, 12):
@@ -64,14 +64,15 @@ def test_find_massive_locates_the_planted_channels_and_set_activations_overwrite
     found = find_massive(m, probe, n_channels=2)
     assert (found["layer"], found["token"], found["channels"]) == (0, 3, [5, 6])
     assert found["mean_values"][0] > 70 and found["mean_values"][1] < -30 and found["ratio"] > 20
-    records = []
-    with set_activations(m, 0, 2, [5, 6], torch.tensor([0.0, 1.5])), torch.no_grad():
-        m(probe, records=records)
-    assert (records[0]["h"][:, 2, 5] == 0).all() and (records[0]["h"][:, 2, 6] == 1.5).all()
-    records = []
-    with torch.no_grad():
-        m(probe, records=records)  # the hook is gone
-    assert (records[0]["h"][:, 2, 5] > 70).all()
+    def first_layer_h() -> torch.Tensor:
+        layers = {}
+        with SinklabTarget(m).hooks({"h"}, lambda i, rec: layers.__setitem__(i, rec["h"])), torch.no_grad():
+            m(probe)
+        return layers[0]
+    with set_activations(m, 0, 2, [5, 6], torch.tensor([0.0, 1.5])):
+        h = first_layer_h()
+    assert (h[:, 2, 5] == 0).all() and (h[:, 2, 6] == 1.5).all()
+    assert (first_layer_h()[:, 2, 5] > 70).all()  # the hook is gone
     with pytest.raises(Exception, match="--channels 40 must be in 1..32"):
         find_massive(m, probe, n_channels=40)
 

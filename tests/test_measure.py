@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from sinklab.measure import main
 from sinklab.probe_inputs import make_tokens
 from sinklab.metrics import activation_stats, attention_scores, brute_force_alpha, sink_rate
-from sinklab.metrics.activations import NORM_KEYS, OUTLIER_KEYS, STAT_KEYS
+from sinklab.metrics import massive, norms, outliers, residual_sinks
 from sinklab.model import ModelConfig, Transformer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -23,6 +23,9 @@ ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "WANDB_M
        "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
 PLANT_LAYER, PLANT_HEAD = 0, 2
 SCHEMA = ("sink", "sink_star", "alpha", "massive", "norms", "seq_len", "num_seqs", "eps")  # issue 4's --json keys
+
+NORM_KEYS, OUTLIER_KEYS = norms.KEYS, outliers.KEYS
+STAT_KEYS = massive.KEYS + norms.KEYS + outliers.KEYS + residual_sinks.PER_LAYER  # activation_stats lists
 
 
 # ------------------------------------------------------------------------------------------------ helpers

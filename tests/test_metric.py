@@ -5,7 +5,10 @@ import torch.nn.functional as F
 
 from sinklab.metrics import (activation_stats, attention_scores, brute_force_alpha, column_scores,
                              flatten_activation_stats, qkv_stats, sink_rate, slot_names, summarise)
-from sinklab.metrics.activations import STAT_KEYS
+from sinklab.metrics import massive, norms, outliers, residual_sinks
+
+NORM_KEYS, OUTLIER_KEYS = norms.KEYS, outliers.KEYS
+STAT_KEYS = massive.KEYS + norms.KEYS + outliers.KEYS + residual_sinks.PER_LAYER  # activation_stats lists
 
 
 def causal_uniform(T):

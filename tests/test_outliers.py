@@ -4,10 +4,11 @@ import pytest
 import torch
 
 from sinklab.keys import bounds
-from sinklab.metrics import (ActivationStats, activation_stats, attention_scores, first_token_attention,
-                             flatten_activation_stats, hidden_state_stats, summarise)
+from sinklab.metrics import (Context, activation_stats, attention_maps, attention_scores, first_token_attention,
+                             flatten_activation_stats, summarise)
 from sinklab.metrics.activations import attention_output_stats
-from sinklab.metrics.outliers import kurtosis, norm_weight_minima, residual_sink_summary, weight_min
+from sinklab.metrics.outliers import Outliers, kurtosis, norm_weight_minima, residual_sink_summary, weight_min
+from sinklab.metrics.residual_sinks import ResidualSinks
 from tests.conftest import token_ids
 
 
@@ -33,10 +34,10 @@ def test_outlier_stats_of_a_planted_attention_output():
     a[1, 2, 1] = -8.0
     out = attention_output_stats(a)
     assert out["attn_inf"].tolist() == [0.5, 8.0] and out["attn_median"].tolist() == [0.5, 0.5]
-    acc = ActivationStats()
-    layer = {**hidden_state_stats(a), **out}
-    acc.update([layer])
-    res = acc.result()
+    metric = Outliers(Context(n_layer=1, n_head=1))
+    metric.update(0, {"h": a, "attn": a})
+    metric.end_batch()
+    res = metric.result()
     assert res["attn_inf_norm"] == [pytest.approx(4.25)]  # Bondarenko's: per-sequence max, averaged
     assert res["attn_top_median"] == [pytest.approx(8.0 / 0.5)]  # as massive_ratio: the max over sequences
     assert res["resid_inf_norm"] == [pytest.approx(4.25)]
@@ -45,14 +46,13 @@ def test_outlier_stats_of_a_planted_attention_output():
 # ------------------------------------------------------------------------------------------------ residual sinks
 def test_a_planted_channel_is_the_top_channel_with_its_ratio():
     g = torch.Generator().manual_seed(1)
-    layers = []
-    for channel in (5, 5, 3):
+    metric = ResidualSinks(Context(n_layer=3, n_head=1))
+    for layer, channel in enumerate((5, 5, 3)):
         h = 0.1 * torch.randn(3, 16, 8, generator=g)
         h[..., channel] = 4.0 * (1 + torch.rand(3, 16, generator=g))  # mean |h_j| of 6
-        layers.append(hidden_state_stats(h))
-    acc = ActivationStats()
-    acc.update(layers)
-    res = acc.result()
+        metric.update(layer, {"h": h})
+    metric.end_batch()
+    res = metric.result()
     assert res["resid_sink_channel"] == [5, 5, 3] and res["resid_sink_channel_share"] == pytest.approx(2 / 3)
     h_avg = torch.tensor(res["h_avg"])
     assert h_avg.shape == (3, 8)
@@ -76,7 +76,7 @@ def test_residual_sink_of_a_planted_embedding_channel(make_model):
     assert stats["resid_sink_channel"] == [7, 7, 7] and stats["resid_sink_channel_share"] == 1.0
     # brute force: the block outputs through forward hooks, mean |h_j| over every probe token
     hs = []
-    hooks = [b.register_forward_hook(lambda mod, inp, out: hs.append(out[0])) for b in m.blocks]
+    hooks = [b.register_forward_hook(lambda mod, inp, out: hs.append(out)) for b in m.blocks]
     with torch.no_grad():
         m(tokens)
     for hook in hooks:
@@ -99,7 +99,7 @@ def test_outliers_equal_brute_force_over_hooks(make_model, sw):
     tokens = token_ids(5, 24, seed=2)
     stats = activation_stats(m, tokens, batch_size=2)
     seen: dict[str, list] = {"h": [], "a": []}
-    hooks = [b.register_forward_hook(lambda mod, inp, out: seen["h"].append(out[0][:, S:])) for b in m.blocks]
+    hooks = [b.register_forward_hook(lambda mod, inp, out: seen["h"].append(out[:, S:])) for b in m.blocks]
     hooks += [b.attn.o_proj.register_forward_hook(lambda mod, inp, out: seen["a"].append(out[:, S:]))
               for b in m.blocks]
     with torch.no_grad():
@@ -150,8 +150,7 @@ def test_first_token_attention_is_alpha1_and_the_brute_force_mean(make_model):
     ftok = first_token_attention(summary)
     assert set(ftok) == {"first_token_attn", "layer0/first_token_attn", "layer1/first_token_attn"}
     assert ftok["first_token_attn"] == summary["alpha1"]
-    _, probs = m(tokens, return_probs=True)
-    for i, p in enumerate(probs):  # (B, H, T, n_slots + T): column 1 of the real tokens, after the bias slot
+    for i, p in enumerate(attention_maps(m, tokens)):  # (B, H, T, n_slots + T): column 1 after the bias slot
         assert ftok[f"layer{i}/first_token_attn"] == pytest.approx(p[..., 1].mean().item(), abs=1e-6)
 
 

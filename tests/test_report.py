@@ -240,6 +240,18 @@ def test_extra_metric_columns_from_the_command_and_the_preset(tmp_path):
     assert "sink/sink2" not in res["columns"] and [r["epoch"] for r in res["rows"]][:2] == [0, 0]
 
 
+def test_a_registered_metric_name_stands_for_its_headline_columns(tmp_path):
+    """`--metrics first_token_attn` (a name in sinklab.metrics.METRICS) asks for its headline log keys."""
+    from sinklab.metrics import METRICS
+
+    sweep = make_sweep(tmp_path)
+    assert METRICS.get("sink").headline == ("sink/sink1", "sink/alpha1")
+    res = report.build_report(sweep, tmp_path / "out", metrics=["sink"])
+    assert "sink/alpha1" in res["columns"] and "sink" not in res["columns"]
+    with pytest.raises(Exception, match="act/first_token_attn"):  # its headline key, logged by no job here
+        report.build_report(sweep, tmp_path / "out2", metrics=["first_token_attn"])
+
+
 def test_read_metrics_sparse_rows(tmp_path):
     p = tmp_path / "metrics.csv"
     p.write_text("epoch,sink/sink1,step,train/loss,val/loss\r\n0,,9,5.0,\r\n0,4.5,9,,5.2\r\n0,,19,4.0,\r\n"

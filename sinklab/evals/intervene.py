@@ -38,6 +38,7 @@ import contextlib
 import math
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Optional, Sequence
 
@@ -45,7 +46,7 @@ import torch
 
 from sinklab.errors import UserError
 from sinklab.measure import OneLineParser, command_main, pick_device
-from sinklab.model.masks import MaskMod, and_masks
+from sinklab.model.masks import MaskMod
 from sinklab.probe_inputs import (checkpoint_and_run_dir, positive, probe_tokens, read_run_data,
                                    val_blocks_as_trained)
 
@@ -68,16 +69,14 @@ def build_parser() -> OneLineParser:
 
 
 # ------------------------------------------------------------------------------------------------ interventions
-@contextlib.contextmanager
-def extra_mask(model, mod: MaskMod) -> Iterator[None]:
-    """Inside the block every query also obeys `mod` (a key dropped): composed with the model's mask, and the fused
-    kernels' is_causal shortcut off so that the mask is applied."""
-    saved = model.mask_mod, model.plain_causal
-    model.mask_mod, model.plain_causal = and_masks(saved[0], mod), False
-    try:
-        yield
-    finally:
-        model.mask_mod, model.plain_causal = saved
+@dataclass
+class Intervention:
+    """What an intervention changes, passed to the model rather than set on it: `mask`, a mask function every query
+    obeys on top of the model's own (forward's `extra_mask`; the fused kernels' is_causal shortcut is off then), and
+    `hooks`, a context that replaces activations through forward hooks while it is open."""
+
+    mask: Optional[MaskMod] = None
+    hooks: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
 
 
 def drop_first_key(first: int) -> MaskMod:
@@ -103,15 +102,14 @@ def drop_random_key(first: int, n_pos: int, seed: int, device) -> MaskMod:
 
 @contextlib.contextmanager
 def set_activations(model, layer: int, position: int, channels: list[int], values: torch.Tensor) -> Iterator[None]:
-    """Inside the block, the output of `layer` has h[:, position, channels] = values (one per channel); `position`
-    is a sequence position (learned sink tokens first)."""
-    def hook(_module, _inputs, output):
-        x, probs = output
+    """Inside the block, the output of `layer` (its residual stream, `hook_resid`) has h[:, position, channels] =
+    values (one per channel); `position` is a sequence position (learned sink tokens first)."""
+    def hook(_module, _inputs, x):
         x = x.clone()
         x[:, position, channels] = values.to(x.dtype)
-        return x, probs
+        return x
 
-    handle = model.blocks[layer].register_forward_hook(hook)
+    handle = model.blocks[layer].hook_resid.register_forward_hook(hook)
     try:
         yield
     finally:
@@ -122,12 +120,15 @@ def set_activations(model, layer: int, position: int, channels: list[int], value
 def find_massive(model, tokens: torch.Tensor, n_channels: int, batch_size: int = 32) -> dict:
     """The massive activations of the probe set (see the module docstring): layer, token (1-indexed), channels, their
     mean |h| and mean signed value, and the top mean |h| over the median |h| of that layer."""
-    S = model.cfg.n_sink_tokens
+    from sinklab.metrics import SinklabTarget
+
+    target = SinklabTarget(model)
     abs_sum, signed_sum, medians = None, None, None
     for start in range(0, tokens.shape[0], batch_size):
-        records: list[dict] = []
-        model(tokens[start:start + batch_size], records=records)
-        h = torch.stack([r["h"][:, S:].float() for r in records], 1)  # (B, L, T, d)
+        layers: dict[int, torch.Tensor] = {}
+        with target.hooks({"h"}, lambda i, rec: layers.__setitem__(i, rec["h"].float())):
+            model(tokens[start:start + batch_size])
+        h = torch.stack([layers[i] for i in sorted(layers)], 1)  # (B, L, T, d) of the real tokens
         a, sg = h.abs().sum(0), h.sum(0)  # (L, T, d)
         med = h.abs().flatten(2).median(-1).values.sum(0)  # (L,)
         abs_sum = a if abs_sum is None else abs_sum + a
@@ -147,15 +148,18 @@ def find_massive(model, tokens: torch.Tensor, n_channels: int, batch_size: int =
             "ratio": float(top[layer] / median[layer].clamp(min=1e-12))}
 
 
-def intervention(name: str, model, massive: dict, n_pos: int, seed: int, device) -> contextlib.AbstractContextManager:
+def intervention(name: str, model, massive: dict, n_pos: int, seed: int, device) -> Intervention:
     S = model.cfg.n_sink_tokens
+    if name == "none":
+        return Intervention()
     if name in ("zero", "mean"):
         values = torch.tensor(massive["mean_values"]) if name == "mean" else torch.zeros(len(massive["channels"]))
         position = S + massive["token"] - 1  # the token's sequence position, learned sink tokens first
-        return set_activations(model, massive["layer"], position, massive["channels"], values.to(device))
+        return Intervention(hooks=lambda: set_activations(model, massive["layer"], position, massive["channels"],
+                                                          values.to(device)))
     if name == "mask_first":
-        return extra_mask(model, drop_first_key(S))
-    return extra_mask(model, drop_random_key(S, n_pos, seed, device))
+        return Intervention(mask=drop_first_key(S))
+    return Intervention(mask=drop_random_key(S, n_pos, seed, device))
 
 
 # ----------------------------------------------------------------------------------------------------- main
@@ -167,11 +171,10 @@ def evaluate(model, val: list[torch.Tensor], probe: torch.Tensor, names: Sequenc
     rows, count = {}, 0
     n_pos = model.cfg.n_sink_tokens + max(val[0].shape[1] - 1, probe.shape[1])
     for name in ("none", *names):
-        ctx = contextlib.nullcontext() if name == "none" else \
-            intervention(name, model, massive, n_pos, seed, probe.device)
-        with ctx, torch.no_grad():
-            loss, count = nll(val)
-            summary = summarise(attention_scores(model, probe, k=1))
+        iv = intervention(name, model, massive, n_pos, seed, probe.device)
+        with iv.hooks(), torch.no_grad():
+            loss, count = nll(val, iv.mask)
+            summary = summarise(attention_scores(model, probe, k=1, extra_mask=iv.mask))
         rows[name] = {"loss": loss, "ppl": math.exp(loss), "sink1": summary["sink1"], "alpha1": summary["alpha1"]}
         if "sink1_star" in summary:
             rows[name]["sink1_star"] = summary["sink1_star"]
@@ -198,7 +201,8 @@ def run(args) -> dict:
     probe = probe_tokens(Path(run_dir), None, None).to(device)
     massive = find_massive(model, probe, args.channels)
     rows, count = evaluate(model, val, probe, list(dict.fromkeys(args.interventions)), massive, args.seed,
-                    lambda batches: mean_nll(model, batches, model.cfg.prefix_len))
+                    lambda batches, mask: mean_nll(lambda x: model(x, extra_mask=mask), batches,
+                                                   model.cfg.prefix_len))
     return {"target": str(ckpt), "val_batches": len(val), "val_targets": count,
             "probe": {"num_seqs": int(probe.shape[0]), "seq_len": int(probe.shape[1])}, "massive": massive,
             "rows": rows, "seconds": round(time.perf_counter() - t0, 3)}

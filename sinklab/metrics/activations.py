@@ -1,15 +1,9 @@
-"""Massive activations (Sun et al., 2024), the first token's norms and angles (Gu et al., section 3), residual
-sinks and outliers (`sinklab.metrics.outliers`).
-
-All from one recorded forward: per layer the block output h (residual stream), q, k, v after RoPE, and the
-attention module's output. Only real tokens are scored (the bias slot and learned sink tokens are skipped); token
-1 is the first real token.
-
-The formulas live in per-batch functions shared by sinklab models (`activation_stats`) and Hugging Face models
-(`sinklab.hf`): `hidden_state_stats` (massive activations, ||h_1|| ratio, H_avg, inf-norm and kurtosis),
-`qkv_stats` (key and value norm ratios, query-key angles) and `outliers.outlier_stats` of the attention output;
-`ActivationStats` averages them over batches into per-layer lists. The same forwards record the gate scores of a
-gated model (`sinklab.metrics.gates`).
+"""Per-batch statistics of recorded activations, shared by the activation metrics (massive activations
+`massive.py`, the first token's norms and angles `norms.py`, outliers `outliers.py`, residual sinks
+`residual_sinks.py`): per layer the block output h (residual stream), q, k, v after RoPE and the attention module's
+output, of the real tokens only (token 1 is the first real token). `LayerMeans` averages per-sequence values over
+batches into per-layer means. `activation_stats` / `flatten_activation_stats` are the activation metrics together,
+as one dict (for scripts and tests that want them all).
 """
 from __future__ import annotations
 
@@ -19,20 +13,7 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 
-from .gates import gate_sums, record_gates, stats_from_sums
-from .outliers import channel_means, kurtosis, norm_weight_minima, outlier_stats, residual_sink_summary
-
-# per-layer lists returned by `activation_stats` / `ActivationStats.result`, in this order
-MASSIVE_KEYS = ("massive_top", "massive_median", "massive_ratio", "massive_token", "massive_channel")
-NORM_KEYS = ("h1_norm_ratio", "k1_norm_ratio", "v1_norm_ratio", "cos_q_k1", "cos_q_kj")
-OUTLIER_KEYS = ("resid_inf_norm", "resid_kurtosis", "attn_inf_norm", "attn_kurtosis", "attn_top_median")
-RESIDUAL_SINK_KEYS = ("resid_sink_top", "resid_sink_channel", "resid_sink_ratio")
-NORM_WEIGHT_KEYS = ("attn_norm_min", "ffn_norm_min")
-STAT_KEYS = MASSIVE_KEYS + NORM_KEYS + OUTLIER_KEYS + RESIDUAL_SINK_KEYS + NORM_WEIGHT_KEYS
-_MEAN_KEYS = {"median": "massive_median", "h1": "h1_norm_ratio", "k1": "k1_norm_ratio", "v1": "v1_norm_ratio",
-              "cos1": "cos_q_k1", "cosj": "cos_q_kj", "inf": "resid_inf_norm", "kurt": "resid_kurtosis",
-              "chan": "h_avg", "attn_inf": "attn_inf_norm", "attn_median": "attn_median",
-              "attn_kurt": "attn_kurtosis"}  # per-sequence value -> its per-layer mean's name
+from .outliers import channel_means, kurtosis, outlier_stats
 
 
 def first_over_rest(norms: torch.Tensor) -> torch.Tensor:
@@ -40,18 +21,25 @@ def first_over_rest(norms: torch.Tensor) -> torch.Tensor:
     return norms[:, 0] / norms[:, 1:].mean(-1)
 
 
-def hidden_state_stats(h: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Residual stream h (B, T, d) of the real tokens -> per sequence:
-    top (B, 3): max |h|, its token (1-indexed) and channel (0-indexed); inf (B,): max |h| (Bondarenko's inf-norm);
-    median (B,): median |h|; h1 (B,): ||h_1|| / mean_{t>1} ||h_t||; kurt (B,): `outliers.kurtosis`;
-    chan (B, d): `outliers.channel_means`."""
-    h = h.float()
+def top_and_median(h: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Residual stream h (B, T, d) -> per sequence top (B, 3): max |h|, its token (1-indexed) and channel
+    (0-indexed); inf (B,): max |h| (Bondarenko's inf-norm); median (B,): median |h|."""
     d = h.shape[-1]
-    flat = rearrange(h.abs(), "b t d -> b (t d)")
+    flat = rearrange(h.float().abs(), "b t d -> b (t d)")
     val, pos = flat.max(-1)  # (B,), position in the flattened (t d) axis
     top = torch.stack([val, (pos // d).float() + 1, (pos % d).float()], -1)  # (B, 3)
-    return {"top": top, "inf": val, "median": flat.median(-1).values, "h1": first_over_rest(h.norm(dim=-1)),
-            "kurt": kurtosis(h), "chan": channel_means(h)}
+    return {"top": top, "inf": val, "median": flat.median(-1).values}
+
+
+def h1_ratio(h: torch.Tensor) -> torch.Tensor:
+    """h (B, T, d) -> (B,): ||h_1|| / mean_{t>1} ||h_t||."""
+    return first_over_rest(h.float().norm(dim=-1))
+
+
+def hidden_state_stats(h: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Residual stream h (B, T, d) of the real tokens -> per sequence `top_and_median`, h1 (`h1_ratio`),
+    kurt (B,): `outliers.kurtosis`; chan (B, d): `outliers.channel_means`."""
+    return {**top_and_median(h), "h1": h1_ratio(h), "kurt": kurtosis(h), "chan": channel_means(h)}
 
 
 def attention_output_stats(a: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -84,121 +72,66 @@ def qkv_stats(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: int = 12
             "cos1": (cos1 / n_queries).mean(-1), "cosj": (cosj / n_queries).mean(-1)}
 
 
-class ActivationStats:
-    """Accumulates per-layer, per-sequence statistics over batches (`update`) into per-layer lists (`result`):
-    the massive top value (with its token and channel) and the attention output's largest |a| are maxima over all
-    sequences; medians, norm ratios, angles, inf-norms, kurtoses and H_avg are means over sequences. Statistics
-    missing from a batch's layers are left out of the result."""
+class LayerMeans:
+    """Per-layer means over sequences of per-sequence values ((B,) or (B, d) tensors), batch by batch: `add` one
+    layer's values, `end_batch` sums each over the batch's sequences (stacked over layers, one (B, L) sum); values
+    missing from some layer of a batch are left out of every layer."""
 
     def __init__(self):
-        self.top: Optional[torch.Tensor] = None  # (L, 3): value, token, channel
-        self.sums: dict[str, torch.Tensor] = {}  # name -> (L,) sums over sequences ((L, d) for chan)
-        self.attn_top: Optional[torch.Tensor] = None  # (L,): max |attention output| over sequences
+        self.batch: dict[int, dict[str, torch.Tensor]] = {}
+        self.sums: dict[str, torch.Tensor] = {}  # name -> (L,) sums over sequences ((L, d) for vectors)
         self.n = 0
 
-    def update(self, layers: list[dict[str, torch.Tensor]]) -> None:
-        """layers: per layer, the merged dicts of `hidden_state_stats` and (optionally) `qkv_stats` and
-        `attention_output_stats` of one batch."""
-        bt = torch.stack([s["top"] for s in layers], 1).cpu()  # (B, L, 3)
-        best = bt[bt[..., 0].argmax(0), torch.arange(bt.shape[1])]  # (L, 3): per layer the batch max
-        self.top = best if self.top is None else torch.where(best[:, :1] > self.top[:, :1], best, self.top)
-        names = [name for name in _MEAN_KEYS if all(name in s for s in layers)]
+    def add(self, layer: int, values: dict[str, torch.Tensor]) -> None:
+        self.batch.setdefault(layer, {}).update(values)
+
+    def end_batch(self) -> None:
+        if not self.batch:
+            return
+        layers = [self.batch[i] for i in sorted(self.batch)]
+        names = [name for name in layers[0] if all(name in s for s in layers)]
         if self.n and set(names) != set(self.sums):
             raise ValueError(f"statistics {sorted(names)} differ from the first batch's {sorted(self.sums)}")
         for name in names:
             total = torch.stack([s[name] for s in layers], 1).sum(0).cpu()  # (B, L) -> (L,); (B, L, d) -> (L, d)
             self.sums[name] = self.sums[name] + total if name in self.sums else total
-        if "attn_inf" in names:
-            peak = torch.stack([s["attn_inf"] for s in layers], 1).amax(0).cpu()  # (B, L) -> (L,)
-            self.attn_top = peak if self.attn_top is None else torch.maximum(self.attn_top, peak)
-        self.n += bt.shape[0]
+        self.n += next(iter(layers[0].values())).shape[0]
+        self.batch = {}
 
-    def result(self) -> dict[str, list]:
-        mean = {_MEAN_KEYS[name]: total / self.n for name, total in self.sums.items()}  # (L,) or (L, d) tensors
-        top = self.top[:, 0].tolist()
-        out = {
-            "massive_top": top,
-            "massive_median": mean["massive_median"].tolist(),
-            "massive_ratio": [t / max(m, 1e-12) for t, m in zip(top, mean["massive_median"].tolist())],
-            "massive_token": [int(x) for x in self.top[:, 1].tolist()],
-            "massive_channel": [int(x) for x in self.top[:, 2].tolist()],
-        }
-        out.update({key: mean[key].tolist() for key in NORM_KEYS + OUTLIER_KEYS if key in mean})
-        if self.attn_top is not None:  # as massive_ratio: the largest |a| over sequences / the mean median
-            out["attn_top_median"] = (self.attn_top / mean["attn_median"].clamp_min(1e-12)).tolist()
-        if "h_avg" in mean:
-            out["h_avg"] = mean["h_avg"].tolist()  # (L, d)
-            out.update(residual_sink_summary(mean["h_avg"]))
-        return out
+    def __contains__(self, name: str) -> bool:
+        return name in self.sums
+
+    def mean(self, name: str) -> torch.Tensor:
+        return self.sums[name] / self.n
 
 
-@torch.no_grad()
+ACTIVATION_METRICS = ["massive", "norms", "outliers", "residual_sinks", "gates"]
+
+
 def activation_stats(model, tokens: torch.Tensor, batch_size: int = 32, chunk: int = 128) -> dict:
-    """Per-layer lists (index = layer) of:
-    massive_top, massive_median, massive_ratio, massive_token (1-indexed), massive_channel,
-    h1_norm_ratio = ||h_1|| / mean_{t>1} ||h_t||, k1_norm_ratio, v1_norm_ratio (keys after RoPE, all heads),
-    cos_q_k1 = mean_{t>1} cos(q_t, k_1), cos_q_kj = mean_{t>1} mean_{1<j<=t} cos(q_t, k_j) (over heads and
-    sequences); resid_inf_norm, resid_kurtosis, attn_inf_norm, attn_kurtosis (Bondarenko's, means over sequences),
-    attn_top_median (max |a| / median |a|, as massive_ratio); h_avg (L lists of d: mean |h_j| over all probe
-    tokens), resid_sink_top, resid_sink_channel, resid_sink_ratio, and the scalar resid_sink_channel_share;
-    attn_norm_min, ffn_norm_min and the scalar final_norm_min (`outliers.norm_weight_minima`); for a model with a
-    gate, gates: `sinklab.metrics.gates.gate_stats` of the same forwards (gate_mean, gate_low_share,
-    gate_first_token over all layers and as layer<l>/...). See `hidden_state_stats`, `qkv_stats`,
-    `attention_output_stats`, `sinklab.metrics.outliers` and `sinklab.metrics.gates`."""
-    cfg = model.cfg
-    S, n_slots = cfg.n_sink_tokens, cfg.n_slots
-    acc = ActivationStats()
-    with record_gates(model) as gates:  # no hooks, and nothing to add up, without a gate
-        gate_totals = torch.zeros(len(gates), 5, dtype=torch.float64, device=tokens.device)  # `gate_sums` per layer
-        for start in range(0, tokens.shape[0], batch_size):
-            records: list[dict] = []
-            model(tokens[start:start + batch_size], records=records)
-            # real tokens only: q (B, H, S + T, hd) drops the sinks, k and v (B, H, n_slots + S + T, hd) the slots
-            acc.update([{**hidden_state_stats(rec["h"][:, S:]), **attention_output_stats(rec["attn"][:, S:]),
-                         **qkv_stats(rec["q"][:, :, S:], rec["k"][:, :, n_slots + S:], rec["v"][:, :, n_slots + S:],
-                                     chunk)} for rec in records])
-            if gates:  # this batch's scores -> sums, then dropped: memory stays one batch's
-                gate_totals += gate_sums(gates)
-                for layer in gates:
-                    layer.clear()
-    out = {**acc.result(), **norm_weight_minima(model)}
-    if gates:
-        out["gates"] = stats_from_sums(gate_totals)
+    """The activation metrics' per-layer results as one dict (massive_*, h1_norm_ratio, k1_norm_ratio,
+    v1_norm_ratio, cos_q_k1, cos_q_kj, resid_inf_norm, resid_kurtosis, attn_inf_norm, attn_kurtosis,
+    attn_top_median, h_avg, resid_sink_*, attn_norm_min, ffn_norm_min, final_norm_min, and `gates` for a gated
+    model): see each metric's module."""
+    from .record import measure_model
+
+    out: dict = {}
+    for metric in measure_model(model, tokens, ACTIVATION_METRICS, batch_size=batch_size, chunk=chunk):
+        result = metric.result()
+        if metric.name == "gates":
+            if result:
+                out["gates"] = result
+        else:
+            out.update(result)
     return out
 
 
-_MAX_OVER_LAYERS = ("massive_top", "massive_ratio", "resid_inf_norm", "attn_inf_norm", "attn_top_median",
-                    "resid_sink_ratio")
-_MEAN_OVER_LAYERS = ("k1_norm_ratio", "v1_norm_ratio", "cos_q_k1", "cos_q_kj", "resid_kurtosis", "attn_kurtosis")
-
-
 def flatten_activation_stats(stats: dict) -> dict[str, float]:
-    """Scalars for logging. Summaries: massive_top, massive_ratio, resid_inf_norm, attn_inf_norm, attn_top_median,
-    resid_sink_ratio (max over layers; Bondarenko's "max inf. norm"), h1_norm_ratio (last layer), k1_norm_ratio,
-    v1_norm_ratio, cos_q_k1, cos_q_kj, resid_kurtosis, attn_kurtosis (means over layers; Bondarenko's "avg.
-    kurtosis"), resid_sink_channel_share, final_norm_min, norm_min (the smallest of every norm's), and the gate
-    statistics where there are gates (over all layers and per layer, as `gate_stats` names them). Per layer: every
-    statistic of `activation_stats` in STAT_KEYS as layer{i}/<name>. Norms without a weight are left out."""
+    """Scalars for logging (without the act/ prefix) of `activation_stats`' dict: each activation metric's `log`."""
+    from .base import METRICS
+
     out: dict[str, float] = {}
-    for key in _MAX_OVER_LAYERS:
-        if key in stats:
-            out[key] = max(stats[key])
-    if "h1_norm_ratio" in stats:
-        out["h1_norm_ratio"] = stats["h1_norm_ratio"][-1]
-    for key in _MEAN_OVER_LAYERS:
-        if key in stats:
-            out[key] = sum(stats[key]) / len(stats[key])
-    if "resid_sink_channel_share" in stats:
-        out["resid_sink_channel_share"] = stats["resid_sink_channel_share"]
-    norm_mins = [v for key in NORM_WEIGHT_KEYS for v in stats.get(key, []) if v is not None]
-    if stats.get("final_norm_min") is not None:
-        out["final_norm_min"] = stats["final_norm_min"]
-        norm_mins.append(stats["final_norm_min"])
-    if norm_mins:
-        out["norm_min"] = min(norm_mins)
-    out.update(stats.get("gates", {}))  # already scalars: gate_mean, ..., layer<l>/gate_mean, ...
-    for key in STAT_KEYS:
-        for layer, value in enumerate(stats.get(key, [])):
-            if value is not None:
-                out[f"layer{layer}/{key}"] = float(value)
-    return {key: float(value) for key, value in out.items()}
+    for name in ACTIVATION_METRICS:
+        result = stats.get("gates", {}) if name == "gates" else stats
+        out.update({k.removeprefix("act/"): v for k, v in METRICS.get(name).flatten(result).items()})
+    return out

@@ -13,16 +13,21 @@ registers a forward hook on each and keeps the real tokens' scores, one list per
                                           #  "layer0/gate_mean": .., ...}
 
 Over many batches, `gate_sums` reduces each batch's scores to per-layer sums that add up, and `stats_from_sums` turns
-the total into the same statistics: `sinklab.metrics.activation_stats` does so in the probe forwards it records, for
-the sink callback (`act/gate_*`) and `sinklab measure` (`gates`).
+the total into the same statistics: the `gates` metric (registered here) does so in the probe forwards it records,
+for the sink callback (`act/gate_*`) and `sinklab measure` (`gates`).
 """
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Sequence
+import math
+from typing import Any, Iterator, Sequence
 
 import torch
 from torch import nn
+
+from sinklab.keys import ACT_PREFIX
+
+from .base import METRICS, UNIT, Context, Metric
 
 GATE_KEYS = ("gate_mean", "gate_low_share", "gate_first_token")
 LOW = 0.1  # a score below this counts as (nearly) closed
@@ -85,3 +90,50 @@ def from_sums(sums: torch.Tensor) -> dict[str, float]:
     """(sum, count, low count, first-token sum, first-token count) -> the three statistics; empty without scores."""
     s, n, n_low, s1, n1 = sums.tolist()
     return {"gate_mean": s / n, "gate_low_share": n_low / n, "gate_first_token": s1 / n1} if n else {}
+
+
+SILU_MIN = -0.2784645427610738  # min_x x * sigmoid(x), at x = -1.2785 (where 1 + x (1 - sigmoid(x)) = 0)
+
+
+@METRICS.register("gates")
+class GateScores(Metric):
+    """`gate_stats` of the probe forwards (empty for a model without gates)."""
+
+    records = frozenset({"gate"})
+    bounds = ((r"^act/(layer\d+/)?gate_low_share$", UNIT),  # share of gate scores below 0.1
+              # mean gate scores: in [0, 1] for model.gate_act=sigmoid, in [SILU_MIN, inf) for silu
+              (r"^act/(layer\d+/)?gate_(mean|first_token)$", (SILU_MIN, math.inf)))
+    json_key = "gates"
+    headline = ("act/gate_mean", "act/gate_first_token")
+
+    def __init__(self, ctx: Context):
+        super().__init__(ctx)
+        self.values: dict[int, list[torch.Tensor]] = {}
+        self.totals = None
+
+    def update(self, layer: int, rec: dict[str, torch.Tensor]) -> None:
+        if "gate" in rec:
+            self.values.setdefault(layer, []).append(rec["gate"])
+
+    def end_batch(self) -> None:
+        if self.values:  # this batch's scores -> sums, then dropped: memory stays one batch's
+            sums = gate_sums([self.values[i] for i in sorted(self.values)])
+            self.totals = sums if self.totals is None else self.totals + sums
+        self.values = {}
+
+    def result(self) -> dict[str, float]:
+        return stats_from_sums(self.totals) if self.totals is not None else {}
+
+    @staticmethod
+    def flatten(result: dict[str, Any]) -> dict[str, float]:
+        return {ACT_PREFIX + k: v for k, v in result.items()}
+
+    def json(self, result: dict[str, Any]) -> dict:
+        """`gate_stats`' names (gate_mean, ..., layer<l>/gate_mean, ...) -> {mean, low_share, first_token,
+        by_layer {...: per-layer lists}}; {} without gates."""
+        if not result:
+            return {}
+        n_layers = sum(key.endswith("/gate_mean") for key in result)
+        return {**{key.removeprefix("gate_"): result[key] for key in GATE_KEYS},
+                "by_layer": {key.removeprefix("gate_"): [result[f"layer{i}/{key}"] for i in range(n_layers)]
+                             for key in GATE_KEYS}}

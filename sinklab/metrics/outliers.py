@@ -1,7 +1,8 @@
 """Residual sinks (arXiv 2601.22966, "A Unified View of Attention and Residual Sinks") and activation outliers
 (Bondarenko et al. 2023, "Quantizable Transformers").
 
-Per-batch functions of the recorded forward, accumulated over batches by `sinklab.metrics.ActivationStats`:
+The `outliers` metric (registered here) and per-batch functions of the recorded forward, shared with the
+`residual_sinks` metric (`residual_sinks.py`):
 - `channel_means`: per sequence, each channel's mean |h_j| over the real tokens. Averaged over sequences (all of the
   same length) it is the paper's H_avg over all probe tokens; `residual_sink_summary` reduces it to the top
   channel, its ratio to the median channel, and how many layers share the top channel.
@@ -20,11 +21,15 @@ Choices the papers leave open, and the ones made here:
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from einops import rearrange
 from torch import nn
+
+from sinklab.keys import ACT_PREFIX
+
+from .base import METRICS, NON_NEGATIVE, Context, Metric, per_layer
 
 KURTOSIS_EPS = 1e-6  # Bondarenko's
 
@@ -75,3 +80,64 @@ def norm_weight_minima(model) -> dict:
     return {"attn_norm_min": [weight_min(b.norm1) for b in model.blocks],
             "ffn_norm_min": [weight_min(b.norm2) for b in model.blocks],
             "final_norm_min": weight_min(model.norm)}
+
+
+KEYS = ("resid_inf_norm", "resid_kurtosis", "attn_inf_norm", "attn_kurtosis", "attn_top_median")
+MAX_OVER_LAYERS = ("resid_inf_norm", "attn_inf_norm", "attn_top_median")  # Bondarenko's "max inf. norm"
+MEAN_OVER_LAYERS = ("resid_kurtosis", "attn_kurtosis")  # Bondarenko's "avg. kurtosis"
+
+
+@METRICS.register("outliers")
+class Outliers(Metric):
+    """Per layer, means over sequences of the residual stream's and the attention output's inf-norm and kurtosis,
+    and attn_top_median: the largest |a| over sequences / the mean median |a| (as massive_ratio)."""
+
+    records = frozenset({"h", "attn"})
+    bounds = ((r"^act/(layer\d+/)?(resid|attn)_(inf_norm|kurtosis|top_median)$", NON_NEGATIVE),)
+    json_key = "outliers"
+    headline = ("act/resid_kurtosis", "act/attn_kurtosis")
+    NAMES = {"inf": "resid_inf_norm", "kurt": "resid_kurtosis", "attn_inf": "attn_inf_norm",
+             "attn_median": "attn_median", "attn_kurt": "attn_kurtosis"}
+
+    def __init__(self, ctx: Context):
+        from .activations import LayerMeans
+
+        super().__init__(ctx)
+        self.means = LayerMeans()
+        self.peaks: dict[int, torch.Tensor] = {}  # this batch's max |a| per sequence, per layer
+        self.attn_top: Optional[torch.Tensor] = None  # (L,): max |a| over sequences
+
+    def update(self, layer: int, rec: dict[str, torch.Tensor]) -> None:
+        h = rec["h"]
+        values = {"inf": rearrange(h.float().abs(), "b t d -> b (t d)").max(-1).values, "kurt": kurtosis(h)}
+        if "attn" in rec:
+            a = {f"attn_{name}": v for name, v in outlier_stats(rec["attn"]).items()}
+            values.update(a)
+            self.peaks[layer] = a["attn_inf"]
+        self.means.add(layer, values)
+
+    def end_batch(self) -> None:
+        self.means.end_batch()
+        if self.peaks and "attn_inf" in self.means:
+            peak = torch.stack([self.peaks[i] for i in sorted(self.peaks)], 1).amax(0).cpu()  # (B, L) -> (L,)
+            self.attn_top = peak if self.attn_top is None else torch.maximum(self.attn_top, peak)
+        self.peaks = {}
+
+    def result(self) -> dict[str, Any]:
+        out = {key: self.means.mean(name).tolist() for name, key in self.NAMES.items()
+               if name in self.means and key != "attn_median"}
+        if self.attn_top is not None:
+            out["attn_top_median"] = (self.attn_top / self.means.mean("attn_median").clamp_min(1e-12)).tolist()
+        return out
+
+    @staticmethod
+    def flatten(result: dict[str, Any]) -> dict[str, float]:
+        out = {ACT_PREFIX + key: float(max(result[key])) for key in MAX_OVER_LAYERS if key in result}
+        out.update({ACT_PREFIX + key: float(sum(result[key]) / len(result[key]))
+                    for key in MEAN_OVER_LAYERS if key in result})
+        for key in KEYS:
+            out.update({ACT_PREFIX + k: v for k, v in per_layer(result, key).items()})
+        return out
+
+    def json(self, result: dict[str, Any]) -> dict[str, Any]:
+        return {key: result[key] for key in KEYS if key in result}

@@ -13,9 +13,13 @@ The efficient route walks query rows in chunks and accumulates column sums, so m
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
+
+from sinklab.keys import SINK_PREFIX
+
+from .base import ANY, METRICS, PERCENT, Context, Metric
 
 
 @dataclass
@@ -52,10 +56,11 @@ def renormalise(a: torch.Tensor) -> torch.Tensor:
 
 def brute_force_alpha(model, tokens: torch.Tensor, k: int = 4) -> AttentionScores:
     """Reference computation from the full explicit attention maps (the materialising route)."""
+    from .record import attention_maps
+
     n_skip = model.cfg.n_sink_tokens
     n_extra = model.cfg.n_slots + n_skip
-    _, probs = model(tokens, return_probs=True)
-    maps = torch.stack([p[:, :, n_skip:, :] for p in probs], dim=1)  # (N, L, H, T, n_extra + T)
+    maps = torch.stack([p[:, :, n_skip:, :] for p in attention_maps(model, tokens)], dim=1)  # (N, L, H, T, n_extra + T)
     alpha, slot = column_scores(maps, n_extra, k)
     out = AttentionScores(alpha=alpha, slot=slot if n_extra else None)
     if not model.cfg.row_normalised:
@@ -64,55 +69,119 @@ def brute_force_alpha(model, tokens: torch.Tensor, k: int = 4) -> AttentionScore
     return out
 
 
-@torch.no_grad()
 def attention_scores(model, tokens: torch.Tensor, k: int = 4, batch_size: int = 32,
-                     chunk: int = 128) -> AttentionScores:
-    """Efficient exact route: one forward per batch records q and k per layer, then query chunks of the explicit
-    map are summed into key columns. Memory: O(L * B * T * d) for q/k plus O(B * H * chunk * T) for one chunk."""
-    cfg = model.cfg
-    S, n_slots = cfg.n_sink_tokens, cfg.n_slots
-    n_extra = n_slots + S
-    star = not cfg.row_normalised
-    outs: dict[str, list] = {"alpha": [], "slot": [], "alpha_star": [], "slot_star": []}
-    for start in range(0, tokens.shape[0], batch_size):
-        idx = tokens[start:start + batch_size]
-        B, T = idx.shape
-        K = min(k, T)
-        records: list[dict] = []
-        model(idx, records=records)
-        layout = model.layout(T, idx.device)
-        layer_alpha, layer_slot, layer_alpha_s, layer_slot_s = [], [], [], []
-        for block, rec in zip(model.blocks, records):
-            q, key = rec["q"], rec["k"]  # (B, H, S + T, hd), (B, H, n_slots + S + T, hd)
-            H = q.shape[1]
-            acc = torch.zeros(B, H, K, dtype=torch.float64, device=idx.device)
-            acc_x = torch.zeros(B, H, n_extra, dtype=torch.float64, device=idx.device)
-            acc_s, acc_xs = torch.zeros_like(acc), torch.zeros_like(acc_x)
-            cols = n_extra + torch.arange(K, device=idx.device)  # key columns of real tokens 1..K
-            for r0 in range(0, T, chunk):
-                rows = torch.arange(S + r0, S + min(T, r0 + chunk), device=idx.device)  # real query positions
-                a = block.attn.probs(q[:, :, rows], key, layout, rows).double()  # (B, H, R, n_keys)
-                # only queries i >= k count for token k: row r (0-based real index) contributes to k-1 <= r
-                sees = (rows - S)[:, None] >= torch.arange(K, device=idx.device)[None, :]  # (R, K)
-                for maps, col_acc, x_acc in ((a, acc, acc_x),) + (((renormalise(a), acc_s, acc_xs),) if star else ()):
-                    col_acc += (maps[..., cols] * sees).sum(2)
-                    x_acc += maps[..., :n_extra].sum(2)
-            denom = (T - torch.arange(K, device=idx.device)).double()
-            layer_alpha.append(acc / denom)
-            layer_slot.append(acc_x / T)
-            layer_alpha_s.append(acc_s / denom)
-            layer_slot_s.append(acc_xs / T)
-        outs["alpha"].append(torch.stack(layer_alpha, 1))  # (B, L, H, K)
-        outs["slot"].append(torch.stack(layer_slot, 1))
-        outs["alpha_star"].append(torch.stack(layer_alpha_s, 1))
-        outs["slot_star"].append(torch.stack(layer_slot_s, 1))
-    cat = {name: torch.cat(v).float() for name, v in outs.items()}
-    return AttentionScores(
-        alpha=cat["alpha"],
-        slot=cat["slot"] if n_extra else None,
-        alpha_star=cat["alpha_star"] if star else None,
-        slot_star=cat["slot_star"] if star and n_extra else None,
-    )
+                     chunk: int = 128, extra_mask=None) -> AttentionScores:
+    """Efficient exact route (the `sink` metric): one forward per batch records q and k per layer, then query chunks
+    of the explicit map are summed into key columns. Memory: O(B * T * d) for one layer's q / k plus
+    O(B * H * chunk * T) for one chunk."""
+    from .record import measure_model
+
+    (metric,) = measure_model(model, tokens, ["sink"], k=k, batch_size=batch_size, chunk=chunk, extra_mask=extra_mask)
+    return metric.scores()
+
+
+@METRICS.register("sink")
+class SinkMetric(Metric):
+    """Sink_k^eps, alpha_k, Sink* and the slot scores (module docstring), from the maps in row chunks: per layer and
+    batch the columns of real tokens 1..K (counting query rows i >= k) and of the extra keys are summed in float64."""
+
+    records = frozenset({"maps"})
+    bounds = ((r"^sink/(layer\d+/)?(sink|slot)", PERCENT),  # Sink_k, Sink*_k and slot scores, in %
+              (r"^sink/(layer\d+/)?alpha", ANY))  # mean attention on token k: [0, 1] for softmax, any for kernels
+    headline = ("sink/sink1", "sink/alpha1")
+
+    def __init__(self, ctx: Context):
+        super().__init__(ctx)
+        self.star = ctx.row_normalised is not True  # unknown (Hugging Face): computed, reported if rows do not sum to 1
+        self.batches: dict[str, list] = {"alpha": [], "slot": [], "alpha_star": [], "slot_star": []}
+        self.layers: dict[str, list] = {name: [] for name in self.batches}
+        self.acc: Optional[dict[str, torch.Tensor]] = None
+
+    def update_maps(self, layer: int, rows: torch.Tensor, maps: torch.Tensor) -> None:
+        n_extra, T = self.ctx.n_extra, maps.shape[-1] - self.ctx.n_extra
+        K = min(self.ctx.k, T)
+        if not self.acc or self.acc["layer"] != layer:
+            self._close_layer()
+            B, H = maps.shape[:2]
+            zeros = torch.zeros(B, H, K, dtype=torch.float64, device=maps.device)
+            zeros_x = torch.zeros(B, H, n_extra, dtype=torch.float64, device=maps.device)
+            self.acc = {"layer": layer, "T": T, "alpha": zeros, "slot": zeros_x,
+                        "alpha_star": zeros.clone(), "slot_star": zeros_x.clone()}
+        a = maps.double()
+        cols = n_extra + torch.arange(K, device=a.device)  # key columns of real tokens 1..K
+        # only queries i >= k count for token k: row r (0-based real index) contributes to k-1 <= r
+        sees = rows[:, None] >= torch.arange(K, device=a.device)[None, :]  # (R, K)
+        for m, name in ((a, ""),) + (((renormalise(a), "_star"),) if self.star else ()):
+            self.acc["alpha" + name] += (m[..., cols] * sees).sum(2)
+            self.acc["slot" + name] += m[..., :n_extra].sum(2)
+
+    def _close_layer(self) -> None:
+        if not self.acc:
+            return
+        K, T = self.acc["alpha"].shape[-1], self.acc["T"]
+        denom = (T - torch.arange(K, device=self.acc["alpha"].device)).double()
+        for name in ("alpha", "alpha_star"):
+            self.layers[name].append(self.acc[name] / denom)
+        for name in ("slot", "slot_star"):
+            self.layers[name].append(self.acc[name] / T)
+        self.acc = None
+
+    def end_batch(self) -> None:
+        self._close_layer()
+        for name, layers in self.layers.items():
+            self.batches[name].append(torch.stack(layers, 1))  # (B, L, H, K)
+            layers.clear()
+
+    def scores(self) -> AttentionScores:
+        cat = {name: torch.cat(v).float() for name, v in self.batches.items()}
+        n_extra = self.ctx.n_extra
+        star = self.star and self.ctx.row_normalised is not True  # a Hugging Face model's rows may turn out to sum to 1
+        return AttentionScores(alpha=cat["alpha"], slot=cat["slot"] if n_extra else None,
+                               alpha_star=cat["alpha_star"] if star else None,
+                               slot_star=cat["slot_star"] if star and n_extra else None)
+
+    def result(self) -> dict[str, Any]:
+        return {"scores": self.scores(), "row_normalised": self.ctx.row_normalised}
+
+    def log(self, result: dict[str, Any]) -> dict[str, float]:
+        return {SINK_PREFIX + k: v for k, v in summarise(result["scores"], self.ctx.eps, self.ctx.slot_names).items()}
+
+    def json(self, result: dict[str, Any]) -> dict[str, Any]:
+        """eps, k, row_normalised, sink, sink_by_eps, sink_star(_by_eps), alpha, alpha_mean, sink1_by_layer,
+        alpha_star, slot(_star), slot(_star)_by_eps, slot(_star)_alpha (sinklab.measure's docstring)."""
+        scores, eps = result["scores"], self.ctx.eps
+        row_normalised = bool(result["row_normalised"])
+        K = scores.alpha.shape[-1]
+        res: dict[str, Any] = {"eps": [float(e) for e in eps], "k": K, "row_normalised": row_normalised}
+        res["sink"] = rates(scores.alpha, eps[0])
+        res["sink_by_eps"] = {f"{e:g}": rates(scores.alpha, e) for e in eps}
+        # Sink*: the metric on |A| / sum |A|, which is A itself when rows sum to one (then exactly Sink)
+        star = scores.alpha_star if not row_normalised and scores.alpha_star is not None else scores.alpha
+        res["sink_star"] = rates(star, eps[0])
+        res["sink_star_by_eps"] = {f"{e:g}": rates(star, e) for e in eps}
+        res["alpha"] = scores.alpha[..., 0].mean(0).tolist()  # (L, H): alpha_1 mean over sequences
+        res["alpha_mean"] = {str(j + 1): scores.alpha[..., j].mean().item() for j in range(K)}
+        res["sink1_by_layer"] = (100.0 * (scores.alpha[..., 0] > eps[0]).float().mean(dim=(0, 2))).tolist()
+        if not row_normalised and scores.alpha_star is not None:
+            res["alpha_star"] = scores.alpha_star[..., 0].mean(0).tolist()
+        names = self.ctx.slot_names
+        for name, slot in (("slot", scores.slot), ("slot_star", scores.slot_star if not row_normalised else None)):
+            if slot is None:
+                continue
+
+            def slot_rates(e: float, slot=slot) -> dict[str, float]:
+                r = 100.0 * (slot > e).float().mean(dim=(1, 2)).mean(0)  # (n_extra,)
+                return {n: v for n, v in zip(names, r.tolist())}
+
+            res[name] = slot_rates(eps[0])
+            res[f"{name}_by_eps"] = {f"{e:g}": slot_rates(e) for e in eps}
+            res[f"{name}_alpha"] = {n: slot[..., i].mean(0).tolist() for i, n in enumerate(names)}  # (L, H)
+        return res
+
+
+def rates(alpha: torch.Tensor, eps: float) -> dict[str, float]:
+    """alpha (N, L, H, K) -> {"1": Sink_1, ...} in percent (per sequence over heads, then mean)."""
+    return {str(j + 1): v for j, v in enumerate(sink_rate(alpha, eps).tolist())}
 
 
 def summarise(scores: AttentionScores, eps: Sequence[float] = (0.3,), slot_names: Optional[list[str]] = None) -> dict:

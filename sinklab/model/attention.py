@@ -11,14 +11,13 @@ at their new places; a dense one after).
 from __future__ import annotations
 
 import math
-from typing import Optional
-
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .backends import select_backend
 from .gates import G1, G2, G3, G4, G5
+from .hooks import HookPoint
 from .masks import Layout
 from .registry import ATTENTION_OPS, ATTN_BIASES, GATES, POSITIONS
 
@@ -47,6 +46,8 @@ class Attention(nn.Module):
         self.recompute = cfg.attn_memory == "linear"
         self.rotates = POSITIONS.selected(cfg).rotates(cfg, layer)  # False in a NoPE layer (model.nope_every)
         self.layer = layer  # its index in a KV cache
+        # q, k, v as the operation sees them (after RoPE, with the bias slot): where measurements record them
+        self.hook_q, self.hook_k, self.hook_v = HookPoint(), HookPoint(), HookPoint()
 
     def qkv(self, x: torch.Tensor, layout: Layout):
         """x (B, N, d) -> q (B, H, N, hd), k and v (B, H, n_slots + start + N, hd), RoPE applied before the slot. A
@@ -74,7 +75,7 @@ class Attention(nn.Module):
             k = k.repeat_interleave(self.n_head // self.n_kv, dim=1)
             v = v.repeat_interleave(self.n_head // self.n_kv, dim=1)
         k, v = self.attn_bias.extend(k, v)
-        return q, k, v
+        return self.hook_q(q), self.hook_k(k), self.hook_v(v)
 
     def probs(self, q: torch.Tensor, k: torch.Tensor, layout: Layout, rows: torch.Tensor) -> torch.Tensor:
         """Explicit attention map for query rows: q (B, H, R, hd), k (B, H, Tk, hd) -> A (B, H, R, Tk)."""
@@ -98,23 +99,12 @@ class Attention(nn.Module):
         """The output of query rows r0 .. r0 + R - 1 through their map: q (B, H, R, hd) -> (B, H, R, hd)."""
         return self.probs(q, k, layout, layout.rows(r0, r0 + q.shape[2])) @ v
 
-    def forward(self, x: torch.Tensor, layout: Layout, record: Optional[dict] = None, return_probs: bool = False):
-        """x (B, N, d) -> (B, N, d). `record` receives q, k, v and the output `attn` (after o_proj);
-        `return_probs` forces the explicit path."""
+    def forward(self, x: torch.Tensor, layout: Layout) -> torch.Tensor:
+        """x (B, N, d) -> (B, N, d), the output after o_proj (and a G5 gate)."""
         q, k, v = self.qkv(x, layout)
-        if record is not None:
-            record.update(q=q, k=k, v=v)
-        probs = None
-        if return_probs:
-            probs = self.probs(q, k, layout, layout.rows())  # (B, H, N, Tk)
-            o = probs @ v  # (B, H, N, hd)
-        else:
-            o = self.op.fused(q, k, v, layout, self.scale, self.backend) if self.use_fused else None
-            if o is None:
-                o = self.explicit(q, k, v, layout)
+        o = self.op.fused(q, k, v, layout, self.scale, self.backend) if self.use_fused else None
+        if o is None:
+            o = self.explicit(q, k, v, layout)
         o = self.gate_proj.at(G1, x, self.attn_bias.output(o))
         out = self.o_proj(o.transpose(1, 2).flatten(2))  # (B, H, N, hd) -> (B, N, H * hd) -> (B, N, d)
-        out = self.gate_proj.at(G5, x, out)
-        if record is not None:
-            record["attn"] = out
-        return (out, probs) if return_probs else out
+        return self.gate_proj.at(G5, x, out)

@@ -9,8 +9,9 @@ from torch import nn
 
 from .attention import Attention
 from .cache import KVCache
+from .hooks import HookPoint
 from .legacy import upgrade_state_dict
-from .masks import Layout, compose_mask
+from .masks import Layout, MaskMod, and_masks, compose_mask
 from .registry import FFNS, NORM_POSITIONS, NORMS, POSITIONS, Component
 
 
@@ -26,18 +27,18 @@ class Block(Component, nn.Module):
         self.attn = Attention(cfg, layer)
         self.norm2 = NORMS.selected(cfg).build(cfg)
         self.ffn = FFNS.selected(cfg).build(cfg)
+        self.clip = cfg.residual_clip
+        self.hook_resid = HookPoint()  # the block's output: the residual stream after the clamp
 
     llama = True
 
-    def attend(self, x, layout: Layout, record: Optional[dict], return_probs: bool):
-        """The attention output and maps (None unless return_probs)."""
-        a = self.attn(x, layout, record, return_probs)
-        return a if return_probs else (a, None)
+    def out(self, x: torch.Tensor) -> torch.Tensor:
+        """The residual stream leaving the block, clamped to +-model.residual_clip when set."""
+        return self.hook_resid(x if self.clip is None else x.clamp(-self.clip, self.clip))
 
-    def forward(self, x, layout: Layout, record: Optional[dict] = None, return_probs: bool = False):
-        a, probs = self.attend(self.norm1(x), layout, record, return_probs)
-        x = x + a
-        return x + self.ffn(self.norm2(x)), probs
+    def forward(self, x, layout: Layout):
+        x = x + self.attn(self.norm1(x), layout)
+        return self.out(x + self.ffn(self.norm2(x)))
 
 
 @NORM_POSITIONS.register("post")
@@ -48,10 +49,9 @@ class PostNormBlock(Block):
 
     llama = False
 
-    def forward(self, x, layout: Layout, record: Optional[dict] = None, return_probs: bool = False):
-        a, probs = self.attend(x, layout, record, return_probs)
-        x = self.norm1(x + a)
-        return self.norm2(x + self.ffn(x)), probs
+    def forward(self, x, layout: Layout):
+        x = self.norm1(x + self.attn(x, layout))
+        return self.out(self.norm2(x + self.ffn(x)))
 
 
 class Transformer(nn.Module):
@@ -97,8 +97,10 @@ class Transformer(nn.Module):
         """An empty KV cache for `forward(idx, cache=...)`: dense, or keeping the first / recent tokens."""
         return KVCache(self.cfg.n_layer, self.cfg.n_sink_tokens, keep_first, recent)
 
-    def layout(self, T: int, device: torch.device, cache: Optional[KVCache] = None) -> Layout:
-        """The layout of T new tokens (and the sink tokens, unless a cache holds them already)."""
+    def layout(self, T: int, device: torch.device, cache: Optional[KVCache] = None,
+               extra_mask: Optional[MaskMod] = None) -> Layout:
+        """The layout of T new tokens (and the sink tokens, unless a cache holds them already); `extra_mask` (an
+        intervention's: a key dropped) is obeyed on top of the model's mask."""
         if T > self.cfg.block_size:
             raise ValueError(f"sequence length {T} exceeds the model context model.block_size={self.cfg.block_size}")
         start = cache.length if cache is not None else 0
@@ -107,8 +109,9 @@ class Transformer(nn.Module):
                              f"model.prefix_len={self.cfg.prefix_len}: its tokens see each other")
         n_pos = T + (self.cfg.n_sink_tokens if start == 0 else 0)
         rope = self.pos.rotary(start + n_pos, start)
+        mask_mod = self.mask_mod if extra_mask is None else and_masks(self.mask_mod, extra_mask)
         return Layout(n_pos=n_pos, n_sink=self.cfg.n_sink_tokens, n_slots=self.cfg.n_slots,
-                      mask_mod=self.mask_mod, plain_causal=self.plain_causal,
+                      mask_mod=mask_mod, plain_causal=self.plain_causal and extra_mask is None,
                       logit_bias=self.pos.logit_bias, rope=rope, device=device, start=start,
                       rope_keys=self.pos.rotary(start + n_pos) if start and not cache.stores_rotated else None,
                       cache=cache)
@@ -122,33 +125,25 @@ class Transformer(nn.Module):
         table = self.pos.absolute(start + x.shape[1])
         return x + table[start:].to(x.dtype) if table is not None else x
 
-    def forward(self, idx: torch.Tensor, records: Optional[list] = None, return_probs: bool = False,
-                return_hidden: bool = False, cache: Optional[KVCache] = None):
+    def forward(self, idx: torch.Tensor, return_hidden: bool = False, cache: Optional[KVCache] = None,
+                extra_mask: Optional[MaskMod] = None) -> torch.Tensor:
         """idx (B, T) token ids -> logits (B, T, vocab) for the real tokens (sink tokens are never predicted).
 
-        records: a list that receives, per layer, a dict with q, k, v (after RoPE, with the bias slot), the
-        attention module's output `attn` (after o_proj) and the block output `h`. return_probs: also return the attention maps, a list of (B, H, S + T, Tk) per layer.
-        return_hidden: return the final hidden states (B, T, d) instead of logits.
+        return_hidden: the final hidden states (B, T, d) instead of logits.
         cache: a KVCache (`new_cache`) holding the earlier positions: idx are the next tokens; the cache keeps them
         and evicts by its policy after the forward.
+        extra_mask: a mask function every query obeys on top of the model's (an intervention's).
+        Measurements record q, k, v, the attention output and the residual stream through forward hooks
+        (`sinklab.metrics.record`); nothing recorded changes what this returns.
         """
-        layout = self.layout(idx.shape[1], idx.device, cache)
+        layout = self.layout(idx.shape[1], idx.device, cache, extra_mask)
         x = self.embed(idx, layout.start)
-        all_probs = []
         for block in self.blocks:
-            rec = {} if records is not None else None
-            x, probs = block(x, layout, rec, return_probs)
-            if self.cfg.residual_clip is not None:  # clamp the residual stream to +-c after each block
-                x = x.clamp(-self.cfg.residual_clip, self.cfg.residual_clip)
-            if rec is not None:
-                rec["h"] = x
-                records.append(rec)
-            all_probs.append(probs)
+            x = block(x, layout)
         if cache is not None:
             cache.commit(idx.shape[1])
         x = self.norm(x[:, layout.n_pos - idx.shape[1]:])  # the real tokens
-        out = x if return_hidden else self.lm_head(x)
-        return (out, all_probs) if return_probs else out
+        return x if return_hidden else self.lm_head(x)
 
     def num_params(self, non_embedding: bool = True) -> int:
         n = sum(p.numel() for p in self.parameters())

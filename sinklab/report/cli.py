@@ -51,8 +51,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--stale-minutes", type=float, default=STALE_MINUTES,
                     help="a job whose files have not changed for this long is not running any more (default 10)")
     ap.add_argument("--metrics", nargs="+", default=[], metavar="NAME",
-                    help="logged metrics to add as columns, e.g. act/resid_kurtosis act/massive_top (besides the "
-                         "preset's experiment.report_metrics)")
+                    help="logged metrics to add as columns, e.g. act/resid_kurtosis act/massive_top, or a registered "
+                         "metric's name for its headline values (entropy: act/attn_entropy; sinklab.metrics.METRICS), "
+                         "besides the preset's experiment.report_metrics")
     args = ap.parse_args(argv)
     try:
         res = build_report(args.sweep_dir, args.out, paper_tables=args.paper_tables,

@@ -23,12 +23,23 @@ STATUS_ORDER = (Status.COMPLETED, Status.RUNNING, Status.PREEMPTED, Status.FAILE
                 Status.UNKNOWN, Status.PENDING)
 
 
+def expand_metric_names(names: Sequence[str]) -> list[str]:
+    """A registered metric's name (`sinklab.metrics.METRICS`, e.g. entropy) stands for the log keys it headlines
+    (act/attn_entropy); a logged name stays as it is."""
+    from sinklab.metrics import METRICS
+
+    out: list[str] = []
+    for name in names:
+        out.extend(METRICS.get(name).headline if name in METRICS else [name])
+    return list(dict.fromkeys(out))
+
+
 def job_table(sweep: Sweep, tables: dict, extra: Sequence[str] = ()) -> tuple[pd.DataFrame, list[Metric]]:
     """One row per job: job, swept keys, status, steps, final metrics (the sink and loss columns, the preset's
     experiment.report_metrics, then `extra`), paper values, error, dir; and the metrics. Missing values are None."""
     sweep_exp = experiment_info(sweep.cfg)
     logged = {name for j in sweep.jobs for name in j.final}
-    extra = [*sweep_exp["report_metrics"], *extra]
+    extra = expand_metric_names([*sweep_exp["report_metrics"], *extra])
     unknown = [name for name in extra if name not in logged]
     if unknown and any(j.status == Status.COMPLETED for j in sweep.jobs):
         near = difflib.get_close_matches(unknown[0], sorted(logged), n=3)

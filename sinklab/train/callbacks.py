@@ -14,18 +14,17 @@ import numpy as np
 import torch
 
 from sinklab.errors import describe
-from sinklab.keys import ACT_PREFIX, SINK_PREFIX
-from sinklab.metrics import (activation_stats, attention_scores, first_token_attention, flatten_activation_stats,
-                             slot_names, summarise)
+from sinklab.keys import SINK_PREFIX
+from sinklab.metrics import METRICS, SinklabTarget, measure_all
 from sinklab.status import Status, write_status
 
 log = logging.getLogger("sinklab")
 
 
 class SinkCallback(L.Callback):
-    """Logs Sink_k, alpha_k, Sink*, slot scores (sink/...) and activation statistics (act/...: massive activations,
-    first-token norms and angles, residual sinks, outliers, norm weights, first-token attention, and for a gated
-    model the gate scores' mean, share below 0.1 and token-1 mean, recorded in the same forward) on the probe set
+    """Logs every registered metric (`sinklab.metrics.METRICS`: Sink_k, alpha_k, Sink*, slot scores as sink/...;
+    first-token attention, massive activations, first-token norms and angles, outliers, residual sinks and norm
+    weights, gate scores, attention entropy as act/...; `activations=false`: the sink metric only) on the probe set
     every `every_n_steps` optimizer steps and at the end of training; a layer x head heatmap of alpha_1 at each
     validation. Runs on rank 0 only; its last measurement survives a resume. The allowed values of its arguments:
     sinklab.train.config.SinkCallbackConfig."""
@@ -51,19 +50,23 @@ class SinkCallback(L.Callback):
 
     @torch.no_grad()
     def measure(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, float]:
+        """Every registered metric (`sinklab.metrics.METRICS`; the `sink` metric alone with activations=false) on the
+        probe set, as the flat scalars each metric logs."""
         t0 = time.perf_counter()
         net = pl_module.net
         was_training = net.training
         net.eval()
         try:
             tokens = self.probe(trainer).to(pl_module.device)
-            scores = attention_scores(net, tokens, k=self.k, batch_size=self.batch_size)
-            summary = summarise(scores, self.eps, slot_names(net.cfg))
-            out = {SINK_PREFIX + k: v for k, v in summary.items()}
-            if self.activations:
-                out.update({ACT_PREFIX + k: v for k, v in first_token_attention(summary).items()})
-                stats = activation_stats(net, tokens, batch_size=self.batch_size)
-                out.update({ACT_PREFIX + k: v for k, v in flatten_activation_stats(stats).items()})
+            target = SinklabTarget(net)
+            metrics = METRICS.build(target.context(self.eps, self.k), None if self.activations else ["sink"])
+            measure_all(target, tokens, metrics, batch_size=self.batch_size)
+            out: dict[str, float] = {}
+            for metric in metrics:
+                result = metric.result()
+                out.update(metric.log(result))
+                if metric.name == "sink":
+                    scores = result["scores"]
         finally:
             net.train(was_training)
         self._alpha1 = scores.alpha[..., 0].mean(0).cpu()  # (N, L, H) -> (L, H), for the heatmap

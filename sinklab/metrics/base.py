@@ -1,0 +1,142 @@
+"""Measurements as plug-ins: the `Metric` interface and the registry `METRICS` (name -> class).
+
+A metric is one module (`sinklab/metrics/<name>.py`) with one class registered here. It declares
+- `records`: what it needs from each layer's forward, a subset of RECORDABLE: `q`, `k`, `v` (real tokens' queries,
+  keys and values as the operation sees them: after RoPE, the kv heads repeated to H), `attn` (the attention
+  module's output, (B, T, d)), `h` (the residual stream leaving the layer, (B, T, d)), `gate` (a gated model's
+  scores, (B, T, width)) and `maps` (the attention map in chunks of query rows, (B, H, R, n_extra + T), the extra
+  key columns first: the bias slot, then learned sink tokens);
+- how it reduces: `update(layer, rec)` and `update_maps(layer, rows, maps)` per layer and batch, `end_batch()`,
+  `result()` per layer (lists indexed by layer) and overall;
+- `bounds`: the physical range of each of its log keys (regexes over the full name, e.g. `^act/(layer\\d+/)?x$`);
+- `log(result)`: the scalars the training callback logs (full names, `sink/...` or `act/...`);
+- `json(result)`: its part of `sinklab measure --json` (under `json_key`, or merged at the top level when None);
+- `headline`: the log keys `sinklab report --metrics NAME` shows.
+The training callback (`SinkCallback`), `sinklab measure` (sinklab checkpoints and Hugging Face models,
+`sinklab.metrics.record.measure_all`) and `sinklab report --metrics` iterate the registry;
+tests/test_metric_contracts.py checks every registered metric. A metric in a researcher's own package registers with
+`@METRICS.register("name")` and is measured once its module is imported.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Iterator, Optional
+
+import torch
+
+from sinklab.keys import ANY, NON_NEGATIVE, PERCENT, UNIT  # noqa: F401  (the bounds metrics declare)
+
+RECORDABLE = frozenset({"q", "k", "v", "attn", "h", "gate", "maps"})
+
+
+@dataclass
+class Context:
+    """What a metric knows of the measured model before the first batch.
+
+    n_layer, n_head; n_extra: key columns before the real tokens in `maps` (bias slot + sink tokens);
+    slot_names: their names; row_normalised: whether every map row sums to one (None: not known before the maps
+    are seen, as for Hugging Face models; `Target.row_normalised` says afterwards); eps, k: the sink thresholds and
+    how many first tokens are scored; model: the sinklab Transformer (None for other models); gated: has gates."""
+
+    n_layer: int
+    n_head: int
+    n_extra: int = 0
+    slot_names: list[str] = field(default_factory=list)
+    row_normalised: Optional[bool] = True
+    eps: list[float] = field(default_factory=lambda: [0.3])
+    k: int = 4
+    model: Any = None
+    gated: bool = False
+
+
+class Metric:
+    """The interface every registered metric implements (see the module docstring)."""
+
+    name: ClassVar[str] = ""
+    records: ClassVar[frozenset] = frozenset()
+    bounds: ClassVar[tuple[tuple[str, tuple[float, float]], ...]] = ()
+    json_key: ClassVar[Optional[str]] = None
+    headline: ClassVar[tuple[str, ...]] = ()
+    needs_model: ClassVar[bool] = False  # reads the sinklab model itself (weights): not for Hugging Face models
+
+    def __init__(self, ctx: Context):
+        self.ctx = ctx
+
+    @classmethod
+    def applies(cls, ctx: Context) -> bool:
+        """Whether this metric measures the model of `ctx` (a gate statistic needs a gated model)."""
+        return not cls.needs_model or ctx.model is not None
+
+    def update(self, layer: int, rec: dict[str, torch.Tensor]) -> None:
+        """One layer's recorded tensors of one batch (the names in `records`, maps excepted)."""
+
+    def update_maps(self, layer: int, rows: torch.Tensor, maps: torch.Tensor) -> None:
+        """A chunk of one layer's map: `rows` (R,) are real query positions (0-based), maps (B, H, R, n_extra + T)."""
+
+    def end_batch(self) -> None:
+        """Every layer of the batch has been seen."""
+
+    def result(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def log(self, result: dict[str, Any]) -> dict[str, float]:
+        """Scalars to log, by full name."""
+        return self.flatten(result)
+
+    @staticmethod
+    def flatten(result: dict[str, Any]) -> dict[str, float]:
+        """`log` where it needs nothing but the result."""
+        return {}
+
+    def json(self, result: dict[str, Any]) -> Any:
+        """Its part of `sinklab measure --json`."""
+        return result
+
+
+class MetricRegistry:
+    """name -> Metric class, in registration order (the order `measure --json` and the logs follow)."""
+
+    def __init__(self):
+        self._classes: dict[str, type[Metric]] = {}
+
+    def register(self, name: str):
+        def deco(cls: type[Metric]) -> type[Metric]:
+            if name in self._classes and self._classes[name] is not cls:
+                raise ValueError(f"metric {name!r} is already registered by {self._classes[name].__module__}")
+            unknown = set(cls.records) - RECORDABLE
+            if unknown:
+                raise ValueError(f"metric {name!r} records {sorted(unknown)}; allowed: {', '.join(sorted(RECORDABLE))}")
+            cls.name = name
+            self._classes[name] = cls
+            return cls
+        return deco
+
+    def __iter__(self) -> Iterator[type[Metric]]:
+        return iter(list(self._classes.values()))
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._classes
+
+    def names(self) -> list[str]:
+        return list(self._classes)
+
+    def get(self, name: str) -> type[Metric]:
+        if name not in self._classes:
+            raise KeyError(f"metric {name!r} is unknown; allowed: {', '.join(self._classes)}")
+        return self._classes[name]
+
+    def build(self, ctx: Context, names: Optional[list[str]] = None) -> list[Metric]:
+        """The metrics `names` (default: every registered one) that apply to the model of `ctx`, built."""
+        classes = [self.get(n) for n in names] if names is not None else list(self)
+        return [cls(ctx) for cls in classes if cls.applies(ctx)]
+
+    def bounds(self) -> list[tuple[str, tuple[float, float]]]:
+        return [b for cls in self for b in cls.bounds]
+
+
+METRICS = MetricRegistry()
+
+
+def per_layer(values: dict[str, list], key: str) -> dict[str, float]:
+    """layer<i>/<key> for every layer's non-missing value."""
+    return {f"layer{i}/{key}": float(v) for i, v in enumerate(values.get(key) or []) if v is not None}

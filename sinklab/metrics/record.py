@@ -1,0 +1,157 @@
+"""One way to record activations: forward hooks, on a sinklab model's hook points (`sinklab.model.hooks`) and
+modules, and on a Hugging Face model's decoder layers (`sinklab.hf.HFTarget`). A target runs a batch through its
+model with the hooks that the chosen metrics need and hands each metric every layer's recorded tensors as soon as
+the layer has run (`Metric.update`), then the layer's attention map in chunks of query rows (`Metric.update_maps`);
+nothing is kept after the layer, so memory is one layer's tensors plus one chunk of one map.
+
+    metrics = METRICS.build(SinklabTarget(model).context(eps=[0.3], k=4))
+    measure_all(SinklabTarget(model), tokens, metrics, batch_size=32)
+    results = {m.name: m.result() for m in metrics}
+
+`attention_maps(model, tokens)` gives every layer's whole map (B, H, S + T, Tk), the reference the tests compare
+the chunked routes against.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Iterator, Optional, Sequence
+
+import torch
+
+from .base import Context, Metric
+
+
+class SinklabTarget:
+    """A sinklab Transformer as a measurement target. Recorded tensors are the real tokens' (learned sink tokens and
+    bias slots dropped); maps keep the extra key columns first, and their rows are the real queries."""
+
+    def __init__(self, model, chunk: int = 128, extra_mask=None):
+        self.model, self.chunk, self.extra_mask = model, chunk, extra_mask  # extra_mask: an intervention's
+        self.row_normalised = model.cfg.row_normalised
+
+    def context(self, eps: Sequence[float] = (0.3,), k: int = 4) -> Context:
+        from .sink import slot_names
+
+        cfg = self.model.cfg
+        gated = any(getattr(b.attn.gate_proj, "gate_act", None) is not None for b in self.model.blocks)
+        return Context(n_layer=cfg.n_layer, n_head=cfg.n_head, n_extra=cfg.n_slots + cfg.n_sink_tokens,
+                       slot_names=slot_names(cfg), row_normalised=cfg.row_normalised, eps=list(eps), k=k,
+                       model=self.model, gated=gated)
+
+    def settle(self, metrics: Sequence[Metric]) -> None:
+        """Nothing to tell: a sinklab model's row normalisation is known from its config."""
+
+    @contextlib.contextmanager
+    def hooks(self, names: set[str], on_layer: Callable[[int, dict], None]) -> Iterator[None]:
+        """Forward hooks that fill one dict per layer with `names` and call on_layer(layer, dict) when the layer's
+        block has run (its output is the last thing a block computes)."""
+        S, n_slots = self.model.cfg.n_sink_tokens, self.model.cfg.n_slots
+        current: dict = {}
+        handles = []
+
+        def keep(name: str, trim: Callable[[torch.Tensor], torch.Tensor]):
+            def hook(_module, _inputs, out):
+                current[name] = trim(out)
+            return hook
+
+        queries = lambda t: t[:, :, S:]  # noqa: E731  (B, H, S + T, hd) -> the real queries
+        keys = lambda t: t[:, :, n_slots + S:]  # noqa: E731  (B, H, n_slots + S + T, hd) -> the real keys
+        tokens = lambda t: t[:, S:]  # noqa: E731  (B, S + T, ...) -> the real tokens
+        need_qk = "maps" in names
+        for i, block in enumerate(self.model.blocks):
+            attn = block.attn
+            wanted = ((attn.hook_q, "q", queries), (attn.hook_k, "k", keys), (attn.hook_v, "v", keys),
+                      (attn, "attn", tokens))
+            for module, name, trim in wanted:
+                if name in names:
+                    handles.append(module.register_forward_hook(keep(name, trim)))
+            if need_qk:  # the whole q and k, for the maps
+                handles.append(attn.hook_q.register_forward_hook(keep("q_all", lambda t: t)))
+                handles.append(attn.hook_k.register_forward_hook(keep("k_all", lambda t: t)))
+            act = getattr(attn.gate_proj, "gate_act", None)
+            if "gate" in names and act is not None:
+                handles.append(act.register_forward_hook(keep("gate", lambda t: tokens(t).detach().float())))
+
+            def done(_module, _inputs, out, i=i):
+                if "h" in names:
+                    current["h"] = tokens(out)
+                rec = dict(current)
+                current.clear()
+                on_layer(i, rec)
+            handles.append(block.hook_resid.register_forward_hook(done))
+        try:
+            yield
+        finally:
+            for h in handles:
+                h.remove()
+
+    def maps(self, layer: int, rec: dict, T: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """The layer's map in chunks of real query rows: (rows (R,) 0-based, A (B, H, R, n_extra + T))."""
+        S = self.model.cfg.n_sink_tokens
+        q, k = rec["q_all"], rec["k_all"]  # (B, H, S + T, hd), (B, H, n_slots + S + T, hd)
+        layout = self.model.layout(T, q.device, extra_mask=self.extra_mask)
+        attn = self.model.blocks[layer].attn
+        for r0 in range(0, T, self.chunk):
+            rows = torch.arange(S + r0, S + min(T, r0 + self.chunk), device=q.device)  # positions of real queries
+            yield rows - S, attn.probs(q[:, :, rows], k, layout, rows)
+
+    def run(self, idx: torch.Tensor, metrics: Sequence[Metric]) -> None:
+        names = set().union(*(m.records for m in metrics)) if metrics else set()
+        map_users = [m for m in metrics if "maps" in m.records]
+        T = idx.shape[1]
+
+        def on_layer(i: int, rec: dict) -> None:
+            for m in metrics:
+                m.update(i, {n: rec[n] for n in m.records if n in rec})
+            if map_users:
+                for rows, a in self.maps(i, rec, T):
+                    for m in map_users:
+                        m.update_maps(i, rows, a)
+
+        with self.hooks(names, on_layer):
+            self.model(idx, extra_mask=self.extra_mask)
+
+
+@torch.no_grad()
+def measure_all(target, tokens: torch.Tensor, metrics: Sequence[Metric], batch_size: int = 32) -> None:
+    """Run `tokens` (N, T) through `target` in batches; every metric sees every layer of every batch; then the
+    target tells the metrics what it learnt on the way (`settle`: whether a HF model's rows summed to one)."""
+    for start in range(0, tokens.shape[0], batch_size):
+        target.run(tokens[start:start + batch_size], metrics)
+        for m in metrics:
+            m.end_batch()
+    target.settle(metrics)
+
+
+def measure_model(model, tokens: torch.Tensor, names: Optional[list[str]] = None, eps: Sequence[float] = (0.3,),
+                  k: int = 4, batch_size: int = 32, chunk: int = 128, extra_mask=None) -> list[Metric]:
+    """The registered metrics `names` (default all that apply) of a sinklab model on `tokens`, measured (under an
+    intervention's `extra_mask` if given)."""
+    from .base import METRICS
+
+    target = SinklabTarget(model, chunk, extra_mask)
+    metrics = METRICS.build(target.context(eps, k), names)
+    measure_all(target, tokens, metrics, batch_size)
+    return metrics
+
+
+def attention_maps(model, tokens: torch.Tensor, extra_mask=None) -> list[torch.Tensor]:
+    """Every layer's whole attention map (B, H, S + T, n_slots + S + T) in one forward (under an intervention's
+    `extra_mask`): the explicit, materialising reference (with autograd where it is enabled)."""
+    maps: list[torch.Tensor] = []
+    qk: dict = {}
+    layout = model.layout(tokens.shape[1], tokens.device, extra_mask=extra_mask)
+    handles = []
+    for block in model.blocks:
+        attn = block.attn
+        handles.append(attn.hook_q.register_forward_hook(lambda _m, _i, out: qk.__setitem__("q", out)))
+
+        def on_k(_m, _i, out, attn=attn):
+            maps.append(attn.probs(qk["q"], out, layout, layout.rows()))
+        handles.append(attn.hook_k.register_forward_hook(on_k))
+    try:
+        model(tokens, extra_mask=extra_mask)
+    finally:
+        for h in handles:
+            h.remove()
+    return maps
