@@ -18,6 +18,7 @@ import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Optional
 
 import lightning as L
 import pytest
@@ -123,9 +124,10 @@ def run(args: list[str], capsys=None) -> int:
         sys.argv = old
 
 
-def run_cli(args: list[str], **kw) -> subprocess.Popen:
+def run_cli(args: list[str], extra_env: Optional[dict] = None, **kw) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
-           "PYTHONWARNINGS": "ignore", "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+           "PYTHONWARNINGS": "ignore", "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+           **(extra_env or {})}
     return subprocess.Popen([sys.executable, "-m", "sinklab.train.entry", *args], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, **kw)
 
@@ -628,6 +630,21 @@ def test_submitit_usr2_saves_then_hands_over_to_the_requeue_handler(corpus, tmp_
     assert read_checkpoint(tmp_path / "checkpoints" / "last.ckpt")["global_step"] == 2
     assert status(tmp_path)["status"] == "preempted"
     assert "preempted: SIGUSR2 received: stopped after step 2" in capsys.readouterr().err
+
+
+def test_lightnings_slurm_requeue_is_off(corpus, tmp_path):
+    """One requeue mechanism, submitit's (sinklab.train.fault): under SLURM, Lightning's own auto-requeue would catch
+    SIGUSR1, save hpc_ckpt_1.ckpt in the middle of a step, call `scontrol requeue` and train on. It is off: SIGUSR1
+    (not one of callbacks.preemption.signals) ends the process as it ends any program, and nothing is saved."""
+    slurm = {"SLURM_NTASKS": "1", "SLURM_JOB_NAME": "train", "SLURM_JOB_ID": "1", "SLURM_PROCID": "0",
+             "SLURM_LOCALID": "0", "SLURM_NODEID": "0", "SLURM_NODELIST": "localhost"}
+    usr1 = ["+callbacks.usr1._target_=test_reliability.SignalAt", "+callbacks.usr1.step=2",
+            "+callbacks.usr1.signum=SIGUSR1"]
+    proc = run_cli([f"paths.output_dir={tmp_path}", *small(corpus), *usr1], extra_env=slurm)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == -signal.SIGUSR1, err[-3000:]
+    assert not list(tmp_path.glob("hpc_ckpt_*.ckpt"))
+    assert not (tmp_path / "checkpoints" / "last.ckpt").exists()  # the first periodic one is due at step 4
 
 
 def test_ckpt_path_auto_takes_the_latest_checkpoint(reference, tmp_path, monkeypatch):
