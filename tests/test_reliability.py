@@ -18,6 +18,7 @@ import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Optional
 
 import lightning as L
 import pytest
@@ -123,9 +124,10 @@ def run(args: list[str], capsys=None) -> int:
         sys.argv = old
 
 
-def run_cli(args: list[str], **kw) -> subprocess.Popen:
+def run_cli(args: list[str], extra_env: Optional[dict] = None, **kw) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
-           "PYTHONWARNINGS": "ignore", "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+           "PYTHONWARNINGS": "ignore", "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+           **(extra_env or {})}
     return subprocess.Popen([sys.executable, "-m", "sinklab.train.entry", *args], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, **kw)
 
@@ -630,11 +632,26 @@ def test_submitit_usr2_saves_then_hands_over_to_the_requeue_handler(corpus, tmp_
     assert "preempted: SIGUSR2 received: stopped after step 2" in capsys.readouterr().err
 
 
+def test_lightnings_slurm_requeue_is_off(corpus, tmp_path):
+    """One requeue mechanism, submitit's (sinklab.train.fault): under SLURM, Lightning's own auto-requeue would catch
+    SIGUSR1, save hpc_ckpt_1.ckpt in the middle of a step, call `scontrol requeue` and train on. It is off: SIGUSR1
+    (not one of callbacks.preemption.signals) ends the process as it ends any program, and nothing is saved."""
+    slurm = {"SLURM_NTASKS": "1", "SLURM_JOB_NAME": "train", "SLURM_JOB_ID": "1", "SLURM_PROCID": "0",
+             "SLURM_LOCALID": "0", "SLURM_NODEID": "0", "SLURM_NODELIST": "localhost"}
+    usr1 = ["+callbacks.usr1._target_=test_reliability.SignalAt", "+callbacks.usr1.step=2",
+            "+callbacks.usr1.signum=SIGUSR1"]
+    proc = run_cli([f"paths.output_dir={tmp_path}", *small(corpus), *usr1], extra_env=slurm)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == -signal.SIGUSR1, err[-3000:]
+    assert not list(tmp_path.glob("hpc_ckpt_*.ckpt"))
+    assert not (tmp_path / "checkpoints" / "last.ckpt").exists()  # the first periodic one is due at step 4
+
+
 def test_ckpt_path_auto_takes_the_latest_checkpoint(reference, tmp_path, monkeypatch):
     """ckpt_path=auto: none -> a fresh start; else the checkpoint with the most steps among checkpoints/last.ckpt
     and Lightning's SLURM requeue checkpoints hpc_ckpt_N.ckpt (an unreadable one is never preferred). Under SLURM
     Lightning resumes from hpc_ckpt_N.ckpt even with ckpt_path=null: the entry names it, so that it is checked."""
-    from sinklab.train.resume import resolve_ckpt_path
+    from sinklab.train.fault import resolve_ckpt_path
 
     assert resolve_ckpt_path("auto", tmp_path) is None
     ckpt = torch.load(reference / "checkpoints" / "last.ckpt", weights_only=True)
@@ -655,24 +672,44 @@ def test_ckpt_path_auto_takes_the_latest_checkpoint(reference, tmp_path, monkeyp
 
 
 # ---------------------------------------------------------------------------------------------- metrics.csv
-def test_resumable_csv_logger_keeps_rows_before_the_resume_step(tmp_path):
-    from sinklab.train.loggers import ResumableCSVLogger
+def test_metrics_csv_of_a_resume_goes_on_from_the_checkpoint_step(tmp_path):
+    """Lightning's own CSVLogger with sinklab.train.fault.continue_metrics: a resume at step 6 goes on with the rows
+    of steps 0..5 exactly as written and the rows logged after them, one per step; a carry-over killed midway
+    (metrics.csv.resume left, a half-written metrics.csv) is redone from the old file; a fresh run replaces the file."""
+    from lightning.pytorch.loggers import CSVLogger
 
-    first = ResumableCSVLogger(tmp_path, name="", version="")
+    from sinklab.train.fault import continue_metrics
+
+    def logger(step):
+        lg = CSVLogger(tmp_path, name="", version="")
+        continue_metrics([lg], step)
+        return lg
+
+    first = logger(None)
     for step in range(10):
-        first.log_metrics({"train/loss": 10.0 - step}, step=step)
+        first.log_metrics({"train/loss": 10.0 - step + 1e-9 * step}, step=step)
     first.log_metrics({"val/loss": 3.0}, step=9)
     first.save()
-    resumed = ResumableCSVLogger(tmp_path, name="", version="")
-    resumed.resume_from_step(6)
+    before = rows(tmp_path / "metrics.csv")
+    resumed = logger(6)
     for step in range(6, 8):
         resumed.log_metrics({"train/loss": 100.0 + step, "new/key": 1.0}, step=step)
     resumed.save()
     got = rows(tmp_path / "metrics.csv")
     assert [(int(r["step"]), float(r["train/loss"])) for r in got] == \
-        [(s, 10.0 - s) for s in range(6)] + [(6, 106.0), (7, 107.0)]
-    assert "val/loss" in got[0] and "new/key" in got[0]  # the header keeps old keys and gains new ones
-    fresh = ResumableCSVLogger(tmp_path, name="", version="")  # no resume step: a new run replaces the file
+        [(s, 10.0 - s + 1e-9 * s) for s in range(6)] + [(6, 106.0), (7, 107.0)]
+    assert [r["train/loss"] for r in got[:6]] == [r["train/loss"] for r in before[:6]]  # as written
+    assert "new/key" in got[0] and "val/loss" not in got[0]  # the header: the keys of the rows kept and new
+    assert not (tmp_path / "metrics.csv.resume").exists()
+
+    (tmp_path / "metrics.csv").rename(tmp_path / "metrics.csv.resume")  # killed after the move ...
+    (tmp_path / "metrics.csv").write_text("step,train/loss\n0,5")  # ... and during the first write
+    logger(7).save()
+    assert [(r["step"], r["train/loss"]) for r in rows(tmp_path / "metrics.csv")] == \
+        [(r["step"], r["train/loss"]) for r in got[:7]]
+    assert not (tmp_path / "metrics.csv.resume").exists()
+
+    fresh = logger(None)  # no resume step: a new run replaces the file
     fresh.log_metrics({"train/loss": 1.0}, step=0)
     fresh.save()
     assert [r["train/loss"] for r in rows(tmp_path / "metrics.csv")] == ["1.0"]

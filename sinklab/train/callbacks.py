@@ -1,9 +1,6 @@
 """Callbacks: the sink metric during training, and the run's status file."""
 from __future__ import annotations
 
-import logging
-import os
-import signal
 import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -17,8 +14,7 @@ from sinklab.errors import describe
 from sinklab.keys import SINK_PREFIX
 from sinklab.metrics import METRICS, SinklabTarget, measure_all
 from sinklab.status import Status, write_status
-
-log = logging.getLogger("sinklab")
+from sinklab.train.fault import Preempted
 
 
 class SinkCallback(L.Callback):
@@ -91,7 +87,8 @@ class SinkCallback(L.Callback):
     # ------------------------------------------------------------------ hooks
     def on_train_start(self, trainer, pl_module) -> None:
         """On a resume at step G, log again what an uninterrupted run logged at step G: the resumed run's metrics.csv
-        keeps the rows before G only (ResumableCSVLogger), and the measurement at G is not repeated by the loop."""
+        keeps the rows before G only (sinklab.train.fault.continue_metrics), and the measurement at G is not repeated
+        by the loop."""
         step = trainer.global_step
         if step == 0 or not trainer.is_global_zero:
             return
@@ -218,76 +215,3 @@ class StatusFile(L.Callback):
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
         status = Status.PREEMPTED if isinstance(exception, Preempted) else Status.FAILED
         self.write(trainer, status, error=describe(exception))
-
-
-class Preempted(Exception):
-    """Raised at a step boundary after a pre-emption signal, once last.ckpt holds that step."""
-
-    def __init__(self, message: str, signum: int, step: int, path: str):
-        super().__init__(message)
-        self.signum, self.step, self.path = signum, step, path
-
-
-class PreemptionCallback(L.Callback):
-    """SIGTERM (pre-emption, `scancel`, a dying node's scheduler) and SIGUSR2 (what submitit sends before the time
-    limit): finish the current optimizer step, save `checkpoints/last.ckpt`, and stop with `Preempted`; the entry
-    point marks the run "preempted", hands the signal to the handler installed before training (submitit's requeue)
-    and exits non-zero. A job requeued with `ckpt_path=auto` resumes from that checkpoint.
-
-    The handlers are installed when training starts, after Lightning's own, and removed when it ends. With
-    several ranks the decision is all-reduced every step, so all ranks stop at the same step. The allowed signals:
-    sinklab.train.config.PreemptionConfig."""
-
-    def __init__(self, signals: Sequence[str] = ("SIGTERM", "SIGUSR2")):
-        self.signals = [getattr(signal, str(name)) for name in signals]
-        self.received: Optional[int] = None
-        self._pending: Optional[Preempted] = None
-        self._previous: dict[int, Any] = {}
-
-    def _handler(self, signum: int, frame) -> None:
-        if self.received is None:
-            log.warning("received %s: saving last.ckpt after the current step, then stopping",
-                        signal.Signals(signum).name)
-        self.received = signum
-
-    def on_train_start(self, trainer, pl_module) -> None:
-        import threading
-
-        if threading.current_thread() is not threading.main_thread():
-            return
-        for signum in self.signals:
-            self._previous[signum] = signal.getsignal(signum)
-            signal.signal(signum, self._handler)
-
-    def _restore(self) -> None:
-        for signum, handler in self._previous.items():
-            if handler is not None:
-                signal.signal(signum, handler)
-        self._previous = {}
-
-    # before Lightning's teardown, which then puts back the handlers from before training
-    def on_train_end(self, trainer, pl_module) -> None:
-        self._restore()
-
-    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
-        self._restore()
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        stop = self.received is not None
-        if trainer.world_size > 1:
-            stop = trainer.strategy.reduce_boolean_decision(stop, all=False)
-        if not stop or self._pending is not None:
-            return
-        signum = self.received or signal.SIGTERM
-        cb = trainer.checkpoint_callback
-        dirpath = getattr(cb, "dirpath", None) or os.path.join(trainer.default_root_dir, "checkpoints")
-        path = os.path.join(dirpath, "last.ckpt")
-        trainer.save_checkpoint(path)
-        # stop before the next step, once this step's metrics are logged (a resume does not log them again)
-        self._pending = Preempted(f"{signal.Signals(signum).name} received: stopped after step {trainer.global_step}, "
-                                  f"saved {path}; resume with ckpt_path=auto (or ckpt_path=last)",
-                                  signum, trainer.global_step, path)
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        if self._pending is not None:
-            raise self._pending

@@ -91,11 +91,11 @@ class SinkCallbackConfig(Schema):
 
 @dataclass
 class PreemptionConfig(Schema):
-    """callbacks.preemption: sinklab.train.callbacks.PreemptionCallback. SIGTERM (pre-emption) and SIGUSR2
-    (submitit, before the time limit): save last.ckpt after the current step and stop."""
+    """callbacks.preemption: sinklab.train.fault.PreemptionCallback. SIGTERM (pre-emption) and SIGUSR2
+    (submitit, before the time limit): save last.ckpt after the current step and stop; submitit requeues."""
 
     KEY = "callbacks.preemption"
-    _target_: str = "sinklab.train.callbacks.PreemptionCallback"
+    _target_: str = "sinklab.train.fault.PreemptionCallback"
     signals: List[str] = rule(["SIGTERM", "SIGUSR2"],
                               numbers(choice(*PREEMPTION_SIGNALS), what=f"of {', '.join(PREEMPTION_SIGNALS)}"))
 

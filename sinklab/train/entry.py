@@ -2,8 +2,8 @@
 Trainer -> fit -> summary.
 
 Around the recipe, each in its own module: the config's schemas and one-line errors (sinklab.config,
-sinklab.train.config), which checkpoint to resume (resume.py), a job's exit code and failure status (jobs.py), wandb
-names and offline mode (wandb_setup.py).
+sinklab.train.config), fault tolerance: which checkpoint to resume, pre-emption, requeue and metrics.csv across a resume
+(fault.py), a job's exit code and failure status (jobs.py), wandb names and offline mode (wandb_setup.py).
 """
 from __future__ import annotations
 
@@ -18,7 +18,6 @@ from omegaconf import DictConfig, OmegaConf
 from sinklab.config import CONF_DIR, check_devices, validate_config
 from sinklab.config.messages import instantiate_user
 from sinklab.train.jobs import log_failure, run_job
-from sinklab.train.resume import resolve_ckpt_path
 from sinklab.train.runtime import output_dir_of
 from sinklab.train.summary import summary
 from sinklab.train.wandb_setup import set_wandb_names, setup_wandb_mode
@@ -32,8 +31,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     import torch
 
     from sinklab.checkpoint import check_same_model, read_training_checkpoint
-    from sinklab.train.callbacks import Preempted
     from sinklab.train.checkpoint_io import AtomicCheckpointIO
+    from sinklab.train.fault import Preempted, continue_metrics, resolve_ckpt_path, slurm_plugins
     from sinklab.train.module import LitLM
 
     for name in ("lightning.pytorch", "lightning.fabric"):  # Lightning prints to the console itself
@@ -68,16 +67,14 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         callbacks = [c for c in callbacks if not isinstance(c, L.pytorch.callbacks.ProgressBar)]
     set_wandb_names(cfg)
     loggers = [instantiate_user(c) for c in (cfg.get("logger") or {}).values() if c is not None]
-    for lg in loggers:
-        if hasattr(lg, "resume_from_step"):  # ResumableCSVLogger: keep the rows before the checkpoint's step
-            lg.resume_from_step(resume_step)
+    continue_metrics(loggers, resume_step)  # metrics.csv: the rows before the checkpoint's step go on
     run_config = OmegaConf.to_container(cfg, resolve=True)  # swept keys, data, seed: all visible in wandb
     for lg in loggers:
         lg.log_hyperparams({k: v for k, v in run_config.items() if k not in ("logger", "callbacks", "hydra")})
     tcfg = OmegaConf.to_container(cfg.trainer, resolve=True)
     if tcfg.get("precision") == "auto":
         tcfg["precision"] = "bf16-mixed" if torch.cuda.is_available() else "32-true"
-    plugins = list(tcfg.pop("plugins", None) or []) + [AtomicCheckpointIO()]
+    plugins = slurm_plugins(tcfg.pop("plugins", None) or []) + [AtomicCheckpointIO()]  # no Lightning requeue
     trainer: L.Trainer = instantiate_user(tcfg, callbacks=callbacks, logger=loggers, plugins=plugins)
 
     try:

@@ -2,15 +2,14 @@
 
     user error (config, data, checkpoint)  one line "error: ...", exit 2; multirun: status failed, next job
     NaN / inf loss or weights             one line "error: ...", status failed, exit 1; multirun: next job
-    pre-emption signal                     last.ckpt saved, status preempted, the signal's previous handler
-                                           (submitit's requeue) runs, exit 128 + signal number
+    pre-emption signal                     last.ckpt saved, status preempted, then sinklab.train.fault.exit_preempted:
+                                           the signal to submitit's requeue, exit 128 + signal number
     anything else (a bug)                  status failed and the full traceback; multirun: logged, next job
 """
 from __future__ import annotations
 
 import logging
 import re
-import signal
 import sys
 from typing import Any, Callable, Optional
 
@@ -27,7 +26,7 @@ log = logging.getLogger("sinklab")
 
 def run_job(cfg: DictConfig, train: Callable[[DictConfig], dict[str, float]]) -> Optional[float]:
     """Run `train(cfg)` as one job (see the module docstring); returns its final val/loss for Hydra."""
-    from sinklab.train.callbacks import Preempted
+    from sinklab.train.fault import Preempted, exit_preempted
     from sinklab.train.module import TrainingDiverged
 
     exit_code = 1  # for wandb: failed unless training completes (or is pre-empted)
@@ -55,11 +54,9 @@ def run_job(cfg: DictConfig, train: Callable[[DictConfig], dict[str, float]]) ->
         sys.exit(1)
     except Preempted as err:
         mark_status(cfg, Status.PREEMPTED, err, step=err.step)
-        print(f"preempted: {one_line(err)}", file=sys.stderr, flush=True)
         exit_code = 0
-        finish_wandb()
-        pass_signal_on(err.signum)
-        sys.exit(128 + err.signum)
+        finish_wandb()  # before the requeue handler, which may end the process
+        exit_preempted(err)
     except Exception as err:
         mark_status(cfg, Status.FAILED, err)
         if is_multirun():  # the other jobs of the sweep go on; the report shows this one as failed
@@ -117,9 +114,3 @@ def worker_error(err: Exception) -> Exception:
         return (TrainingDiverged if issubclass(kind, TrainingDiverged) else UserError)(match.group(2))
     return err
 
-
-def pass_signal_on(signum: int) -> None:
-    """Run the handler that was installed before training (e.g. submitit's checkpoint-and-requeue on SIGUSR2)."""
-    handler = signal.getsignal(signum)
-    if callable(handler):
-        handler(signum, None)
