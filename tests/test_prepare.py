@@ -168,3 +168,14 @@ def test_cli_errors_are_one_line(env, tmp_path):
                           capture_output=True, text=True, timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [f"error: data.files: {tmp_path / 'nope.jsonl'} does not exist"]
+
+
+def test_files_alone_are_the_corpus_and_files_beside_shakespeare_are_refused(env, tmp_path):
+    """`--files` without `--corpus` prepares those files (it once prepared the Shakespeare archive instead,
+    silently); data.files with data.corpus=shakespeare is one line, not ignored files."""
+    args = [a for a in env.args if a not in ("--corpus", "local")]
+    assert main(args + ["--out", str(tmp_path / "files_only")]) == 0
+    assert_same_store(tmp_path / "files_only", env.ref)
+    with pytest.raises(Exception, match=r"data.files=.* is set, but data.corpus=shakespeare reads the Shakespeare "
+                                        r"archive; set data.corpus=local"):
+        main(["--corpus", "shakespeare", "--files", str(env.corpus), "--out", str(tmp_path / "o")])

@@ -158,6 +158,9 @@ class DataConfig(Schema):
             if self.corpus == "hub" and not self.files and not self.hub_path:
                 raise UserError("data.corpus=hub needs data.hub_path (a hub data set id), or data.files with the "
                                 "same schema")
+            if self.corpus == "shakespeare" and self.files:  # they would be ignored: the archive is read instead
+                raise UserError(f"data.files={self.files} is set, but data.corpus=shakespeare reads the Shakespeare "
+                                "archive; set data.corpus=local (or hub) to train on the files")
         self._check_controls()
 
     def _check_controls(self) -> None:

@@ -96,6 +96,8 @@ def parse_args(argv: list[str], prog: str) -> tuple[argparse.Namespace, DataConf
     for key in KEYS:
         if getattr(args, key) is not None:
             settings[key] = getattr(args, key)
+    if args.files and args.corpus is None and settings["corpus"] == "shakespeare":  # --files alone: those files
+        settings["corpus"] = "local"
     return args, from_settings(DataConfig, settings)
 
 
