@@ -3,8 +3,9 @@ transformers causal LM), its next-token targets, its mean negative log-likelihoo
 
 This module sits below `sinklab.train` and `sinklab.evals` (it imports only torch, `sinklab.checkpoint` and, for a
 transformers model, `sinklab.hf`), so `sinklab quant` and `sinklab eval` load and score a model without Lightning.
-Training (`sinklab.train.module.LitLM.loss`), `sinklab quant` (`sinklab.quant.fake`) and the evaluations
-(`sinklab.evals`) take their targets, NLL and perplexity from here.
+Training (`sinklab.train.module.LitLM.loss`) takes its next-token targets from here; `sinklab quant`
+(`sinklab.quant.fake`), the streaming evaluation (`sinklab.evals.perplexity`, `sinklab.cli.streaming`) and the
+interventions (`sinklab.evals.intervene`) their targets, mean NLL and perplexity.
 
 Perplexity's overflow guard (`perplexity`): exp(loss) exactly wherever a float holds it, inf where it overflows
 (loss > ~709.78, `math.exp` raises OverflowError there), and NaN for a NaN loss. The guards this replaces were

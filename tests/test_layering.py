@@ -159,6 +159,18 @@ def test_quant_and_eval_commands_import_no_lightning():
     assert run_without_lightning("import sinklab.train.module").returncode == 3
 
 
+def test_the_dispatcher_loads_no_command_and_no_torch():
+    """`sinklab --help` imports a command's module only when it runs, and the base imports torch only to pick a
+    device."""
+    code = ("import sys, contextlib, io\nfrom sinklab.cli import main\n"
+            "with contextlib.redirect_stdout(io.StringIO()):\n    main(['--help'])\n"
+            "loaded = sorted(m for m in sys.modules if m.startswith('sinklab.cli.') and m != 'sinklab.cli.base')\n"
+            "sys.exit(f'loaded {loaded}, torch: {\"torch\" in sys.modules}' if loaded or 'torch' in sys.modules "
+            "else 0)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+
+
 @pytest.mark.slow
 def test_quant_and_streaming_run_without_lightning(tmp_path):
     """`sinklab quant` and `sinklab eval streaming` of a checkpoint on a token file, end to end, load no Lightning

@@ -12,11 +12,12 @@ import importlib
 import json
 import math
 import sys
-from typing import Any, Callable, Optional, Sequence
-
-import torch
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 from sinklab.errors import UserError
+
+if TYPE_CHECKING:  # torch is imported when a device is picked: `sinklab --help` and `sinklab report` need none
+    import torch
 
 DEVICE_HELP = "auto (cuda if available), cpu, cuda, cuda:1, ..."
 JSON_HELP = "print one JSON object (see the module docstring)"
@@ -36,6 +37,8 @@ def add_device_json_args(parser: argparse.ArgumentParser, json_help: str = JSON_
 
 
 def pick_device(name: str) -> torch.device:
+    import torch
+
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
