@@ -8,7 +8,6 @@ JSON) and the library below it (`sinklab.lm` loads and scores a model); no comma
 """
 from __future__ import annotations
 
-import sys
 from typing import Optional, Sequence
 
 from sinklab.cli.base import dispatch
