@@ -1,7 +1,7 @@
 """sinklab export-hf: a sinklab checkpoint -> a Hugging Face `LlamaForCausalLM` directory.
 
     sinklab export-hf CKPT_OR_RUN_DIR OUT_DIR [--dtype float32] [--no-check] [--tokenizer PATH | --no-tokenizer]
-    python -m sinklab.export_hf ...                                                          (the same)
+    python -m sinklab.export_hf ...                        (the same; the command is sinklab.cli.export_hf)
 
 Every config that LLaMA can represent (`ModelConfig.llama_mismatches()` is empty: RoPE, pre-RMSNorm, SwiGLU, softmax, causal,
 no biases, sinks or gates; grouped-query attention is fine) is written with `save_pretrained` (config.json +
@@ -23,18 +23,16 @@ The tokenizer is exported too when one is found (--tokenizer, tokenizer.json in 
 """
 from __future__ import annotations
 
-import argparse
 import re
 import sys
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 
 from sinklab.errors import UserError
 from sinklab.model import ModelConfig, Transformer
 
-PROG = "sinklab export-hf"
 TOLERANCE = 1e-4
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>")
@@ -217,33 +215,7 @@ def parity(state: dict, cfg: ModelConfig, out: Path, torch_dtype, transformers, 
     return (a - b).abs().max().item()
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+if __name__ == "__main__":  # `python -m sinklab.export_hf ...` is `sinklab export-hf ...`
+    from sinklab.cli.export_hf import main
 
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    ap = _Parser(prog=PROG, description="Export a LLaMA-compatible sinklab checkpoint as a Hugging Face "
-                                        "LlamaForCausalLM directory (config.json + model.safetensors).")
-    ap.add_argument("ckpt", metavar="CKPT", help="a sinklab .ckpt or a run dir (its checkpoints/last.ckpt)")
-    ap.add_argument("out_dir", metavar="OUT_DIR", help="new (or empty) output directory")
-    ap.add_argument("--dtype", choices=tuple(DTYPES), default="float32", help="weights dtype (default float32)")
-    ap.add_argument("--no-check", action="store_true",
-                    help="skip loading the export back and comparing logits with the sinklab model")
-    ap.add_argument("--tokenizer", default=None, help="a tokenizer.json (or a dir holding one) to export with it")
-    ap.add_argument("--no-tokenizer", action="store_true", help="do not look for the run's tokenizer")
-    args = ap.parse_args(argv)
-    try:
-        export(args.ckpt, args.out_dir, dtype=args.dtype, check=not args.no_check, tokenizer=args.tokenizer,
-               with_tokenizer=not args.no_tokenizer)
-    except UserError as err:
-        print(f"{PROG}: error: {err}", file=sys.stderr)
-        return 2
-    except ParityError as err:
-        print(f"{PROG}: error: {err}", file=sys.stderr)
-        return 1
-    return 0
-
-
-if __name__ == "__main__":
     sys.exit(main())

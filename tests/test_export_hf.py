@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from sinklab.export_hf import main, unrepresentable
+from sinklab.cli.export_hf import main
+from sinklab.export_hf import unrepresentable
 from sinklab.model import ModelConfig, Transformer
 
 REPO = Path(__file__).resolve().parents[1]

@@ -14,7 +14,7 @@ import torch
 
 from sinklab.checkpoint import load_model
 from sinklab.keys import bounds
-from sinklab.measure import main
+from sinklab.cli.measure import main
 from sinklab.metrics import activation_stats, flatten_activation_stats, gate_stats, record_gates
 from sinklab.metrics.gates import GATE_KEYS
 from sinklab.probe_inputs import probe_tokens

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sinklab.measure import main
+from sinklab.cli.measure import main
 from sinklab.probe_inputs import make_tokens
 from sinklab.metrics import activation_stats, attention_scores, brute_force_alpha, sink_rate
 from sinklab.metrics import massive, norms, outliers, residual_sinks
@@ -295,7 +295,7 @@ def test_user_errors_are_one_line_exit_2(capsys, tmp_path, planted_ckpt):
 
 
 def test_hf_model_without_transformers_says_how_to_install(tmp_path):
-    code = ("import sys; sys.modules['transformers'] = None; from sinklab.measure import main; "
+    code = ("import sys; sys.modules['transformers'] = None; from sinklab.cli.measure import main; "
             f"sys.exit(main(['--hf-model', {str(tmp_path)!r}, '--input', 'random']))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV, cwd=REPO,
                           timeout=60)

@@ -18,7 +18,7 @@ from sinklab.cli import main as sinklab_main
 from sinklab.model import ModelConfig, Transformer
 from sinklab.quant import (SCHEMES, asymmetric_grid, calibrate, evaluate, fake_quantized, quantizable_layers,
                            quantize_asymmetric, quantize_symmetric)
-from sinklab.quant.cli import main
+from sinklab.cli.quant import main
 from test_measure import natural_run, save_ckpt, tiny_hf
 
 README = Path(__file__).resolve().parents[1] / "README.md"

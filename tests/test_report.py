@@ -14,6 +14,7 @@ import yaml
 from omegaconf import OmegaConf
 
 from sinklab import report
+from sinklab.cli.report import main as report_main
 
 REPO = Path(__file__).resolve().parents[1]
 WDS = [0.0, 0.1, 0.5, 1.0, 2.0]  # jobs 0-3 have dirs; job 4 was not started yet
@@ -217,13 +218,13 @@ def test_cli(tmp_path):
     assert "5 jobs" in p.stdout
     assert (out / "report.md").is_file() and len(read_csv(out / "report.csv")) == 5
     assert (out / "sink1_over_steps.png").is_file()
-    assert report.main([str(sweep)]) == 0  # default out dir, which the next run must not take for a job
+    assert report_main([str(sweep)]) == 0  # default out dir, which the next run must not take for a job
     assert (sweep / "report" / "report.csv").is_file()
     assert len(report.build_report(sweep)["rows"]) == 5
-    assert report.main([str(tmp_path / "nowhere")]) == 1
+    assert report_main([str(tmp_path / "nowhere")]) == 1
     tables = tmp_path / "tables.yaml"
     tables.write_text("weight_decay:\n  - {wd: 0.1, sink1: 99.5, loss: 3.0}\n")
-    assert report.main([str(sweep), "--out", str(out), "--paper-tables", str(tables)]) == 0
+    assert report_main([str(sweep), "--out", str(out), "--paper-tables", str(tables)]) == 0
     assert [r["paper_sink1"] for r in read_csv(out / "report.csv")] == ["", "99.5", "", "", ""]
 
 
@@ -451,6 +452,6 @@ def test_bad_input_is_one_line(tmp_path, monkeypatch, capsys, args, message):
     Path("bad.yaml").write_text("weight_decay:\n  - {wd: 0.1, sink1: 120}\n")
     Path("list.yaml").write_text("- 1\n")
     Path("a_file").write_text("")
-    assert report.main([str(sweep), *args]) == 1
+    assert report_main([str(sweep), *args]) == 1
     err = capsys.readouterr().err
     assert err.startswith("sinklab report: error: ") and message in err and err.count("\n") == 1, err

@@ -211,7 +211,7 @@ def validate_config(cfg: DictConfig) -> ModelConfig:
                 _check_target_keys(cfg, f"{group}.{name}")
     # combinations
     if mcfg.compile and _select(cfg, "compile_backend") is not _MISSING:
-        from sinklab.train.module import check_compile_backend
+        from sinklab.model.compile import check_compile_backend
 
         check_compile_backend(_plain(_select(cfg, "compile_backend")))
     block = _select(cfg, "data.block_size")

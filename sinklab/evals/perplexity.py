@@ -22,11 +22,12 @@ Decided here:
 """
 from __future__ import annotations
 
-import math
 from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
+
+from sinklab.lm import perplexity
 
 Step = Callable[[torch.Tensor], torch.Tensor]  # one token (1, 1) -> logits of the next one (1, V)
 
@@ -106,10 +107,6 @@ def bucket_ends(n_targets: int, size: int) -> list[int]:
 
 
 def bucket_ppl(nll: torch.Tensor, ends: list[int]) -> list[float]:
-    """Perplexity of the targets of each bucket (`bucket_ends`)."""
+    """Perplexity of the targets of each bucket (`bucket_ends`; `sinklab.lm.perplexity`)."""
     return [perplexity(nll[a:b]) for a, b in zip([0] + ends[:-1], ends)]
 
-
-def perplexity(nll: torch.Tensor) -> float:
-    loss = float(nll.double().mean())
-    return math.exp(loss) if loss < 700 else math.inf

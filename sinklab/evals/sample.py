@@ -1,53 +1,16 @@
-"""sinklab sample: generate text from a trained sinklab model, decoding with a KV cache.
-
-    sinklab sample RUN_DIR_OR_CKPT --prompt TEXT [--max-new-tokens 200] [--temperature 0.8] [--top-k 50] [--seed 0]
-    sinklab sample CKPT --data RUN_DIR --prompt TEXT ...          (a bare checkpoint: the tokenizer of a run's data)
-
-The prompt is tokenised with the run's tokenizer (its data module's), after the BOS token when the run's data puts one
-at position 1 (data.bos), prefilled in one forward, and then each new token is one forward of one token through the
-cache. When prompt + new tokens exceed the context (model.block_size), the cache evicts as StreamingLLM does (Xiao et
-al. 2024, arXiv 2309.17453): it keeps the first 4 tokens and the most recent ones, at most block_size in all,
-positions re-indexed inside the cache (`sinklab.evals.perplexity.streaming_cache`). The paper keeps 4 initial tokens
-too; that the cache never holds more than block_size positions, so that every position stays inside the trained
-range, is decided here. Sampling covers the tokenizer's ids only (the padded rows of the embedding are never drawn).
---temperature 0 is greedy decoding. --json prints one object: target, prompt, prompt_tokens, tokens (the new ids),
-text (the new text), bos, temperature, top_k, seed, evicted (whether the cache dropped tokens), keep_first,
-seconds, tokens_per_s. User errors are one line on stderr and exit code 2.
-"""
+"""Decoding for `sinklab sample` (the command: `sinklab.cli.sample`): the next token from the logits (greedy, or a
+draw at a temperature among the top k) and generation with a KV cache that, past the context, evicts as StreamingLLM
+does (Xiao et al. 2024, arXiv 2309.17453): it keeps the first KEEP_FIRST tokens and the most recent ones, at most
+block_size in all, positions re-indexed inside the cache (`sinklab.evals.perplexity.streaming_cache`)."""
 from __future__ import annotations
 
-import sys
-import time
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 
-from sinklab.errors import UserError
 from sinklab.evals.perplexity import streaming_cache
-from sinklab.measure import OneLineParser, command_main, pick_device
-from sinklab.probe_inputs import checkpoint_and_run_dir, data_run_dir, positive, read_run_data
 
-PROG = "sinklab sample"
 KEEP_FIRST = 4  # StreamingLLM's initial tokens (its default attention-sink count)
-
-
-def build_parser() -> OneLineParser:
-    ap = OneLineParser(prog=PROG, description="Generate text from a sinklab checkpoint with a KV cache: the prompt in "
-                                              "one forward, then one token per step. Past the context "
-                                              "(model.block_size) the cache evicts as StreamingLLM: it keeps the first "
-                                              f"{KEEP_FIRST} tokens and the most recent ones (block_size in all), "
-                                              "positions re-indexed inside the cache.")
-    ap.add_argument("target", help="a sinklab .ckpt or a run dir (uses its checkpoints/last.ckpt and its tokenizer)")
-    ap.add_argument("--prompt", required=True, help="the text to continue")
-    ap.add_argument("--max-new-tokens", type=int, default=200, help="tokens to generate (default 200)")
-    ap.add_argument("--temperature", type=float, default=0.8, help="softmax temperature; 0 is greedy (default 0.8)")
-    ap.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens (default: all)")
-    ap.add_argument("--seed", type=int, default=0, help="seed of the sampling (default 0)")
-    ap.add_argument("--data", metavar="RUN_DIR", default=None,
-                    help="tokenize with this run's data config (default: TARGET's run dir)")
-    ap.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:1, ...")
-    ap.add_argument("--json", action="store_true", help="print one JSON object (see the module docstring)")
-    return ap
 
 
 # ----------------------------------------------------------------------------------------------------- decoding
@@ -106,60 +69,3 @@ def generate(model, prompt: torch.Tensor, max_new_tokens: int, temperature: floa
         elif not cached:
             idx = torch.cat([idx, nxt], dim=1)
     return torch.cat(new, dim=1) if new else prompt[:, :0]
-
-
-# ----------------------------------------------------------------------------------------------------- main
-def read_tokenizer(args, run_dir) -> tuple[object, bool, int]:
-    """(the run's tokenizer, whether its data starts with BOS, the BOS id)."""
-    run, flag = data_run_dir(args, run_dir, hint="pass --data RUN_DIR (a run dir whose data config has the tokenizer)")
-    return read_run_data(run, {"num_workers": 0}, lambda dm: (dm.tokenizer, bool(dm.config.bos), int(dm.eos_id)),
-                         flag, "the tokenizer", "pass --data RUN_DIR of a run with an LMDataModule")
-
-
-def run(args) -> dict:
-    from sinklab.checkpoint import load_model
-    from sinklab.data.tokenizer import tokenizer_size
-
-    positive("--max-new-tokens", args.max_new_tokens)
-    positive("--top-k", args.top_k)
-    if not args.temperature >= 0:
-        raise UserError(f"--temperature {args.temperature:g}: allowed: >= 0 (0 is greedy)")
-    device = pick_device(args.device)
-    ckpt, run_dir = checkpoint_and_run_dir(args.target)
-    tok, bos, bos_id = read_tokenizer(args, run_dir)
-    model = load_model(ckpt).to(device)
-    cfg = model.cfg
-    if cfg.block_size < 3:
-        raise UserError(f"model.block_size={cfg.block_size}: a streaming cache needs a context of at least 3")
-    ids = ([bos_id] if bos else []) + tok.encode(args.prompt).ids
-    if not ids:
-        raise UserError("--prompt '' has no tokens (and the run's data has no BOS token to start from); give a text")
-    if max(ids) >= cfg.vocab_size:
-        raise UserError(f"--prompt: token id {max(ids)} is outside the model's vocabulary [0, {cfg.vocab_size - 1}] "
-                        "(was the model trained with this tokenizer?)")
-    if cfg.prefix_len and len(ids) < cfg.prefix_len:
-        raise UserError(f"--prompt has {len(ids)} tokens; model.prefix_len={cfg.prefix_len} (a prefix LM) needs a "
-                        f"prompt of at least {cfg.prefix_len} tokens")
-    generator = torch.Generator(device=device).manual_seed(args.seed)
-    t0 = time.perf_counter()
-    out = generate(model, torch.tensor([ids], device=device), args.max_new_tokens, args.temperature, args.top_k,
-                   generator, allowed=tokenizer_size(tok))
-    seconds = time.perf_counter() - t0
-    new = out[0].tolist()
-    return {"target": str(ckpt), "prompt": args.prompt, "prompt_tokens": ids, "tokens": new, "text": tok.decode(new),
-            "bos": bos, "temperature": args.temperature, "top_k": args.top_k, "seed": args.seed,
-            "evicted": len(ids) + len(new) - 1 > cfg.block_size, "keep_first": min(KEEP_FIRST, cfg.block_size - 2),
-            "seconds": round(seconds, 3), "tokens_per_s": round(len(new) / seconds, 1)}
-
-
-def format_text(res: dict) -> str:
-    """The prompt and its continuation, as one text."""
-    return res["prompt"] + res["text"]
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    return command_main(PROG, build_parser(), run, format_text, argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -148,7 +148,7 @@ class SinkMetric(Metric):
 
     def json(self, result: dict[str, Any]) -> dict[str, Any]:
         """eps, k, row_normalised, sink, sink_by_eps, sink_star(_by_eps), alpha, alpha_mean, sink1_by_layer,
-        alpha_star, slot(_star), slot(_star)_by_eps, slot(_star)_alpha (sinklab.measure's docstring)."""
+        alpha_star, slot(_star), slot(_star)_by_eps, slot(_star)_alpha (sinklab.cli.measure's docstring)."""
         scores, eps = result["scores"], self.ctx.eps
         row_normalised = bool(result["row_normalised"])
         K = scores.alpha.shape[-1]

@@ -1,7 +1,7 @@
-"""Simulated post-training quantization: fake-quantized linear layers (`sinklab.quant.fake`) and the
-`sinklab quant` command (`sinklab.quant.cli`)."""
+"""Simulated post-training quantization: fake-quantized linear layers (`sinklab.quant.fake`); the `sinklab quant`
+command is `sinklab.cli.quant`."""
 from sinklab.quant.fake import (FP32, SCHEMES, Scheme, asymmetric_grid, calibrate, evaluate, fake_quantized,
-                                mean_nll, quantizable_layers, quantize_asymmetric, quantize_symmetric)
+                                quantizable_layers, quantize_asymmetric, quantize_symmetric)
 
-__all__ = ["FP32", "SCHEMES", "Scheme", "asymmetric_grid", "calibrate", "evaluate", "fake_quantized", "mean_nll",
+__all__ = ["FP32", "SCHEMES", "Scheme", "asymmetric_grid", "calibrate", "evaluate", "fake_quantized",
            "quantizable_layers", "quantize_asymmetric", "quantize_symmetric"]

@@ -21,16 +21,14 @@ Details the paper leaves open or that differ here:
 from __future__ import annotations
 
 import contextlib
-import math
 from dataclasses import dataclass
 from typing import Callable, Iterable, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from sinklab.errors import UserError
-from sinklab.train.module import IGNORE, next_token_targets
+from sinklab.lm import mean_nll, perplexity
 
 
 @dataclass(frozen=True)
@@ -168,19 +166,6 @@ def fake_quantized(layers: dict[str, nn.Module], scheme: Scheme, ranges: Optiona
 
 
 # ----------------------------------------------------------------------------------------------- evaluation
-@torch.no_grad()
-def mean_nll(logits_of: Callable, batches: Iterable[torch.Tensor], prefix_len: int = 0) -> tuple[float, int]:
-    """(mean next-token cross-entropy over every scored target of the batches (B, T + 1), number of targets)."""
-    total, count = 0.0, 0
-    for batch in batches:
-        y = next_token_targets(batch, prefix_len)
-        logits = logits_of(batch[:, :-1])  # (B, T, V)
-        total += F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), ignore_index=IGNORE,
-                                 reduction="sum").item()
-        count += int((y != IGNORE).sum())
-    return total / count, count
-
-
 def evaluate(model: nn.Module, logits_of: Callable, val: list[torch.Tensor], calib: list[torch.Tensor],
              schemes: Iterable[Scheme], per_channel: bool = False, momentum: float = 0.9,
              quantize_head: bool = False, prefix_len: int = 0) -> dict:
@@ -198,7 +183,7 @@ def evaluate(model: nn.Module, logits_of: Callable, val: list[torch.Tensor], cal
     for scheme in [FP32, *schemes]:
         with fake_quantized(layers, scheme, ranges, per_channel):
             loss, count = mean_nll(logits_of, val, prefix_len)
-        ppl = math.exp(loss) if loss < 700 else math.inf
+        ppl = perplexity(loss)
         base = rows["fp32"]["ppl"] if rows else ppl
         rows[scheme.name] = {"w_bits": scheme.w_bits, "a_bits": scheme.a_bits, "loss": loss, "ppl": ppl,
                              "gap": ppl - base, "rel_gap": (ppl - base) / base}

@@ -12,12 +12,12 @@ swept setting has several seeds), ``sink1_vs_<key>.png``, ``val_loss_vs_<key>.pn
 
 Modules: ``jobs`` reads the sweep (job dirs, status, overrides, metrics.csv), ``paper`` matches each job to the
 paper's table, ``columns`` says which metrics are shown and how, ``table`` aggregates and writes the CSV and
-markdown, ``plots`` draws, ``cli`` is the command.
+markdown, ``plots`` draws, ``build`` puts them together; the command is ``sinklab.cli.report``.
 """
-from sinklab.report.cli import build_report, main
+from sinklab.report.build import build_report
 from sinklab.report.jobs import load_sweep, read_metrics
 from sinklab.report.paper import load_paper_tables, match_paper_row, paper_values, values_match
 from sinklab.report.plots import x_scale
 
-__all__ = ["build_report", "main", "load_sweep", "read_metrics", "load_paper_tables", "match_paper_row",
+__all__ = ["build_report", "load_sweep", "read_metrics", "load_paper_tables", "match_paper_row",
            "paper_values", "values_match", "x_scale"]

@@ -1,6 +1,6 @@
-"""`python -m sinklab.report SWEEP_DIR [--out DIR]`: the same as `sinklab report`."""
+"""`python -m sinklab.report SWEEP_DIR [--out DIR]`: the same as `sinklab report` (`sinklab.cli.report`)."""
 import sys
 
-from sinklab.report.cli import main
+from sinklab.cli.report import main
 
 sys.exit(main())

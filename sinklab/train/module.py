@@ -1,7 +1,6 @@
 """LightningModule: next-token loss, AdamW, warmup + cosine/constant schedule, throughput logging."""
 from __future__ import annotations
 
-import contextlib
 import logging
 import random
 import time
@@ -9,27 +8,16 @@ import warnings
 from typing import Any, Optional, Union
 
 import lightning as L
-import torch
 import numpy as np
+import torch
 import torch.nn.functional as F
 
-from sinklab.errors import UserError
+from sinklab.lm import IGNORE, next_token_targets
 from sinklab.model import ModelConfig, Transformer
+from sinklab.model.compile import (CompileFallbackWarning, backward_compiled_with_forward, compile_errors,
+                                   compile_model, first_lines)
 
 log = logging.getLogger("sinklab")
-
-
-IGNORE = -100  # cross-entropy's ignore_index: targets that are not scored
-
-
-def next_token_targets(batch: torch.Tensor, prefix_len: int = 0) -> torch.Tensor:
-    """batch (B, T + 1) -> the targets (B, T) of its inputs batch[:, :-1]; a prefix-LM (prefix_len p > 1) does not
-    score its first p - 1 targets (they are IGNORE)."""
-    y = batch[:, 1:]
-    if prefix_len > 1:
-        y = y.clone()
-        y[:, : prefix_len - 1] = IGNORE
-    return y
 
 
 class TrainingDiverged(FloatingPointError):
@@ -226,77 +214,3 @@ def model_key(key: str, compiled: bool) -> str:
 
 class PeakFlopsWarning(UserWarning):
     """perf/mfu cannot be logged within its bounds (the peak FLOP/s is not reliable)."""
-
-
-class CompileFallbackWarning(UserWarning):
-    """model.compile=true, but the model runs eager (torch.compile failed or is not supported here)."""
-
-
-def compile_errors() -> tuple[type[BaseException], ...]:
-    """What a failed compilation raises from the compiled model's call: Dynamo's errors (including
-    BackendCompilerFailed, which wraps the backend's own, e.g. a C++ compiler error of inductor) and inductor's."""
-    import torch._dynamo.exc as dynamo_exc
-
-    errors: list[type[BaseException]] = [dynamo_exc.TorchDynamoException]
-    with contextlib.suppress(ImportError):
-        from torch._inductor.exc import InductorError
-
-        errors.append(InductorError)
-    return tuple(errors)
-
-
-def backward_compiled_with_forward():
-    """AOTAutograd compiles the backward graph lazily, at the first backward pass, where a failure would escape the
-    fallback in LitLM.run_model; this compiles it together with the forward (a private switch of torch >= 2.7: a
-    no-op where it does not exist)."""
-    import torch._functorch.config as functorch_config
-
-    if not hasattr(functorch_config, "force_non_lazy_backward_lowering"):
-        return contextlib.nullcontext()
-    return functorch_config.patch(force_non_lazy_backward_lowering=True)
-
-
-def first_lines(err: BaseException, limit: int = 300) -> str:
-    """'Type: message' from the first two non-empty lines of an error (BackendCompilerFailed puts the backend's
-    own error on its second line)."""
-    lines = [line.strip() for line in str(err).splitlines() if line.strip()][:2]
-    text = f"{type(err).__name__}: {' '.join(lines)}" if lines else type(err).__name__
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def compile_backends() -> list[str]:
-    """The torch.compile backends registered in this torch (names for model.compile_backend)."""
-    import torch._dynamo
-
-    return sorted(torch._dynamo.list_backends(exclude_tags=()))
-
-
-def check_compile_backend(backend: Any) -> None:
-    if not isinstance(backend, str) or backend not in compile_backends():
-        raise UserError(f"compile_backend={backend!r} is not allowed; allowed: one of {', '.join(compile_backends())} "
-                        "(torch.compile's registered backends; inductor is the default)")
-
-
-def compile_skip_reason(cfg: ModelConfig) -> Optional[str]:
-    """Why torch.compile cannot work for this model here, known before trying; None when it may. Every attention
-    switch compiles (docs/performance.md); what is known not to is a platform without TorchDynamo support."""
-    import torch._dynamo
-
-    if not torch._dynamo.is_dynamo_supported():
-        return "TorchDynamo does not support this platform or Python version"
-    return None
-
-
-def compile_model(model: Transformer, cfg: ModelConfig, backend: str = "inductor"):
-    """torch.compile where it can work, else the eager model with one warning. torch.compile itself only wraps the
-    model: compilation happens at its first call, where LitLM.run_model falls back to eager if it fails."""
-    check_compile_backend(backend)
-    reason = compile_skip_reason(cfg)
-    if reason is None:
-        try:
-            return torch.compile(model, backend=backend, dynamic=False)
-        except Exception as err:  # torch.compile rejects its arguments or the platform
-            reason = first_lines(err)
-    warnings.warn(f"model.compile=true: torch.compile is not used ({reason}); running eager",
-                  CompileFallbackWarning, stacklevel=2)
-    return model

@@ -29,11 +29,12 @@ from typing import Optional, Sequence
 
 import torch
 
+from sinklab.cli.base import (OneLineParser, add_device_json_args, add_target_args, check_one_target, command_main,
+                              pick_device)
 from sinklab.errors import UserError
 from sinklab.evals import perplexity as pp
-from sinklab.measure import OneLineParser, add_target_args, check_one_target, command_main, pick_device
+from sinklab.lm import load_target, perplexity
 from sinklab.probe_inputs import data_run_dir, load_tokens, positive, read_run_data
-from sinklab.quant.cli import load_target
 
 PROG = "sinklab eval streaming"
 DEFAULT_N_TOKENS = 10_000
@@ -85,8 +86,7 @@ def build_parser() -> OneLineParser:
     ap.add_argument("--bucket", type=int, default=256, help="targets per position bucket of the plot (default 256)")
     ap.add_argument("--batch-size", type=int, default=32, help="windows per forward of the recompute baseline")
     ap.add_argument("--plot", metavar="FILE.png", default=None, help="draw perplexity vs position, one line a setting")
-    ap.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:1, ...")
-    ap.add_argument("--json", action="store_true", help="print one JSON object (see the module docstring)")
+    add_device_json_args(ap)
     return ap
 
 
@@ -145,7 +145,8 @@ def run(args) -> dict:
         raise UserError(f"--n-tokens {args.n_tokens}: allowed: >= 2 (a token and the next one to predict)")
     device = pick_device(args.device)
     t0 = time.perf_counter()
-    model, _, meta, run_dir = load_target(args, device)
+    target = load_target(args.target, args.hf_model, device)
+    model, meta, run_dir = target.model, target.meta, target.run_dir
     hf = meta["source"] == "hf"
     if meta["prefix_len"]:
         raise UserError(f"model.prefix_len={meta['prefix_len']}: a prefix LM's first tokens see each other, so it "
@@ -216,7 +217,8 @@ def score(args, name: str, kind: str, tokens: torch.Tensor, model, hf: bool, ext
                                 bar.update)
     finally:
         bar.close()
-    return {"loss": float(nll.double().mean()), "ppl": pp.perplexity(nll), "bucket_ppl": pp.bucket_ppl(nll, ends),
+    loss = float(nll.double().mean())
+    return {"loss": loss, "ppl": perplexity(loss), "bucket_ppl": pp.bucket_ppl(nll, ends),
             "seconds": round(time.perf_counter() - t0, 3)}
 
 

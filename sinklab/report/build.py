@@ -1,8 +1,6 @@
-"""`sinklab report`: read a sweep, write its tables and plots, print where they are."""
+"""A sweep's report: read every job, write the tables and plots (the command: `sinklab.cli.report`)."""
 from __future__ import annotations
 
-import argparse
-import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -10,7 +8,7 @@ from sinklab.errors import UserError
 from sinklab.report.jobs import STALE_MINUTES, load_sweep
 from sinklab.report.paper import load_paper_tables
 from sinklab.report.plots import make_plots
-from sinklab.report.table import aggregate, job_table, none_for_missing, status_counts, write_csv, write_markdown
+from sinklab.report.table import aggregate, job_table, none_for_missing, write_csv, write_markdown
 
 
 def build_report(sweep_dir, out_dir=None, *, paper_tables: Optional[Path] = None, now: Optional[float] = None,
@@ -40,29 +38,3 @@ def build_report(sweep_dir, out_dir=None, *, paper_tables: Optional[Path] = None
     return {"out_dir": out_dir, "md": md_path, "csv": csv_path, "aggregate_csv": agg_path, "plots": plots,
             "rows": jobs.to_dict("records"), "columns": list(jobs.columns),
             "aggregate": None if agg is None else none_for_missing(agg).to_dict("records"), "swept": sweep.swept}
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    """The command line; 0 on success, 1 (and one line on stderr) for bad input."""
-    ap = argparse.ArgumentParser(prog="sinklab report", description="Tables and plots for a Hydra multirun sweep.")
-    ap.add_argument("sweep_dir", type=Path, help="the multirun dir (holds multirun.yaml and 0/, 1/, ...)")
-    ap.add_argument("--out", type=Path, default=None, help="output dir (default: SWEEP_DIR/report)")
-    ap.add_argument("--paper-tables", type=Path, default=None, help="paper_tables.yaml (default: the packaged one)")
-    ap.add_argument("--stale-minutes", type=float, default=STALE_MINUTES,
-                    help="a job whose files have not changed for this long is not running any more (default 10)")
-    ap.add_argument("--metrics", nargs="+", default=[], metavar="NAME",
-                    help="logged metrics to add as columns, e.g. act/resid_kurtosis act/massive_top, or a registered "
-                         "metric's name for its headline values (entropy: act/attn_entropy; sinklab.metrics.METRICS), "
-                         "besides the preset's experiment.report_metrics")
-    args = ap.parse_args(argv)
-    try:
-        res = build_report(args.sweep_dir, args.out, paper_tables=args.paper_tables,
-                           stale_minutes=args.stale_minutes, metrics=args.metrics)
-    except UserError as e:
-        print(f"sinklab report: error: {e}", file=sys.stderr)
-        return 1
-    print(f"{len(res['rows'])} jobs ({status_counts(r['status'] for r in res['rows'])})")
-    for p in [res["md"], res["csv"], res["aggregate_csv"], *res["plots"]]:
-        if p is not None:
-            print(p)
-    return 0

@@ -4,12 +4,12 @@ from __future__ import annotations
 import sys
 from typing import Optional, Sequence
 
-from sinklab.cli import dispatch
+from sinklab.cli.base import dispatch
 
 SUBCOMMANDS = {
-    "streaming": ("sinklab.evals.streaming", "perplexity over a long text with a KV cache of x first + y recent tokens"),
-    "intervene": ("sinklab.evals.intervene", "perplexity and Sink_1 after zeroing massive channels / masking keys"),
-    "quant": ("sinklab.quant.cli", "perplexity with simulated W8A8 / W4A4 / W8A16 quantization (= sinklab quant)"),
+    "streaming": ("sinklab.cli.streaming", "perplexity over a long text with a KV cache of x first + y recent tokens"),
+    "intervene": ("sinklab.cli.intervene", "perplexity and Sink_1 after zeroing massive channels / masking keys"),
+    "quant": ("sinklab.cli.quant", "perplexity with simulated W8A8 / W4A4 / W8A16 quantization (= sinklab quant)"),
 }
 
 

@@ -1,0 +1,29 @@
+"""`sinklab`: measure, evaluate, sample and quantize checkpoints and models, report sweeps, export to transformers,
+prepare corpora.
+
+One module per command, each on the shared base `sinklab.cli.base` (parser, errors, device, TARGET / --hf-model,
+JSON) and the library below it (`sinklab.lm` loads and scores a model); no command imports another
+(tests/test_layering.py). `sinklab prepare` is `sinklab.data.prepare`, the data layer's own command line (also
+`scripts/prepare_data.py`).
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+from sinklab.cli.base import dispatch
+
+COMMANDS = {
+    "measure": ("sinklab.cli.measure", "sink and activation metrics of a checkpoint, run dir or transformers model"),
+    "quant": ("sinklab.cli.quant", "validation perplexity in fp32 and with simulated W8A8 / W4A4 / W8A16 quantization"),
+    "eval": ("sinklab.cli.eval", "streaming perplexity (evicting KV cache), interventions on the sink, quantization"),
+    "sample": ("sinklab.cli.sample", "generate text from a trained model with a KV cache"),
+    "report": ("sinklab.cli.report", "tables and plots from a (finished or running) sweep dir"),
+    "export-hf": ("sinklab.cli.export_hf", "write a checkpoint as a transformers LlamaForCausalLM directory"),
+    "prepare": ("sinklab.data.prepare", "tokenise a corpus once into sharded memmaps"),
+    "components": ("sinklab.cli.components", "every registered architecture component, its knobs and config files"),
+}
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    return dispatch("sinklab", COMMANDS, "training is `sinklab-train` (Hydra); `sinklab COMMAND --help` for a "
+                    "command's options", argv)

@@ -1,0 +1,113 @@
+"""What every `sinklab` command shares: the one-line-error parser, the run-and-print main, the device choice, the
+TARGET / --hf-model arguments, strict JSON, and the dispatcher of `sinklab` and `sinklab eval`.
+
+A command module (`sinklab.cli.<command>`) builds its parser here, checks its options, calls the library (never
+another command) and formats the result. User errors are one line on stderr and exit code 2.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import json
+import math
+import sys
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+
+from sinklab.errors import UserError
+
+if TYPE_CHECKING:  # torch is imported when a device is picked: `sinklab --help` and `sinklab report` need none
+    import torch
+
+DEVICE_HELP = "auto (cuda if available), cpu, cuda, cuda:1, ..."
+JSON_HELP = "print one JSON object (see the module docstring)"
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse whose usage errors are one line (and exit code 2, as argparse's own)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def add_device_json_args(parser: argparse.ArgumentParser, json_help: str = JSON_HELP) -> None:
+    """--device (`pick_device`) and --json (`command_main`)."""
+    parser.add_argument("--device", default="auto", help=DEVICE_HELP)
+    parser.add_argument("--json", action="store_true", help=json_help)
+
+
+def pick_device(name: str) -> torch.device:
+    import torch
+
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(name)
+    except RuntimeError:
+        raise UserError(f"--device {name}: not a device; allowed: auto, cpu, cuda, cuda:N") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"--device {name}: CUDA is not available on this machine; use --device cpu")
+    return dev
+
+
+def add_target_args(parser: argparse.ArgumentParser, uses: str, hf_help: str) -> None:
+    """TARGET (a checkpoint or run dir, of which the command `uses` ...) and --hf-model DIR: one of the two
+    (`check_one_target`); `sinklab.lm.load_target` loads it."""
+    parser.add_argument("target", nargs="?", default=None,
+                        help=f"a sinklab .ckpt or a run dir (uses its checkpoints/last.ckpt and {uses})")
+    parser.add_argument("--hf-model", metavar="DIR", default=None, help=hf_help)
+
+
+def check_one_target(args) -> None:
+    if (args.target is None) == (args.hf_model is None):
+        raise UserError("pass either TARGET (a sinklab checkpoint or run dir) or --hf-model DIR, not "
+                        + ("both" if args.target else "neither"))
+
+
+def finite(obj: Any) -> Any:
+    """NaN / inf (e.g. a norm ratio with T = 1) -> null, so the output is strict JSON."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite(v) for v in obj]
+    return obj
+
+
+def command_main(prog: str, parser: argparse.ArgumentParser, run: Callable[[Any], dict],
+                 text: Callable[[dict], str], argv: Optional[Sequence[str]]) -> int:
+    """Parse argv, res = run(args), print res as one JSON object (--json) or as text(res); a UserError is one line
+    on stderr and exit code 2."""
+    args = parser.parse_args(argv)
+    try:
+        # in JSON mode stdout carries exactly one object: anything printed while running goes to stderr
+        with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
+            res = run(args)
+    except UserError as err:
+        print(f"{prog}: error: {err}", file=sys.stderr)
+        return 2
+    print(json.dumps(finite(res), allow_nan=False) if args.json else text(res))
+    return 0
+
+
+def dispatch(prog: str, commands: dict[str, tuple[str, str]], footer: str,
+             argv: Optional[Sequence[str]] = None) -> int:
+    """Run `prog NAME ARGS...`: NAME's module's main(ARGS) (imported only then); the listing for no NAME or --help,
+    and a one-line error (exit 2) for an unknown NAME or a UserError. `sinklab` and `sinklab eval` are both this."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        lines = [f"usage: {prog} COMMAND [ARGS...]", "", "commands:"]
+        lines += [f"  {name:<10} {desc}" for name, (_, desc) in commands.items()]
+        print("\n".join(lines + ["", footer]))
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in commands:
+        print(f"{prog}: unknown command {name!r}; allowed: {', '.join(commands)}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(commands[name][0])
+    try:
+        return int(module.main(rest) or 0)
+    except UserError as err:
+        print(f"{prog} {name}: error: {err}", file=sys.stderr)
+        return 2

@@ -1,0 +1,41 @@
+"""`sinklab export-hf CKPT_OR_RUN_DIR OUT_DIR`: a sinklab checkpoint as a Hugging Face `LlamaForCausalLM` directory
+(`sinklab.export_hf`, whose docstring says what is exported and checked). A config LLaMA cannot represent and other
+bad input are one line on stderr and exit code 2; an export whose logits disagree with the checkpoint's, exit code 1.
+"""
+from __future__ import annotations
+
+import sys
+from typing import Optional, Sequence
+
+from sinklab.cli.base import OneLineParser
+from sinklab.errors import UserError
+from sinklab.export_hf import DTYPES, ParityError, export
+
+PROG = "sinklab export-hf"
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    ap = OneLineParser(prog=PROG, description="Export a LLaMA-compatible sinklab checkpoint as a Hugging Face "
+                                              "LlamaForCausalLM directory (config.json + model.safetensors).")
+    ap.add_argument("ckpt", metavar="CKPT", help="a sinklab .ckpt or a run dir (its checkpoints/last.ckpt)")
+    ap.add_argument("out_dir", metavar="OUT_DIR", help="new (or empty) output directory")
+    ap.add_argument("--dtype", choices=tuple(DTYPES), default="float32", help="weights dtype (default float32)")
+    ap.add_argument("--no-check", action="store_true",
+                    help="skip loading the export back and comparing logits with the sinklab model")
+    ap.add_argument("--tokenizer", default=None, help="a tokenizer.json (or a dir holding one) to export with it")
+    ap.add_argument("--no-tokenizer", action="store_true", help="do not look for the run's tokenizer")
+    args = ap.parse_args(argv)
+    try:
+        export(args.ckpt, args.out_dir, dtype=args.dtype, check=not args.no_check, tokenizer=args.tokenizer,
+               with_tokenizer=not args.no_tokenizer)
+    except UserError as err:
+        print(f"{PROG}: error: {err}", file=sys.stderr)
+        return 2
+    except ParityError as err:
+        print(f"{PROG}: error: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

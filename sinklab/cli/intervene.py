@@ -1,0 +1,108 @@
+"""sinklab eval intervene: what the sink does, by intervention. Validation perplexity and Sink_1 of a trained model,
+unchanged and under each of:
+
+    zero         the massive activations set to zero                        (Sun et al. 2024, "Massive Activations
+    mean         the massive activations set to their mean over the probe set  in Large Language Models", sec. 3)
+    mask_first   every query q > 1 no longer sees the first token's key; attention renormalises over the rest
+    mask_random  the control: every query q >= 3 no longer sees one random earlier key (not token 1, not itself)
+
+    sinklab eval intervene RUN_DIR_OR_CKPT [--interventions zero mean mask_first mask_random] [--channels 2]
+                                            [--val-batches N] [--json]
+
+The massive activations: on the run's probe set, mean |h| of every (token position, channel) of each layer's
+residual stream (the block output, real tokens); the layer is the first whose largest mean entry reaches half the
+largest over layers ("where they appear": Sun et al. intervene there), the position is that entry's token t*, and
+the channels are the --channels largest mean |h| at t* in that layer. `zero` / `mean` write 0 / the probe set's mean
+signed value into h[t*, channels] at that layer's output, for every sequence (Sun et al. set the activations to
+zero or to their mean over many sequences). Decided here: one position (theirs are the starting token and a
+delimiter), and the top channels by a fixed count (theirs are the two or so that stand out by ~1000x; at sinklab's
+scale the ratio is reported, not thresholded).
+
+Masking: a mask function composed with the model's own (`sinklab.model.masks`), so every attention operation and
+path sees it; softmax renormalises over the remaining keys, an operation without row normalisation just loses the
+key. Query 1 keeps its only key. Learned sink tokens and a K / KV bias slot are not masked: "the first token" is
+the first token of the text. Sink_1 under mask_first is near 0 by construction (only query 1 attends to token 1);
+it is reported to show where the attention went (alpha_1 of the other rows is 0).
+
+Validation: the run's validation blocks, with the BOS token at position 1 if its training blocks have one
+(data.bos), so that token 1 is what the model always saw there (its probe set has it too, data.probe_bos).
+
+--json prints one object: target, val_batches, val_targets, probe (num_seqs, seq_len), massive {layer (0-indexed),
+token (1-indexed), channels, values (mean |h|), mean_values (signed), ratio (top mean |h| / median |h|)}, seconds,
+and rows {name: {ppl, loss, dppl (ppl - the unchanged model's), sink1, alpha1, sink1_star (operations without row
+normalisation)}}. User errors are one line on stderr and exit code 2. The interventions and their evaluation:
+`sinklab.evals.intervene`.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Optional, Sequence
+
+from sinklab.cli.base import OneLineParser, add_device_json_args, command_main, pick_device
+from sinklab.errors import UserError
+from sinklab.evals.intervene import INTERVENTIONS, evaluate, find_massive
+from sinklab.probe_inputs import checkpoint_and_run_dir, positive, probe_tokens, read_run_data, val_blocks_as_trained
+
+PROG = "sinklab eval intervene"
+
+
+def build_parser() -> OneLineParser:
+    ap = OneLineParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    ap.add_argument("target", help="a run dir or a checkpoint inside one (its data gives the validation blocks and "
+                                   "the probe set)")
+    ap.add_argument("--interventions", nargs="+", default=list(INTERVENTIONS), choices=INTERVENTIONS, metavar="NAME",
+                    help=f"which to run, besides the unchanged model (default: all of {', '.join(INTERVENTIONS)})")
+    ap.add_argument("--channels", type=int, default=2, help="massive channels to set (default 2)")
+    ap.add_argument("--val-batches", type=int, default=None, help="validation batches (default: all)")
+    ap.add_argument("--seed", type=int, default=0, help="the random keys of mask_random (default 0)")
+    add_device_json_args(ap)
+    return ap
+
+
+# ----------------------------------------------------------------------------------------------------- main
+def run(args) -> dict:
+    from sinklab.checkpoint import load_model
+
+    positive("--val-batches", args.val_batches)
+    device = pick_device(args.device)
+    t0 = time.perf_counter()
+    ckpt, run_dir = checkpoint_and_run_dir(args.target)
+    if run_dir is None:
+        raise UserError(f"{args.target} has no run config (.hydra/config.yaml): intervene reads the run's validation "
+                        "blocks and probe set; pass a run dir or a checkpoint inside one")
+    model = load_model(ckpt).to(device).eval()
+    val = read_run_data(Path(run_dir), {"num_workers": 0}, lambda dm: val_blocks_as_trained(dm, args.val_batches),
+                        "TARGET", "the validation blocks", "check the run's data config")
+    val = [b.to(device) for b in val]
+    probe = probe_tokens(Path(run_dir), None, None).to(device)
+    massive = find_massive(model, probe, args.channels)
+    rows, count = evaluate(model, val, probe, list(dict.fromkeys(args.interventions)), massive, args.seed)
+    return {"target": str(ckpt), "val_batches": len(val), "val_targets": count,
+            "probe": {"num_seqs": int(probe.shape[0]), "seq_len": int(probe.shape[1])}, "massive": massive,
+            "rows": rows, "seconds": round(time.perf_counter() - t0, 3)}
+
+
+def format_table(res: dict) -> str:
+    m = res["massive"]
+    chans = ", ".join(f"{c} ({v:.2f}, mean {s:+.2f})" for c, v, s in zip(m["channels"], m["values"], m["mean_values"]))
+    star = any("sink1_star" in r for r in res["rows"].values())
+    lines = [f"{res['target']}: {res['val_batches']} validation batches, probe set {res['probe']['num_seqs']} x "
+             f"{res['probe']['seq_len']}",
+             f"massive activations: layer {m['layer'] + 1}, token {m['token']}, channels {chans}; top / median "
+             f"{m['ratio']:.1f}", "",
+             f"{'intervention':<13}{'val ppl':>10}{'d ppl':>10}{'Sink_1 %':>10}{'alpha_1':>9}"
+             + (f"{'Sink*_1 %':>11}" if star else "")]
+    for name, r in res["rows"].items():
+        lines.append(f"{name:<13}{r['ppl']:>10.3f}{r['dppl']:>+10.3f}{r['sink1']:>10.2f}{r['alpha1']:>9.3f}"
+                     + (f"{r['sink1_star']:>11.2f}" if star else ""))
+    return "\n".join(lines)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    return command_main(PROG, build_parser(), run, format_table, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
