@@ -15,6 +15,7 @@ COMMANDS = {
     "export-hf": ("sinklab.export_hf", "write a checkpoint as a transformers LlamaForCausalLM directory"),
     "prepare": ("sinklab.data.prepare", "tokenise a corpus once into sharded memmaps"),
     "components": ("sinklab.components", "every registered architecture component, its knobs and config files"),
+    "check-component": ("sinklab.contracts.command", "run the contract tests on your own component or metric module"),
 }
 
 
@@ -34,8 +35,11 @@ def dispatch(prog: str, commands: dict[str, tuple[str, str]], footer: str,
     if name not in commands:
         print(f"{prog}: unknown command {name!r}; allowed: {', '.join(commands)}", file=sys.stderr)
         return 2
-    module = importlib.import_module(commands[name][0])
     try:
+        from sinklab.plugins import load_plugins
+
+        load_plugins()  # components and metrics of the user's packages (entry points, SINKLAB_PLUGINS)
+        module = importlib.import_module(commands[name][0])
         return int(module.main(rest) or 0)
     except UserError as err:
         print(f"{prog} {name}: error: {err}", file=sys.stderr)
