@@ -138,9 +138,19 @@ def user_env(root: Path, **extra: str) -> dict[str, str]:
     return env
 
 
+def start(root: Path, *args: str, **env: str) -> subprocess.Popen:
+    """`python ARGS...` with the user's package on PYTHONPATH, started (several run at once)."""
+    return subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=user_env(root, **env))
+
+
+def done(proc: subprocess.Popen) -> subprocess.CompletedProcess:
+    out, err = proc.communicate(timeout=300)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
 def run(root: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=300,
-                          env=user_env(root, **env))
+    return done(start(root, *args, **env))
 
 
 def test_an_external_op_and_metric_train_from_the_command_line(user_package, tmp_path, monkeypatch):
@@ -194,20 +204,19 @@ def test_check_component_fails_a_broken_op_and_metric_one_line_per_check(user_pa
 
 
 def test_a_bad_knob_or_plugin_is_one_line(user_package):
-    typo = run(user_package, "-m", "sinklab.train.entry", "model/attn=scaled_sigmoid", "model.scaled_alpah=2")
-    assert typo.returncode == 2 and len(typo.stderr.strip().splitlines()) == 1, typo.stderr[-2000:]
+    started = [start(user_package, "-m", "sinklab.train.entry", "model/attn=scaled_sigmoid", "model.scaled_alpah=2"),
+               start(user_package, "-m", "sinklab.train.entry", "model.scaled_alpha=2"),  # the op is not selected
+               start(user_package, "-m", "sinklab.train.entry", SINKLAB_PLUGINS="labext.nope"),
+               start(user_package, "-m", "sinklab.cli", "check-component", "json")]
+    typo, owner, missing, nothing = (done(p) for p in started)
+    for proc in (typo, owner, missing, nothing):
+        assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr[-2000:]
     assert "model.scaled_alpah" in typo.stderr
-    owner = run(user_package, "-m", "sinklab.train.entry", "model.scaled_alpha=2")  # the op is not selected
-    assert owner.returncode == 2 and len(owner.stderr.strip().splitlines()) == 1, owner.stderr[-2000:]
     assert "model.scaled_alpha=2.0 applies to model.attn_op=scaled_sigmoid only" in owner.stderr
-    missing = run(user_package, "-m", "sinklab.train.entry", "trainer.max_steps=1", SINKLAB_PLUGINS="labext.nope")
-    assert missing.returncode == 2 and missing.stderr.strip().splitlines() == [
-        "error: plugin module 'labext.nope' (named by SINKLAB_PLUGINS) cannot be imported: No module named "
-        "'labext.nope'; pip install its package or put it on PYTHONPATH"], missing.stderr[-2000:]
-    nothing = run(user_package, "-m", "sinklab.cli", "check-component", "json")
-    assert nothing.returncode == 2 and nothing.stderr.startswith(
-        "sinklab check-component: error: json registers no component and no metric; allowed: a module that "
-        "registers with @ATTENTION_OPS.register(...)"), nothing.stderr[-2000:]
+    assert missing.stderr.strip() == "error: plugin module 'labext.nope' (named by SINKLAB_PLUGINS) cannot be " \
+        "imported: No module named 'labext.nope'; pip install its package or put it on PYTHONPATH"
+    assert nothing.stderr.startswith("sinklab check-component: error: json registers no component and no metric; "
+                                     "allowed: a module that registers with @ATTENTION_OPS.register(...)")
 
 
 def test_plugins_on_the_command_line_are_taken_out_of_hydras_arguments():

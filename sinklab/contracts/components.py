@@ -292,7 +292,8 @@ def runs(cls: type) -> Iterator[tuple[str, Callable[[], None]]]:
     """(what, a call running one check) for every contract check of one registered component class."""
     cases = component_cases([cls])
     if not cases:  # every setting refused: the component's own line says why
-        yield f"model.{cls.registry.key}={cls.name} builds", lambda: ModelConfig(**{**SMALL, cls.registry.key: cls.name})
+        yield f"model.{cls.registry.key}={cls.name} builds", \
+            lambda: ModelConfig(**{**SMALL, cls.registry.key: cls.name})
     for name, (_, per, _) in CHECKS.items():
         for args in arguments(cases, per):
             where = case_id(args[0]) + (f" [{args[1]} mask]" if len(args) > 1 else "")
