@@ -166,17 +166,23 @@ def test_an_external_op_and_metric_train_from_the_command_line(user_package, tmp
     assert "act/resid_rms" in logged and "act/layer1/resid_rms" in logged
     values = logged["act/resid_rms"].dropna()
     assert len(values) >= 1 and all(math.isfinite(v) and v > 0 for v in values)
-    # the checkpoint names its plugins: a process that names none loads the op with the knob's value
-    probe = "import sinklab; op = sinklab.load_model(%r).blocks[0].attn.op; print(type(op).__name__, op.alpha)"
+    # the checkpoint names its plugins: a process that names none measures the run with the user's metric
+    # (`sinklab measure RUN --json`) and loads the op with the knob's value
+    probe = textwrap.dedent(f"""
+        import contextlib, io, json, sinklab
+        from sinklab.cli import main
+        with contextlib.redirect_stdout(io.StringIO()) as measured:
+            rc = main(["measure", {str(out)!r}, "--json", "--num-seqs", "4"])
+        op = sinklab.load_model({str(out)!r}).blocks[0].attn.op
+        print(rc, json.loads(measured.getvalue())["resid_rms"]["mean"] > 0, type(op).__name__, op.alpha)""")
     env = user_env(user_package)  # the package importable, its entry point taken away
     (user_package / "labext-0.1.dist-info" / "entry_points.txt").rename(tmp_path / "entry_points.txt")
     try:
-        loaded = subprocess.run([sys.executable, "-c", probe % str(out)], capture_output=True, text=True,
-                                timeout=120, env=env)
+        loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, env=env)
     finally:
         (tmp_path / "entry_points.txt").rename(user_package / "labext-0.1.dist-info" / "entry_points.txt")
     assert loaded.returncode == 0, loaded.stderr[-2000:]
-    assert loaded.stdout.split() == ["ScaledSigmoid", "2.5"]
+    assert loaded.stdout.split() == ["0", "True", "ScaledSigmoid", "2.5"], loaded.stdout
 
 
 def test_check_component_passes_an_external_op_and_metric(user_package):

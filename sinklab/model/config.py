@@ -2,8 +2,9 @@
 
 `ModelConfig` has the base fields below (sizes, selectors, masks, init, execution) and one field per knob that a
 registered component declares in its `Knobs` (e.g. `sigmoid_bias` from ops/sigmoid.py), so adding a component with a
-new knob is one module. It validates itself once, when it is built (`__post_init__`), with one line naming the key,
-the value and what is allowed; a knob set away from its default while its component is not selected is refused.
+new knob is one module; a component registered later, from a user's package (sinklab.plugins), adds its knobs to the
+class in place (`add_knobs`). It validates itself once, when it is built (`__post_init__`), with one line naming the
+key, the value and what is allowed; a knob set away from its default while its component is not selected is refused.
 Size presets exist once, here (`PRESETS`), and are stored as the `model` config group's options.
 """
 from __future__ import annotations
@@ -63,9 +64,13 @@ class BaseModelConfig:
 def knob_fields() -> dict[str, tuple[dataclasses.Field, list[Any]]]:
     """knob name -> (its field, the component classes that declare it), over every registered component."""
     knobs: dict[str, tuple[dataclasses.Field, list[Any]]] = {}
+    base = {f.name for f in fields(BaseModelConfig)}
     for registry in FAMILIES:
         for cls in registry:
             for f in fields(cls.Knobs):
+                if f.name in base:
+                    raise TypeError(f"knob {f.name} of {cls.__module__}.{cls.__qualname__} is a field of "
+                                    f"ModelConfig already; give the knob another name")
                 if f.name in knobs and knobs[f.name][0].default != f.default:
                     raise TypeError(f"knob {f.name} is declared with two defaults")
                 knobs.setdefault(f.name, (f, []))[1].append(cls)
