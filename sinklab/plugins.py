@@ -87,11 +87,13 @@ def is_plugin(obj: Any) -> bool:
 
 
 def conf_dirs() -> list[Path]:
-    """`conf/` of each plugin component's and metric's top-level package, where it has one."""
+    """`conf/` of the top-level package of each plugin module and of each component or metric registered from
+    outside sinklab, where it has one with a `model/` folder."""
     from sinklab.metrics import METRICS
     from sinklab.model.registry import FAMILIES
 
     roots = {c.__module__.split(".")[0] for family in (*FAMILIES, METRICS) for c in family if is_plugin(c)}
+    roots |= {module.split(".")[0] for module in LOADED}
     dirs = []
     for root in sorted(roots):
         module = sys.modules.get(root)
@@ -116,6 +118,13 @@ def options() -> dict[str, dict[str, dict]]:
         for path in sorted((conf / "model").glob("*/*.yaml")):
             node = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
             found.setdefault(f"model/{path.parent.name}", {})[path.stem] = node
+    from sinklab.config.store import CONF_DIR
+
+    for group, named in found.items():
+        clash = sorted(name for name in named if (CONF_DIR / group / f"{name}.yaml").exists())
+        if clash:
+            raise UserError(f"{group}={clash[0]} of a plugin has the name of sinklab's {group}/{clash[0]}.yaml; "
+                            f"rename the component or the plugin's yaml")
     return found
 
 

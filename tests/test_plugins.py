@@ -123,6 +123,10 @@ def user_package(tmp_path_factory) -> Path:
         (pkg / f"{name}.py").write_text(textwrap.dedent(source))
     (pkg / "conf" / "model" / "attn" / "scaled_sharp.yaml").write_text(
         "# @package model\nattn_op: scaled_sigmoid\nscaled_alpha: 4.0\n")
+    clash = root / "clashpkg"  # an option named like one of sinklab's files
+    (clash / "conf" / "model" / "attn").mkdir(parents=True)
+    (clash / "__init__.py").write_text("from labext.broken import Leaky  # noqa: F401\n")
+    (clash / "conf" / "model" / "attn" / "relu.yaml").write_text("# @package model\nattn_op: leaky\n")
     info = root / "labext-0.1.dist-info"  # what `pip install` writes for the package's pyproject.toml
     info.mkdir()
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: labext\nVersion: 0.1\n")
@@ -213,9 +217,10 @@ def test_a_bad_knob_or_plugin_is_one_line(user_package):
     started = [start(user_package, "-m", "sinklab.train.entry", "model/attn=scaled_sigmoid", "model.scaled_alpah=2"),
                start(user_package, "-m", "sinklab.train.entry", "model.scaled_alpha=2"),  # the op is not selected
                start(user_package, "-m", "sinklab.train.entry", SINKLAB_PLUGINS="labext.nope"),
-               start(user_package, "-m", "sinklab.cli", "check-component", "json")]
-    typo, owner, missing, nothing = (done(p) for p in started)
-    for proc in (typo, owner, missing, nothing):
+               start(user_package, "-m", "sinklab.cli", "check-component", "json"),
+               start(user_package, "-m", "sinklab.train.entry", "plugins=clashpkg")]
+    typo, owner, missing, nothing, clash = (done(p) for p in started)
+    for proc in (typo, owner, missing, nothing, clash):
         assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr[-2000:]
     assert "model.scaled_alpah" in typo.stderr
     assert "model.scaled_alpha=2.0 applies to model.attn_op=scaled_sigmoid only" in owner.stderr
@@ -223,6 +228,8 @@ def test_a_bad_knob_or_plugin_is_one_line(user_package):
         "imported: No module named 'labext.nope'; pip install its package or put it on PYTHONPATH"
     assert nothing.stderr.startswith("sinklab check-component: error: json registers no component and no metric; "
                                      "allowed: a module that registers with @ATTENTION_OPS.register(...)")
+    assert clash.stderr.strip() == "error: model/attn=relu of a plugin has the name of sinklab's " \
+        "model/attn/relu.yaml; rename the component or the plugin's yaml"
 
 
 def test_plugins_on_the_command_line_are_taken_out_of_hydras_arguments():

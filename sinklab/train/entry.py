@@ -106,10 +106,10 @@ def main() -> None:
 
     try:
         sys.argv[1:] = use_from_command_line(sys.argv[1:])  # plugins=..., before the schemas are stored
-    except UserError as err:
+        register_configs()
+    except UserError as err:  # a plugin that cannot be imported, or whose option clashes with sinklab's
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
-    register_configs()
     if os.environ.get("HYDRA_FULL_ERROR"):
         hydra_main()
         return
