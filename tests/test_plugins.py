@@ -189,8 +189,28 @@ def test_an_external_op_and_metric_train_from_the_command_line(user_package, tmp
     assert loaded.stdout.split() == ["0", "True", "ScaledSigmoid", "2.5"], loaded.stdout
 
 
-def test_check_component_passes_an_external_op_and_metric(user_package):
+USER_TEST = '''
+import pytest
+from sinklab.contracts import checks
+
+CHECKS = checks(["labext.ops", "labext.metrics"])
+
+
+@pytest.mark.parametrize("what,run", CHECKS, ids=[what for what, _ in CHECKS])
+def test_sinklab_contract(what, run):
+    run()
+'''
+
+
+def test_check_component_passes_an_external_op_and_metric(user_package, tmp_path):
+    """`sinklab check-component`, and the same checks in the user's own pytest suite (sinklab.contracts.checks)."""
+    (tmp_path / "test_user_contracts.py").write_text(USER_TEST)
+    in_pytest = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                                  "test_user_contracts.py", "-k", "future or streamed"], cwd=tmp_path,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=user_env(user_package))
     proc = run(user_package, "-m", "sinklab.cli", "check-component", "labext.ops", "labext.metrics")
+    user = done(in_pytest)
+    assert user.returncode == 0 and "6 passed, 26 deselected" in user.stdout, user.stdout[-3000:]  # 1 op case, 5 switches
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     last = proc.stdout.strip().splitlines()[-1]
     n = int(last.split()[0])

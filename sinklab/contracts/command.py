@@ -10,28 +10,10 @@ from __future__ import annotations
 
 import argparse
 import time
-from typing import Callable, Iterator, Optional, Sequence
+from typing import Optional, Sequence
 
-from sinklab.errors import UserError, describe
-
-
-def owned_by(obj: type, modules: Sequence[str]) -> bool:
-    return any(obj.__module__ == m or obj.__module__.startswith(m + ".") for m in modules)
-
-
-def checks_of(modules: Sequence[str]) -> list[tuple[str, Callable[[], None]]]:
-    """(what, run) for every check of every component and metric the modules register."""
-    from sinklab.contracts import components, metrics
-    from sinklab.metrics import METRICS
-    from sinklab.model.registry import FAMILIES
-
-    runs: list[Iterator] = [components.runs(cls) for family in FAMILIES for cls in family if owned_by(cls, modules)]
-    runs += [metrics.runs(cls) for cls in METRICS if owned_by(cls, modules)]
-    if not runs:
-        raise UserError(f"{', '.join(modules)} registers no component and no metric; allowed: a module that "
-                        "registers with @ATTENTION_OPS.register(...) (or POSITIONS, NORMS, NORM_POSITIONS, FFNS, "
-                        "GATES, ATTN_BIASES; sinklab.model.registry) or @METRICS.register(...) (sinklab.metrics.base)")
-    return [check for run in runs for check in run]
+from sinklab.contracts import checks
+from sinklab.errors import describe
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -42,12 +24,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("-k", dest="keyword", default=None, help="only the checks whose line contains this text")
     ap.add_argument("-v", "--verbose", action="store_true", help="a line for each passed check too")
     args = ap.parse_args(argv)
-    from sinklab.plugins import load_plugins
-
-    load_plugins(args.modules, where="sinklab check-component")
-    checks = [(what, run) for what, run in checks_of(args.modules) if args.keyword is None or args.keyword in what]
+    chosen = [(what, run) for what, run in checks(args.modules, where="sinklab check-component")
+              if args.keyword is None or args.keyword in what]
     failed, t0 = 0, time.perf_counter()
-    for what, run in checks:
+    for what, run in chosen:
         try:
             run()
         except Exception as err:  # noqa: BLE001  (every failure is reported, one line each)
@@ -56,6 +36,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         else:
             if args.verbose:
                 print(f"ok   {what}", flush=True)
-    print(f"{len(checks) - failed} of {len(checks)} contract checks passed for {', '.join(args.modules)} "
+    print(f"{len(chosen) - failed} of {len(chosen)} contract checks passed for {', '.join(args.modules)} "
           f"({time.perf_counter() - t0:.1f} s)")
     return 1 if failed else 0
