@@ -28,7 +28,8 @@ def dispatch(prog: str, commands: dict[str, tuple[str, str]], footer: str,
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         lines = [f"usage: {prog} COMMAND [ARGS...]", "", "commands:"]
-        lines += [f"  {name:<10} {desc}" for name, (_, desc) in commands.items()]
+        width = max(map(len, commands))
+        lines += [f"  {name:<{width}} {desc}" for name, (_, desc) in commands.items()]
         print("\n".join(lines + ["", footer]))
         return 0
     name, rest = argv[0], argv[1:]
