@@ -17,7 +17,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from sinklab.plugins import from_argv
-from tests.conftest import train
+from tests.conftest import FAST, train
 
 OPS = '''
 """Scaled sigmoid attention: sigmoid(scaled_alpha * logit - 2) on the visible keys."""
@@ -255,3 +255,19 @@ def test_a_bad_knob_or_plugin_is_one_line(user_package):
 def test_plugins_on_the_command_line_are_taken_out_of_hydras_arguments():
     assert from_argv(["plugins=[a.b,c]", "model=14m", "+plugins=d"]) == (["a.b", "c", "d"], ["model=14m"])
     assert from_argv(["model.plugins_x=1"]) == ([], ["model.plugins_x=1"])
+
+
+@pytest.mark.slow
+def test_a_sweep_of_external_ops_runs_under_the_submitit_launcher(user_package, tmp_path):
+    """`sinklab-train -m hydra/launcher=submitit_local plugins=...`: each job, in its own process, finds the plugin
+    (SINKLAB_PLUGINS, exported by the entry point) and trains with its knob's value (~45 s)."""
+    sweep = tmp_path / "sweep"
+    proc = run(user_package, "-m", "sinklab.train.entry", "-m", "hydra/launcher=submitit_local",
+               "hydra.launcher.timeout_min=5", f"hydra.sweep.dir={sweep}", *FAST, "plugins=labext.metrics",
+               "model/attn=scaled_sigmoid", "model.scaled_alpha=1.5,3", "trainer.max_steps=3",
+               "trainer.val_check_interval=3", "callbacks.sink.every_n_steps=3",
+               "callbacks.checkpoint.every_n_train_steps=3")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for job, alpha in (("0", 1.5), ("1", 3.0)):
+        assert OmegaConf.load(sweep / job / ".hydra" / "config.yaml").model.scaled_alpha == alpha
+        assert "act/resid_rms" in pd.read_csv(sweep / job / "metrics.csv")
