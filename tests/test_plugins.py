@@ -2,7 +2,8 @@
 directory and put on PYTHONPATH, brings an attention operation with a knob, a yaml option of its own and a metric.
 It trains through `sinklab-train` (the op found through the entry-point group `sinklab.plugins` of an installed
 distribution's metadata, the metric through `plugins=` on the command line), its checkpoint loads in a process that
-names no plugin, and `sinklab check-component` passes it and fails a broken one, one line per failed check."""
+names no plugin, `sinklab check-component` (and the same checks in the user's own pytest suite) passes it and fails
+a broken one, one line per failed check; a sweep of it runs under the submitit launcher (slow)."""
 from __future__ import annotations
 
 import math
