@@ -15,7 +15,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 # the generic contract checks' models, tokens and cases, shared with `sinklab check-component`
-from sinklab.contracts.components import (SMALL, case_id, component_cases, refused, small_model,  # noqa: E402, F401
+from sinklab.contracts.components import (SMALL, case_id, component_cases, small_model,  # noqa: E402, F401
                                           token_ids)
 from sinklab.contracts.components import flex_on_cpu as contract_flex_on_cpu  # noqa: E402
 from sinklab.model import ModelConfig, Transformer  # noqa: E402
