@@ -8,6 +8,7 @@ import torch
 
 from sinklab.errors import UserError
 from sinklab.model import ModelConfig, Transformer
+from sinklab.plugins import load_plugins
 
 
 def find_checkpoint(path: Union[str, Path]) -> Path:
@@ -84,6 +85,7 @@ def check_same_model(ckpt: dict, model: dict, path: Union[str, Path]) -> None:
 
 def load_model(path: Union[str, Path]) -> Transformer:
     ckpt = read_checkpoint(path)
+    load_plugins(ckpt.get("sinklab_plugins", ()), where=str(path))  # a component from the user's package
     cfg = ModelConfig.from_dict(dict(ckpt["hyper_parameters"]["model"]))
     model = Transformer(cfg)
     prefix = "model."

@@ -1,6 +1,7 @@
 """The catalog behind `sinklab components` (the command: `sinklab.cli.components`): every registered architecture
 component, the config key and value that select it, its knobs with their defaults, and the conf/model/ files that
-select it. Generated from the registries, so it is complete."""
+select it (for a component of a plugin, sinklab.plugins: the config group options it brings). Generated from the
+registries, so it is complete."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -14,18 +15,20 @@ def catalog(conf_dir: Optional[Path] = None) -> list[dict]:
     from sinklab.config import CONF_DIR
     from sinklab.model import FAMILIES
     from sinklab.model.config import KNOBS
+    from sinklab.plugins import options
 
     conf = (conf_dir or CONF_DIR) / "model"
     entries = []
     for registry in FAMILIES:
-        files = {p: OmegaConf.load(p) for p in sorted((conf / registry.group).glob("*.yaml"))}
+        files = {p.stem: OmegaConf.load(p) for p in sorted((conf / registry.group).glob("*.yaml"))}
+        files.update(options().get(f"model/{registry.group}", {}))  # components from the user's packages
         for cls in registry:
             doc = (cls.__doc__ or "").strip().splitlines()
             entries.append({
                 "key": f"model.{registry.key}", "name": cls.name, "family": registry.what,
                 "about": doc[0] if doc else "",
                 "knobs": {k: f.default for k, (f, owners) in KNOBS.items() if cls in owners},
-                "files": [f"model/{registry.group}={p.stem}" for p, node in files.items()
+                "files": [f"model/{registry.group}={name}" for name, node in files.items()
                           if node.get(registry.key) == cls.name],
             })
     return entries

@@ -1,6 +1,5 @@
 """Shared fixtures and helpers: small models, token batches, and the configurations that select every registered
 component (the generic contract tests run over them)."""
-import itertools
 import os
 import random
 import subprocess
@@ -15,14 +14,16 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from sinklab.model import FAMILIES, ConfigError, ModelConfig, Transformer  # noqa: E402
-from sinklab.model.config import KNOBS  # noqa: E402
+# the generic contract checks' models, tokens and cases, shared with `sinklab check-component`
+from sinklab.contracts.components import (SMALL, case_id, component_cases, small_model,  # noqa: E402, F401
+                                          token_ids)
+from sinklab.contracts.components import flex_on_cpu as contract_flex_on_cpu  # noqa: E402
+from sinklab.model import ModelConfig, Transformer  # noqa: E402
 
 # a fast real training run (tests/test_train.py and the runs the evaluation tests train): 2 layers, d 64
 FAST = ["model.n_layer=2", "model.d_model=64", "model.d_ff=128", "data.batch_size=16",
         "trainer.val_check_interval=20", "trainer.limit_val_batches=4", "callbacks.sink.every_n_steps=20",
         "callbacks.checkpoint.every_n_train_steps=20", "optim.warmup_steps=5", "trainer.enable_progress_bar=false"]
-SMALL = dict(vocab_size=97, n_layer=2, n_head=4, d_model=32, d_ff=64, block_size=24)
 WORDS = ["".join(random.Random(i).choice("etaoinshrdlucmfwypvbgk") for _ in range(1 + i % 8)) for i in range(300)]
 
 
@@ -39,43 +40,17 @@ def fake_text(seed: int, n_words: int) -> str:
     return "\n".join(lines) + "\n"
 
 
-def small_model(**overrides) -> Transformer:
-    """A 2-layer, d 32 model with seed 0, in eval mode."""
-    torch.manual_seed(0)
-    return Transformer(ModelConfig(**{**SMALL, **overrides})).eval()
-
-
-def token_ids(B: int = 2, T: int = 24, seed: int = 0, vocab: int = 97) -> torch.Tensor:
-    return torch.randint(0, vocab, (B, T), generator=torch.Generator().manual_seed(seed))
+@pytest.fixture
+def flex_on_cpu():
+    """FlexAttention with gradients on the CPU (sinklab.contracts.components.flex_on_cpu); yields the list of its
+    calls."""
+    with contract_flex_on_cpu() as calls:
+        yield calls
 
 
 @pytest.fixture
 def make_model():
     return small_model
-
-
-@pytest.fixture
-def flex_on_cpu(monkeypatch):
-    """FlexAttention with gradients on the CPU; yields the list of its calls (one entry each) from
-    sinklab.model.backends. torch's CPU builds refuse flex's backward in its front end (`_validate_device`) before
-    the eager implementation runs, whose dense reference backward (the same higher-order op) is what checks sinklab's
-    mask_mod, score_mod and log-sum-exp composition; the refusal is lifted for the test only."""
-    flex = pytest.importorskip("torch.nn.attention.flex_attention")
-    from sinklab.model import backends
-
-    real, calls = backends.flex_attention, []
-
-    def counted(*args, **kwargs):
-        calls.append(1)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(flex, "_validate_device", lambda *tensors: None)
-    monkeypatch.setattr(backends, "flex_attention", counted)
-    backends.flex_trains_on.cache_clear()
-    assert backends.flex_trains_on("cpu")
-    calls.clear()
-    yield calls
-    backends.flex_trains_on.cache_clear()
 
 
 @pytest.fixture(scope="session")
@@ -94,39 +69,6 @@ def small_run(tmp_path_factory):
                                     block_size=32)).eval()
     save_ckpt(model, run / "checkpoints" / "last.ckpt")
     return run, dm, model
-
-
-def component_cases() -> list[dict]:
-    """One config (overrides of SMALL) per registered component of every family, and per value of each choice or
-    boolean knob it owns (softmax x sink_logit, kernel x kernel_map x attn_normalize, ...) and of each knob that lists
-    values to try in `metadata={"cases": (...)}` (rope x rope_fraction x nope_every), except the combinations the
-    component's `validate` refuses (a head-shared gate after the output projection). A component that needs
-    logits is paired with a position that works with it (the registry's defaults otherwise)."""
-    cases = []
-    for registry in FAMILIES:
-        for cls in registry:
-            owned = [(k, f) for k, (f, owners) in KNOBS.items() if cls in owners]
-            axes = [[(k, c) for c in f.metadata["choices"]] for k, f in owned if "choices" in f.metadata]
-            axes += [[(k, False), (k, True)] for k, f in owned if f.type in (bool, "bool")]
-            axes += [[(k, c) for c in f.metadata["cases"]] for k, f in owned if "cases" in f.metadata]
-            for combo in itertools.product(*axes):
-                case = {registry.key: cls.name, **dict(combo)}
-                if not refused(case):
-                    cases.append(case)
-    return cases
-
-
-def refused(case: dict) -> bool:
-    try:
-        ModelConfig(**{**SMALL, **case})
-    except ConfigError:
-        return True
-    return False
-
-
-def case_id(case: dict) -> str:
-    return ",".join(f"{k}={v}" for k, v in case.items())
-
 
 
 def train(out: Path, *overrides: str, check: bool = True, warnings: str = "ignore") -> subprocess.CompletedProcess:

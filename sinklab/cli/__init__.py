@@ -21,6 +21,8 @@ COMMANDS = {
     "export-hf": ("sinklab.cli.export_hf", "write a checkpoint as a transformers LlamaForCausalLM directory"),
     "prepare": ("sinklab.data.prepare", "tokenise a corpus once into sharded memmaps"),
     "components": ("sinklab.cli.components", "every registered architecture component, its knobs and config files"),
+    "check-component": ("sinklab.cli.check_component",
+                        "run the contract tests on your own component or metric module"),
 }
 
 

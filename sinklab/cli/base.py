@@ -98,15 +98,19 @@ def dispatch(prog: str, commands: dict[str, tuple[str, str]], footer: str,
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         lines = [f"usage: {prog} COMMAND [ARGS...]", "", "commands:"]
-        lines += [f"  {name:<10} {desc}" for name, (_, desc) in commands.items()]
+        width = max(map(len, commands))
+        lines += [f"  {name:<{width}} {desc}" for name, (_, desc) in commands.items()]
         print("\n".join(lines + ["", footer]))
         return 0
     name, rest = argv[0], argv[1:]
     if name not in commands:
         print(f"{prog}: unknown command {name!r}; allowed: {', '.join(commands)}", file=sys.stderr)
         return 2
-    module = importlib.import_module(commands[name][0])
     try:
+        from sinklab.plugins import load_plugins
+
+        load_plugins()  # components and metrics of the user's packages (entry points, SINKLAB_PLUGINS)
+        module = importlib.import_module(commands[name][0])
         return int(module.main(rest) or 0)
     except UserError as err:
         print(f"{prog} {name}: error: {err}", file=sys.stderr)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 import os
 from pathlib import Path
-from typing import Sequence
+from typing import Optional, Sequence
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig
@@ -28,18 +28,22 @@ SCHEMA_MODULES = (
 )
 SCHEMA_NAME = "schema"  # a schema's name in its group ends so (schema, adamw_schema): `defaults: [schema, _self_]`
 
-_registered = False
+_registered: Optional[tuple] = None  # sinklab.plugins.state() when the schemas were stored
 
 
 def register_configs() -> None:
-    """Store every schema in Hydra's ConfigStore (idempotent)."""
+    """Store every schema, and the config group options of the plugins (sinklab.plugins), in Hydra's ConfigStore;
+    again only when a plugin registered something since (a component's knobs change the model's schema)."""
     global _registered
-    if _registered:
+    from sinklab import plugins
+
+    if _registered == plugins.state():
         return
     cs = ConfigStore.instance()
     for name in SCHEMA_MODULES:
         importlib.import_module(name).register(cs)
-    _registered = True
+    plugins.store_options(cs)
+    _registered = plugins.state()
 
 
 def compose(overrides: Sequence[str] = (), config_name: str = "train", return_hydra_config: bool = False) -> DictConfig:

@@ -2,8 +2,9 @@
 
 `ModelConfig` has the base fields below (sizes, selectors, masks, init, execution) and one field per knob that a
 registered component declares in its `Knobs` (e.g. `sigmoid_bias` from ops/sigmoid.py), so adding a component with a
-new knob is one module. It validates itself once, when it is built (`__post_init__`), with one line naming the key,
-the value and what is allowed; a knob set away from its default while its component is not selected is refused.
+new knob is one module; a component registered later, from a user's package (sinklab.plugins), adds its knobs to the
+class in place (`add_knobs`). It validates itself once, when it is built (`__post_init__`), with one line naming the
+key, the value and what is allowed; a knob set away from its default while its component is not selected is refused.
 Size presets exist once, here (`PRESETS`), and are stored as the `model` config group's options.
 """
 from __future__ import annotations
@@ -16,7 +17,8 @@ from typing import Any, Optional
 from sinklab.errors import word
 
 from . import components  # noqa: F401  (registers every component)
-from .registry import ATTENTION_OPS, ATTN_BACKENDS, ATTN_BIASES, FAMILIES, POSITIONS, ConfigError, check_positive_int
+from .registry import (ATTENTION_OPS, ATTN_BACKENDS, ATTN_BIASES, FAMILIES, POSITIONS, ConfigError, Registry,
+                       check_positive_int)
 
 # model.attn_memory: the explicit path keeps each row chunk's map for backward, or nothing quadratic in T (chunks
 # recomputed in backward, kernel attention in its causal linear form)
@@ -62,9 +64,13 @@ class BaseModelConfig:
 def knob_fields() -> dict[str, tuple[dataclasses.Field, list[Any]]]:
     """knob name -> (its field, the component classes that declare it), over every registered component."""
     knobs: dict[str, tuple[dataclasses.Field, list[Any]]] = {}
+    base = {f.name for f in fields(BaseModelConfig)}
     for registry in FAMILIES:
         for cls in registry:
             for f in fields(cls.Knobs):
+                if f.name in base:
+                    raise TypeError(f"knob {f.name} of {cls.__module__}.{cls.__qualname__} is a field of "
+                                    f"ModelConfig already; give the knob another name")
                 if f.name in knobs and knobs[f.name][0].default != f.default:
                     raise TypeError(f"knob {f.name} is declared with two defaults")
                 knobs.setdefault(f.name, (f, []))[1].append(cls)
@@ -223,10 +229,34 @@ class ModelConfigMethods:
         return Transformer(self)
 
 
-ModelConfig = dataclasses.make_dataclass(
-    "ModelConfig", [(name, f.type, f) for name, (f, _) in KNOBS.items()], bases=(ModelConfigMethods, BaseModelConfig),
-    namespace={"__doc__": "Every architecture switch: the base fields and each registered component's knobs.",
-               "__module__": __name__})
+def _make_model_config() -> type:
+    return dataclasses.make_dataclass(
+        "ModelConfig", [(name, f.type, f) for name, (f, _) in KNOBS.items()],
+        bases=(ModelConfigMethods, BaseModelConfig),
+        namespace={"__doc__": "Every architecture switch: the base fields and each registered component's knobs.",
+                   "__module__": __name__})
+
+
+ModelConfig = _make_model_config()
+KNOBS_ADDED = [0]  # how many times a component registered after ModelConfig was built brought new knobs
+
+
+def add_knobs(cls: type) -> None:
+    """A component registered after ModelConfig was built (from a user's package: sinklab.plugins): `KNOBS` gathers
+    its knobs, and ModelConfig gets their fields in place, so every module that imported ModelConfig sees them."""
+    KNOBS.update(knob_fields())  # new knobs at the end, every knob's owners gathered again
+    if set(KNOBS) <= {f.name for f in fields(ModelConfig)}:
+        return
+    fresh = _make_model_config()
+    for attr in ("__dataclass_fields__", "__init__", "__repr__", "__eq__", "__match_args__", "__annotations__"):
+        setattr(ModelConfig, attr, fresh.__dict__[attr])
+    for name, (f, _) in KNOBS.items():
+        if f.default is not dataclasses.MISSING:
+            setattr(ModelConfig, name, f.default)
+    KNOBS_ADDED[0] += 1
+
+
+Registry.listeners.append(add_knobs)
 
 # Size presets, stored as the options of the `model` config group (model=tiny, model=60m, ...): name -> overrides.
 PRESETS: dict[str, dict[str, Any]] = {

@@ -73,7 +73,12 @@ C = TypeVar("C", bound=type)
 
 
 class Registry(Generic[C]):
-    """name -> component class for one family, selected by the config key `key`."""
+    """name -> component class for one family, selected by the config key `key`.
+
+    `listeners` are called with each class registered after them (sinklab.model.config gives `ModelConfig` the
+    knobs of a component registered from a user's package, sinklab.plugins)."""
+
+    listeners: ClassVar[list[Callable[[type], None]]] = []
 
     def __init__(self, key: str, what: str, llama: str, group: str):
         # llama: the option LLaMA has; group: the config group whose files select an option (conf/model/<group>/)
@@ -86,6 +91,8 @@ class Registry(Generic[C]):
                 raise ValueError(f"{self.what} {name!r} is registered twice ({self._classes[name]} and {cls})")
             cls.name, cls.registry = name, self
             self._classes[name] = cls
+            for listener in Registry.listeners:
+                listener(cls)
             return cls
         return add
 

@@ -17,6 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from sinklab.config import CONF_DIR, check_devices, validate_config
 from sinklab.config.messages import instantiate_user
+from sinklab.errors import UserError
 from sinklab.train.jobs import log_failure, run_job
 from sinklab.train.runtime import output_dir_of
 from sinklab.train.summary import summary
@@ -33,8 +34,10 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     from sinklab.checkpoint import check_same_model, read_training_checkpoint
     from sinklab.train.checkpoint_io import AtomicCheckpointIO
     from sinklab.train.fault import Preempted, continue_metrics, resolve_ckpt_path, slurm_plugins
+    from sinklab.plugins import load_plugins
     from sinklab.train.module import LitLM
 
+    load_plugins()  # a job started by a launcher: the plugins its SINKLAB_PLUGINS names
     for name in ("lightning.pytorch", "lightning.fabric"):  # Lightning prints to the console itself
         logging.getLogger(name).propagate = False
     out = output_dir_of(cfg)
@@ -99,8 +102,14 @@ def main() -> None:
     from omegaconf.errors import OmegaConfBaseException
 
     from sinklab.config import hydra_error_message, register_configs
+    from sinklab.plugins import use_from_command_line
 
-    register_configs()
+    try:
+        sys.argv[1:] = use_from_command_line(sys.argv[1:])  # plugins=..., before the schemas are stored
+        register_configs()
+    except UserError as err:  # a plugin that cannot be imported, or whose option clashes with sinklab's
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
     if os.environ.get("HYDRA_FULL_ERROR"):
         hydra_main()
         return

@@ -12,6 +12,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from sinklab import plugins
+from sinklab.errors import UserError
 from sinklab.lm import IGNORE, next_token_targets
 from sinklab.model import ModelConfig, Transformer
 from sinklab.model.compile import (CompileFallbackWarning, backward_compiled_with_forward, compile_errors,
@@ -169,6 +171,8 @@ class LitLM(L.LightningModule):
                 f"the weights after step {self.global_step} are not finite ({bad}); training stopped without "
                 f"saving them, the last good checkpoint is kept{self._last_checkpoint_note()}")
         checkpoint["sinklab_rng"] = rng_states()
+        if plugins.LOADED:  # the modules of the user's components: loading the checkpoint imports them
+            checkpoint["sinklab_plugins"] = list(plugins.LOADED)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         if "sinklab_rng" in checkpoint:

@@ -1,0 +1,114 @@
+"""The contract every registered metric passes, as plain checks (an AssertionError says what broke).
+
+tests/test_metric_contracts.py runs them over every registered metric, and `sinklab check-component MODULE` over
+the metrics of a user's module: every value it logs has physical bounds and lies within them on random models of
+several switches; the hooked, streamed value (batches of 2 sequences, maps in chunks of 7 query rows, one layer at
+a time) equals the direct computation (every sequence at once, every layer's whole explicit map from one forward);
+it records only what it declares, and its JSON part is strict JSON under its own key.
+"""
+from __future__ import annotations
+
+import json
+import math
+from typing import Callable, Iterator, Optional, Sequence
+
+import torch
+
+from sinklab.keys import bounds
+from sinklab.metrics import METRICS, SinklabTarget, attention_maps, measure_all
+
+from .components import small_model, token_ids
+
+SWITCHES = {"softmax": {}, "kv_bias_sink_token": dict(attn_bias="kv", n_sink_tokens=1),
+            "sigmoid": dict(attn_op="sigmoid"), "gated": dict(gate="elementwise"),
+            "alibi_window": dict(pos="alibi", window=6)}
+
+
+def logged(model, tokens, names=None, batch_size=2, chunk=7, target_cls=SinklabTarget) -> dict[str, dict]:
+    """Each metric's logged values (metrics `names`, default every registered one that applies)."""
+    target = target_cls(model, chunk)
+    metrics = METRICS.build(target.context(eps=[0.3, 0.5], k=3), names)
+    measure_all(target, tokens, metrics, batch_size=batch_size)
+    return {m.name: m.log(m.result()) for m in metrics}
+
+
+class DirectTarget(SinklabTarget):
+    """Every recorded tensor of the whole input at once, and each layer's whole map from `attention_maps` (one
+    forward through the explicit maps): what the streamed route must equal."""
+
+    def run(self, idx, metrics):
+        S, n_slots = self.model.cfg.n_sink_tokens, self.model.cfg.n_slots
+        layers: dict[int, dict] = {}
+        names = set().union(*(m.records for m in metrics)) - {"maps"}
+        with self.hooks(names, lambda i, rec: layers.__setitem__(i, rec)):
+            self.model(idx)
+        maps = attention_maps(self.model, idx)
+        for i in sorted(layers):
+            for m in metrics:
+                m.update(i, {n: layers[i][n] for n in m.records if n in layers[i]})
+            rows = torch.arange(idx.shape[1])
+            whole = maps[i][:, :, S:]  # (B, H, T, n_slots + S + T): the real queries, every key
+            assert whole.shape[-1] == n_slots + S + idx.shape[1]
+            for m in metrics:
+                if "maps" in m.records:
+                    m.update_maps(i, rows, whole)
+
+
+def assert_within_bounds(values: dict[str, float], where: str) -> None:
+    for name, value in values.items():
+        limits = bounds(name)
+        assert limits is not None, f"{where}: {name} has no bounds (declare them in its metric's `bounds`)"
+        assert math.isfinite(value) and limits[0] - 1e-9 <= value <= limits[1] + 1e-9, \
+            f"{where}: {name}={value} is outside its bounds {limits}"
+
+
+def applicable(switch: str, names: Optional[Sequence[str]] = None) -> set[str]:
+    ctx = SinklabTarget(small_model(**SWITCHES[switch])).context()
+    return {n for n in (names or METRICS.names()) if METRICS.get(n).applies(ctx)}
+
+
+def within_bounds_on_a_random_model(switch: str, names: Optional[Sequence[str]] = None) -> None:
+    values = logged(small_model(**SWITCHES[switch]), token_ids(B=5, T=24, seed=2), names)
+    assert set(values) == applicable(switch, names), f"metrics measured: {sorted(values)}"
+    for name, logs in values.items():
+        assert_within_bounds(logs, f"{name} on {switch}")
+        assert logs or name == "gates" and switch != "gated", f"{name} logged nothing on {switch}"
+
+
+def streamed_equals_direct(switch: str, names: Optional[Sequence[str]] = None) -> None:
+    m = small_model(**SWITCHES[switch])
+    tokens = token_ids(B=5, T=24, seed=3)
+    streamed = logged(m, tokens, names, batch_size=2, chunk=7)
+    direct = logged(m, tokens, names, batch_size=5, target_cls=DirectTarget)
+    assert streamed.keys() == direct.keys()
+    for name in streamed:
+        assert streamed[name].keys() == direct[name].keys(), f"{name} logs other keys when streamed"
+        for key, value in direct[name].items():
+            assert math.isclose(streamed[name][key], value, rel_tol=1e-5, abs_tol=1e-6), \
+                f"{key}: streamed {streamed[name][key]} != direct {value}"
+
+
+def records_only_what_it_declares_and_writes_strict_json(name: str) -> None:
+    cls = METRICS.get(name)
+    m = small_model(gate="elementwise", attn_bias="k")
+    target = SinklabTarget(m)
+    (metric,) = METRICS.build(target.context(), [name])
+    seen: list[set] = []
+    update = metric.update
+    metric.update = lambda layer, rec: (seen.append(set(rec)), update(layer, rec))[1]
+    measure_all(target, token_ids(B=3, T=24), [metric], batch_size=2)
+    assert all(s <= set(cls.records) - {"maps"} for s in seen), f"{name} was given more than its records"
+    json.dumps(metric.json(metric.result()), allow_nan=False)
+    assert cls.json_key not in ("target", "source", "model", "input", "seconds"), f"json_key {cls.json_key!r}"
+
+
+def runs(cls: type) -> Iterator[tuple[str, Callable[[], None]]]:
+    """(what, a call running one check) for every contract check of one registered metric class."""
+    for switch in SWITCHES:
+        if cls.name in applicable(switch, [cls.name]):
+            yield f"within its bounds on a random model: metric {cls.name} [{switch}]", \
+                (lambda s=switch: within_bounds_on_a_random_model(s, [cls.name]))
+            yield f"streamed value equals the direct computation: metric {cls.name} [{switch}]", \
+                (lambda s=switch: streamed_equals_direct(s, [cls.name]))
+    yield f"records only what it declares, strict JSON: metric {cls.name}", \
+        lambda: records_only_what_it_declares_and_writes_strict_json(cls.name)

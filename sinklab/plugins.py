@@ -1,0 +1,142 @@
+"""Components and metrics from a user's own package, without editing sinklab.
+
+A plugin is a Python module that registers attention operations, positions, norms, ... (`@ATTENTION_OPS.register`)
+and metrics (`@METRICS.register`) when it is imported. sinklab imports the modules named
+- by the entry-point group `sinklab.plugins` of every installed package (`pyproject.toml`:
+  `[project.entry-points."sinklab.plugins"]  myop = "mypkg.ops.myop"`): nothing to set;
+- in the environment variable SINKLAB_PLUGINS (module names separated by commas): code on PYTHONPATH, not installed;
+- by sinklab-train's `plugins=mypkg.ops.myop` (or `plugins=[a,b]`) on the command line, which also exports them
+  in SINKLAB_PLUGINS for the jobs and commands the run starts;
+- in a checkpoint written by a run that used plugins (`sinklab_plugins`), when it is loaded.
+`sinklab-train`, every `sinklab` command and `sinklab.load_model` load them before the config is composed or a
+model is built. A component registered after `ModelConfig` was built adds its knobs to it in place
+(`sinklab.model.config.add_knobs`), so the import order does not matter. Each component of a plugin is an option of
+its config group (`model/attn=myop`) in Hydra's ConfigStore, and the yaml files in `conf/model/<group>/` of the
+plugin's top-level package are options of those groups too (a variant with its knob values). docs/extending.md,
+"Add a component from your own package".
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import os
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+from sinklab.errors import UserError
+
+ENTRY_POINT_GROUP = "sinklab.plugins"
+ENV = "SINKLAB_PLUGINS"
+LOADED: list[str] = []  # the plugin modules imported by load_plugins, in order (a checkpoint records them)
+
+
+def named_modules(extra: Sequence[str] = (), where: str = "plugins=") -> list[tuple[str, str]]:
+    """(module, where it is named) for every plugin module: entry points, SINKLAB_PLUGINS, then `extra`."""
+    named = [(ep.module, f"entry point {ep.name!r} of group {ENTRY_POINT_GROUP}")
+             for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)]
+    named += [(m, ENV) for m in split(os.environ.get(ENV, ""))]
+    return named + [(m, where) for m in extra]
+
+
+def split(text: str) -> list[str]:
+    return [m.strip() for m in text.strip().strip("[]").split(",") if m.strip()]
+
+
+def load_plugins(extra: Sequence[str] = (), where: str = "plugins=") -> list[str]:
+    """Import every plugin module once (idempotent); a module that cannot be found is one UserError line."""
+    for module, source in named_modules(extra, where):
+        if module in LOADED:
+            continue
+        try:
+            importlib.import_module(module)
+        except ModuleNotFoundError as err:
+            if err.name is None or not (module == err.name or module.startswith(err.name + ".")):
+                raise  # the plugin itself imports something missing: its own traceback
+            raise UserError(f"plugin module {module!r} (named by {source}) cannot be imported: {err}; pip install "
+                            f"its package or put it on PYTHONPATH") from None
+        LOADED.append(module)
+    return LOADED
+
+
+def from_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
+    """sinklab-train's `plugins=a,b` / `plugins=[a,b]` (or `+plugins=...`): (the modules, the other arguments)."""
+    modules, rest = [], []
+    for arg in argv:
+        key, eq, value = arg.partition("=")
+        if eq and key.lstrip("+") == "plugins":
+            modules += split(value)
+        else:
+            rest.append(arg)
+    return modules, rest
+
+
+def use_from_command_line(argv: list[str]) -> list[str]:
+    """Load the plugins of a command line and of the environment; the modules named on the command line go into
+    SINKLAB_PLUGINS (the jobs a launcher starts inherit them). Returns the arguments left for Hydra."""
+    modules, rest = from_argv(argv)
+    if modules:
+        os.environ[ENV] = ",".join(dict.fromkeys(split(os.environ.get(ENV, "")) + modules))
+    load_plugins()
+    return rest
+
+
+def is_plugin(obj: Any) -> bool:
+    """A component or metric registered from outside sinklab."""
+    return not (obj.__module__ == "sinklab" or obj.__module__.startswith("sinklab."))
+
+
+def conf_dirs() -> list[Path]:
+    """`conf/` of the top-level package of each plugin module and of each component or metric registered from
+    outside sinklab, where it has one with a `model/` folder."""
+    from sinklab.metrics import METRICS
+    from sinklab.model.registry import FAMILIES
+
+    roots = {c.__module__.split(".")[0] for family in (*FAMILIES, METRICS) for c in family if is_plugin(c)}
+    roots |= {module.split(".")[0] for module in LOADED}
+    dirs = []
+    for root in sorted(roots):
+        module = sys.modules.get(root)
+        where = getattr(module, "__path__", None) or []
+        dirs += [Path(p) / "conf" for p in where if (Path(p) / "conf" / "model").is_dir()]
+    return dirs
+
+
+def options() -> dict[str, dict[str, dict]]:
+    """Config group options of the plugins: 'model/<group>' -> option name -> the model keys it sets. Each
+    component selects itself under its name; each yaml of a plugin's conf/model/<group>/ is an option too."""
+    from omegaconf import OmegaConf
+
+    from sinklab.model.registry import FAMILIES
+
+    found: dict[str, dict[str, dict]] = {}
+    for registry in FAMILIES:
+        for cls in registry:
+            if is_plugin(cls):
+                found.setdefault(f"model/{registry.group}", {})[cls.name] = {registry.key: cls.name}
+    for conf in conf_dirs():
+        for path in sorted((conf / "model").glob("*/*.yaml")):
+            node = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+            found.setdefault(f"model/{path.parent.name}", {})[path.stem] = node
+    from sinklab.config.store import CONF_DIR
+
+    for group, named in found.items():
+        clash = sorted(name for name in named if (CONF_DIR / group / f"{name}.yaml").exists())
+        if clash:
+            raise UserError(f"{group}={clash[0]} of a plugin has the name of sinklab's {group}/{clash[0]}.yaml; "
+                            f"rename the component or the plugin's yaml")
+    return found
+
+
+def store_options(cs: Any) -> None:
+    """Put the plugins' config group options in Hydra's ConfigStore (package `model`, as conf/model/<group>/)."""
+    for group, named in options().items():
+        for name, node in named.items():
+            cs.store(group=group, name=name, node=node, package="model")
+
+
+def state() -> tuple:
+    """What the ConfigStore's entries depend on beyond sinklab itself (register_configs stores again on a change)."""
+    from sinklab.model.config import KNOBS_ADDED
+
+    return KNOBS_ADDED[0], tuple(LOADED), tuple((g, tuple(n)) for g, n in options().items())
