@@ -17,6 +17,7 @@ import torch  # noqa: E402
 # the generic contract checks' models, tokens and cases, shared with `sinklab check-component`
 from sinklab.contracts.components import (SMALL, case_id, component_cases, small_model,  # noqa: E402, F401
                                           token_ids)
+from sinklab.contracts.components import explicit_paths  # noqa: E402
 from sinklab.contracts.components import flex_on_cpu as contract_flex_on_cpu  # noqa: E402
 from sinklab.model import ModelConfig, Transformer  # noqa: E402
 
@@ -25,6 +26,30 @@ FAST = ["model.n_layer=2", "model.d_model=64", "model.d_ff=128", "data.batch_siz
         "trainer.val_check_interval=20", "trainer.limit_val_batches=4", "callbacks.sink.every_n_steps=20",
         "callbacks.checkpoint.every_n_train_steps=20", "optim.warmup_steps=5", "trainer.enable_progress_bar=false"]
 WORDS = ["".join(random.Random(i).choice("etaoinshrdlucmfwypvbgk") for _ in range(1 + i % 8)) for i in range(300)]
+
+
+def explicit_logits(m: Transformer, idx: torch.Tensor) -> torch.Tensor:
+    """The logits with every layer through its explicit maps (the fused kernels off for this forward)."""
+    with explicit_paths(m):
+        return m(idx)
+
+
+def layer_records(m: Transformer, idx: torch.Tensor, explicit: bool = False) -> list[dict]:
+    """Per layer, q, k, v as the operation sees them (after RoPE, with bias slots and sink tokens) and the block
+    output h (the residual stream, sink tokens first), recorded by forward hooks on the model's hook points."""
+    layers: list[dict] = [{} for _ in m.blocks]
+    handles = []
+    for rec, block in zip(layers, m.blocks):
+        for name, point in (("q", block.attn.hook_q), ("k", block.attn.hook_k), ("v", block.attn.hook_v),
+                            ("h", block.hook_resid)):
+            handles.append(point.register_forward_hook(lambda _m, _i, out, rec=rec, name=name: rec.update({name: out})))
+    try:
+        with explicit_paths(m, explicit):
+            m(idx)
+    finally:
+        for h in handles:
+            h.remove()
+    return layers
 
 
 def fake_text(seed: int, n_words: int) -> str:

@@ -5,7 +5,7 @@ import torch.nn.functional as F
 
 from sinklab.metrics import (activation_stats, attention_scores, brute_force_alpha, column_scores,
                              flatten_activation_stats, qkv_stats, sink_rate, slot_names, summarise)
-from sinklab.metrics import massive, norms, outliers, residual_sinks
+from sinklab.metrics import attention_maps, massive, norms, outliers, residual_sinks
 
 NORM_KEYS, OUTLIER_KEYS = norms.KEYS, outliers.KEYS
 STAT_KEYS = massive.KEYS + norms.KEYS + outliers.KEYS + residual_sinks.PER_LAYER  # activation_stats lists
@@ -142,7 +142,7 @@ def test_bias_slot_and_sink_tokens_are_scored_apart(make_model):
     assert scores.slot.shape == (3, 2, 4, 2) and slot_names(m.cfg) == ["bias", "token0"]
     # plant the sink on the bias slot: huge key aligned with every query is impossible to do by hand for all
     # queries, so check instead that the slot's score is its attention averaged over all real queries
-    _, probs = m(tokens, return_probs=True)
+    probs = attention_maps(m, tokens)
     expect = probs[0][:, :, 1:, 0].mean(-1)  # real-token queries, bias column
     torch.testing.assert_close(scores.slot[:, 0, :, 0], expect, atol=1e-6, rtol=0)
     out = summarise(scores, (0.3,), slot_names(m.cfg))

@@ -6,8 +6,10 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from sinklab.metrics import attention_maps
 from sinklab.model import PRESETS, ModelConfig, Transformer
 from sinklab.model.positional import Rotary, alibi_slopes
+from tests.conftest import explicit_logits, layer_records
 
 V = 97
 
@@ -17,7 +19,7 @@ def ids(B=2, T=24, seed=0):
 
 
 def maps(m, idx):
-    return m(idx, return_probs=True)[1]
+    return attention_maps(m, idx)
 
 
 def test_window_hides_tokens_before_the_window(make_model):
@@ -58,16 +60,14 @@ def test_k_bias_slot_is_seen_by_every_query_and_has_zero_value(make_model):
     m = make_model(attn_bias="k")
     a = maps(m, ids())[0]  # (B, H, T, 1 + T)
     assert a.shape[-1] == 25 and torch.all(a[..., :, 0] > 0)
-    records = []
-    m(ids(), records=records)
+    records = layer_records(m, ids())
     assert torch.all(records[0]["v"][:, :, 0] == 0)  # the K bias slot's value is zero
     assert not torch.all(records[0]["k"][:, :, 0] == 0)
 
 
 def test_kv_bias_has_learned_value_and_is_not_rotated(make_model):
     m = make_model(attn_bias="kv", n_layer=1)
-    records = []
-    m(ids(), records=records)
+    records = layer_records(m, ids())
     slot_k = records[0]["k"][:, :, 0]
     torch.testing.assert_close(slot_k[0], m.blocks[0].attn.attn_bias.k_bias.detach())  # not rotated by RoPE
     torch.testing.assert_close(records[0]["v"][0, :, 0], m.blocks[0].attn.attn_bias.v_bias.detach())
@@ -99,8 +99,7 @@ def test_v_bias_shared_adds_one_vector_to_every_head(make_model, shared):
 
 def test_fixed_value_bias_has_the_requested_norm(make_model):
     m = make_model(attn_bias="k", attn_bias_fixed_value_scale=5.0)
-    records = []
-    m(ids(), records=records)
+    records = layer_records(m, ids())
     torch.testing.assert_close(records[0]["v"][:, :, 0].norm(dim=-1), torch.full((2, 4), 5.0))
     assert "v_fixed" not in dict(m.named_parameters())
 
@@ -123,7 +122,7 @@ def test_v_bias_is_added_to_the_attention_output(make_model):
 def test_sink_tokens_are_prepended_and_never_predicted(make_model):
     m = make_model(n_sink_tokens=2)
     idx = ids()
-    logits, probs = m(idx, return_probs=True)
+    logits, probs = m(idx), attention_maps(m, idx)
     assert logits.shape == (2, 24, V)  # only the real tokens are predicted
     assert probs[0].shape[-1] == 26 and torch.all(probs[0][..., 2:, 0] > 0)
     assert m.sink_tokens.requires_grad and m.sink_tokens.shape == (2, 32)
@@ -140,9 +139,7 @@ def test_sink_tokens_stay_causal_under_a_prefix(make_model):
     changed = idx.clone()
     changed[:, 3] = (changed[:, 3] + 1) % V  # a prefix token
     for explicit in (False, True):
-        ref, out = [], []
-        m(idx, records=ref, return_probs=explicit)
-        m(changed, records=out, return_probs=explicit)
+        ref, out = layer_records(m, idx, explicit), layer_records(m, changed, explicit)
         for r, o in zip(ref, out):
             torch.testing.assert_close(o["h"][:, :2], r["h"][:, :2], atol=1e-6, rtol=0)
         assert (out[-1]["h"][:, 2:] - ref[-1]["h"][:, 2:]).abs().max() > 1e-4
@@ -161,8 +158,8 @@ def test_nope_has_no_position_parameter_and_is_permutation_equivariant(make_mode
     perm = torch.randperm(24)
     block = m.blocks[0]
     with torch.no_grad():
-        out, _ = block(x, layout)
-        out_p, _ = block(x[:, perm], layout)
+        out = block(x, layout)
+        out_p = block(x[:, perm], layout)
     torch.testing.assert_close(out_p, out[:, perm], atol=1e-5, rtol=1e-5)
 
 
@@ -235,8 +232,7 @@ def test_post_norm_puts_a_norm_after_each_residual_add(make_model):
     m(ids())
     assert [c[0] for c in calls[:2]] == ["blocks.0.norm1", "blocks.0.norm2"]
     # the block output is the output of its second norm: unit RMS
-    records = []
-    m(ids(), records=records)
+    records = layer_records(m, ids())
     rms = records[0]["h"].pow(2).mean(-1).sqrt()
     torch.testing.assert_close(rms, torch.ones_like(rms), atol=1e-3, rtol=1e-3)
 
@@ -284,9 +280,7 @@ def test_heads_independent_of_width_and_gqa(make_model):
     assert m.blocks[0].attn.q_proj.weight.shape == (48, 32)
     g = make_model(n_head=4, n_kv_head=2)
     assert g.blocks[0].attn.k_proj.weight.shape == (16, 32)
-    records = []
-    g(ids(), records=records)
-    k = records[0]["k"]
+    k = layer_records(g, ids())[0]["k"]
     torch.testing.assert_close(k[:, 0], k[:, 1])  # heads 0 and 1 share a kv head
 
 
@@ -364,8 +358,7 @@ def test_sink_logit_absorbs_mass(make_model, kind):
     assert torch.all(a.sum(-1) < 1) and torch.all(a.sum(-1) > 0)
     assert (kind == "learned") == hasattr(m.blocks[0].attn.op, "sink_logit")
     if kind == "zero":  # softmax-off-by-one: row sum = sum e^s / (1 + sum e^s)
-        records = []
-        m(ids(), records=records)
+        records = layer_records(m, ids())
         q, k = records[0]["q"], records[0]["k"]
         s = (q @ k.transpose(-1, -2)) / (8 ** 0.5)
         s = s.masked_fill(~torch.ones(24, 24).tril().bool(), float("-inf"))
@@ -402,7 +395,7 @@ SWITCHES = [dict(pos=p) for p in POSITIONS[1:]] + [
 def test_fused_and_explicit_agree_for_every_switch(make_model, sw):
     m = make_model(**sw)
     idx = ids()
-    torch.testing.assert_close(m(idx), m(idx, return_probs=True)[0], atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(m(idx), explicit_logits(m, idx), atol=2e-5, rtol=1e-5)
 
 
 def test_fused_path_is_used_only_where_sdpa_applies():
@@ -428,12 +421,10 @@ def test_chunked_explicit_path_equals_the_full_map(make_model, op, mask):
         mask = {**mask, "pos": "alibi"}  # logit ops also take an additive position bias per chunk
     m = make_model(**op, **mask)
     idx = ids()
-    full = m(idx, return_probs=True)[0]  # one (B, H, N, Tk) map per layer
-    one_chunk = m(idx)  # row_chunk 256 > N: a single chunk
+    full = m(idx)  # row_chunk 256 > N: every query row's map at once
     for block in m.blocks:
         block.attn.row_chunk = 5  # chunks that do not divide N = 24 or 26
     chunked = m(idx)
-    torch.testing.assert_close(one_chunk, full, atol=1e-6, rtol=0)
     torch.testing.assert_close(chunked, full, atol=1e-6, rtol=0)
 
 

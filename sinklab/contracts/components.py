@@ -105,17 +105,24 @@ def flex_on_cpu() -> Iterator[list]:
         backends.flex_trains_on.cache_clear()
 
 
-def logits_and_grads(m, idx, explicit: bool = False):
-    """Logits and gradients of a fixed function of them; `explicit`: every layer through its explicit maps."""
-    m.zero_grad()
+@contextlib.contextmanager
+def explicit_paths(m, explicit: bool = True) -> Iterator[None]:
+    """Inside the block (when `explicit`), every layer of `m` runs through its explicit maps, not a fused kernel."""
     fused = [b.attn.use_fused for b in m.blocks]
     for b in m.blocks:
         b.attn.use_fused = b.attn.use_fused and not explicit
     try:
-        logits = m(idx)
+        yield
     finally:
         for b, f in zip(m.blocks, fused):
             b.attn.use_fused = f
+
+
+def logits_and_grads(m, idx, explicit: bool = False):
+    """Logits and gradients of a fixed function of them; `explicit`: every layer through its explicit maps."""
+    m.zero_grad()
+    with explicit_paths(m, explicit):
+        logits = m(idx)
     (logits * torch.linspace(-1, 1, logits.shape[-1])).sum().backward()
     return logits.detach(), {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
 
