@@ -1,12 +1,14 @@
 #!/usr/bin/env python
 """Training throughput of sinklab against a minimal plain-PyTorch LLaMA, MFU against this machine's measured
 matmul peak, the sink callback's share of training time, the metric's memory, and data loading's share; on its own,
-peak training memory against T per attention operation (`--section memory`, scripts/bench_memory.py).
+peak training memory against T per attention operation (`--section memory`, scripts/bench_memory.py), and the
+peak resident memory of whole `sinklab-train` runs at T = 2048 x 1 against T = 256 x 8 (`--section run-memory`).
 
     python scripts/bench.py --config tiny|14m|60m [--steps N] [--threads N] [--batch B] [--compile]
                             [--device cpu|cuda] [--dtype fp32|bf16] [--quick] [--skip NAME ...]
                             [--set OVERRIDE ...] [--data corpus|random] [--vocab V] [--json PATH]
     python scripts/bench.py --section memory [--memory-T T ...] [--memory-speed-T T ...] [--memory-ops OP ...]
+    python scripts/bench.py --section run-memory [--run-memory-set OVERRIDE ...]
 
 Prints one line per figure (`name: value  (details)`); see docs/performance.md for measured figures and method.
 `--set` takes Hydra overrides of the composed config (an attention path: `--set model/attn=sink_logit
@@ -353,8 +355,11 @@ def main(argv=None) -> int:
     ap.add_argument("--json", type=Path, default=None, help="also write every figure to this JSON file")
     ap.add_argument("--metric-T", type=int, nargs="+", default=None,
                     help="metric lengths (default 64 1024 4096 8192; 64 1024 with --quick)")
-    ap.add_argument("--section", choices=["all", "memory"], default="all",
-                    help="memory: only peak training memory vs T per attention operation (scripts/bench_memory.py)")
+    ap.add_argument("--section", choices=["all", "memory", "run-memory"], default="all",
+                    help="memory: only peak training memory vs T per attention operation (scripts/bench_memory.py); "
+                         "run-memory: only the peak RSS of whole sinklab-train runs, T=2048 x 1 against T=256 x 8")
+    ap.add_argument("--run-memory-set", nargs="*", default=[], metavar="OVERRIDE",
+                    help="extra sinklab-train overrides of the run-memory section, e.g. callbacks.sink=null")
     ap.add_argument("--memory-T", type=int, nargs="+", default=[256, 512, 1024, 2048, 4096],
                     help="sequence lengths of the memory section (at least two)")
     ap.add_argument("--memory-speed-T", type=int, nargs="*", default=[1024, 4096],
@@ -364,6 +369,13 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.section == "memory":
         return memory_section(args)
+    if args.section == "run-memory":
+        import bench_memory
+
+        emit("setup", "run-memory section on the CPU", f"{_cpu_name()}; torch {torch.__version__}; OMP_NUM_THREADS="
+             f"{os.environ.get('OMP_NUM_THREADS', 'unset')}; load average {os.getloadavg()[0]:.2f}")
+        bench_memory.whole_run(emit, tuple(args.run_memory_set))
+        return 0
 
     t_start = time.perf_counter()
     if args.device == "cuda" and not torch.cuda.is_available():

@@ -13,11 +13,21 @@ on the CPU, the allocator's peak on CUDA), after a warm-up step has allocated th
 the least-squares slope of log(peak) on log(T), over every T and over the last doubling. Speed: steps of the two
 paths alternate (`--memory-rounds` rounds at each T of --memory-speed-T); the figure is the median of the per-round
 ratios explicit step time / new step time, so > 1 means the new path is faster.
+
+Whole runs (`python scripts/bench.py --section run-memory [--run-memory-set OVERRIDE ...]`): the peak resident memory
+of real `sinklab-train` processes at T = 2048 x batch 1 and T = 256 x batch 8 (the same tokens per step), each in a
+fresh process (`os.wait4`'s ru_maxrss of the child: everything the run held at its worst moment, the allocator's
+heap included, which the tensor figures above do not see), with the commands and their ratio.
 """
 from __future__ import annotations
 
 import math
+import os
+import shutil
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 import warnings
 from typing import Callable
@@ -124,3 +134,41 @@ def alternate(timer, explicit: Callable[[], None], new: Callable[[], None], roun
             a, b = timer(explicit), timer(new)
         out.append(a / b)
     return out
+
+
+# the whole-run figure: model=tiny (4 layers x 4 heads, d 128) with sigmoid attention, 4 steps with a validation and
+# a sink measurement every 2; T x batch pairs with the same tokens per step
+RUN = ("model=tiny", "model/attn=sigmoid", "model.attn_memory=linear", "trainer.max_steps=4",
+       "trainer.val_check_interval=2", "callbacks.sink.every_n_steps=2", "trainer.enable_progress_bar=false")
+RUN_SHAPES = ((2048, 1), (256, 8))
+
+
+def run_command(T: int, batch: int, out_dir: str, extra: tuple[str, ...] = ()) -> list[str]:
+    train = shutil.which("sinklab-train") or os.path.join(os.path.dirname(sys.executable), "sinklab-train")
+    return [train, *RUN, f"model.block_size={T}", f"data.batch_size={batch}", *extra, f"hydra.run.dir={out_dir}"]
+
+
+def peak_rss_mib(command: list[str]) -> float:
+    """Peak resident memory of a command run in a fresh child process (MiB), from os.wait4's rusage."""
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    _, status, usage = os.wait4(proc.pid, 0)
+    err = proc.stderr.read()
+    proc.stderr.close()
+    if status:
+        raise RuntimeError(f"{' '.join(command)} failed:\n{err[-2000:]}")
+    return usage.ru_maxrss / 1024  # KiB on Linux
+
+
+def whole_run(emit, extra: tuple[str, ...] = ()) -> float:
+    """Emits the peak RSS of whole training runs at each of RUN_SHAPES and their ratio; returns the ratio."""
+    peaks = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for T, batch in RUN_SHAPES:
+            command = run_command(T, batch, os.path.join(tmp, f"T{T}"), extra)
+            peaks[T, batch] = peak_rss_mib(command)
+            emit(f"run memory T={T} x batch {batch}", f"peak RSS {peaks[T, batch]:,.0f} MiB",
+                 " ".join(["sinklab-train", *command[1:-1]]))
+    (long, short) = (peaks[shape] for shape in RUN_SHAPES)
+    emit("run memory ratio", f"{long / short:.2f}", f"peak RSS T={RUN_SHAPES[0][0]} x batch {RUN_SHAPES[0][1]} / "
+         f"T={RUN_SHAPES[1][0]} x batch {RUN_SHAPES[1][1]} (same tokens per step)")
+    return long / short

@@ -3,22 +3,22 @@ the gate (`gates.py`, at one of the positions G1 .. G5, each named where it appl
 biases of a sequence come in its `Layout` (`masks.py`); the backend (`backends.py`) runs softmax attention.
 The explicit path works on query-row chunks, so the metric's memory is linear in T. In training each chunk's map is
 kept for backward (`model.attn_memory=keep_maps`, fastest at short T), or recomputed in backward (`linear`:
-activation checkpointing per row chunk, `torch.utils.checkpoint`, so training memory is linear in T too; decided
-here: the chunk is the unit, nothing else is recomputed). With a KV cache in the layout, the keys and values of
-earlier positions come from the cache (an evicting cache stores them before RoPE, so that the kept keys are rotated
-at their new places; a dense one after).
+`recompute.py`, so training memory is linear in T too; decided here: the chunk is the unit, nothing else is
+recomputed); `auto`, the default, is resolved once, by `ModelConfig.memory`. With a KV cache in the layout, the keys
+and values of earlier positions come from the cache (an evicting cache stores them before RoPE, so that the kept keys
+are rotated at their new places; a dense one after).
 """
 from __future__ import annotations
 
 import math
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from .backends import select_backend
 from .gates import G1, G2, G3, G4, G5
 from .hooks import HookPoint
 from .masks import Layout
+from .recompute import recomputed_rows
 from .registry import ATTENTION_OPS, ATTN_BIASES, GATES, POSITIONS
 
 
@@ -43,7 +43,7 @@ class Attention(nn.Module):
         self.op = ATTENTION_OPS.selected(cfg)(cfg)
         self.backend = select_backend(cfg)
         self.use_fused = self.backend.fuses
-        self.recompute = cfg.attn_memory == "linear"
+        self.recompute = cfg.memory == "linear"
         self.rotates = POSITIONS.selected(cfg).rotates(cfg, layer)  # False in a NoPE layer (model.nope_every)
         self.layer = layer  # its index in a KV cache
         # q, k, v as the operation sees them (after RoPE, with the bias slot): where measurements record them
@@ -84,15 +84,12 @@ class Attention(nn.Module):
     def explicit(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Layout) -> torch.Tensor:
         """Query rows in chunks: memory O(B * H * row_chunk * Tk), linear in the sequence length (in training too
         when each chunk is recomputed in backward)."""
-        recompute = self.recompute and torch.is_grad_enabled()
-        chunks = []
-        for r0 in range(0, layout.n_pos, self.row_chunk):
-            qr = q[:, :, r0:r0 + self.row_chunk]  # (B, H, R, hd)
-            if recompute:
-                chunks.append(checkpoint(self.rows_output, qr, k, v, layout, r0, use_reentrant=False,
-                                         preserve_rng_state=False))
-            else:
-                chunks.append(self.rows_output(qr, k, v, layout, r0))
+        if self.recompute and torch.is_grad_enabled():
+            params = (*self.op.parameters(), *layout.bias_params)
+            return recomputed_rows(lambda qr, k_, v_, r0: self.rows_output(qr, k_, v_, layout, r0), self.row_chunk,
+                                   q, k, v, params)
+        chunks = [self.rows_output(q[:, :, r0:r0 + self.row_chunk], k, v, layout, r0)  # (B, H, R, hd) each
+                  for r0 in range(0, layout.n_pos, self.row_chunk)]
         return torch.cat(chunks, dim=2)  # (B, H, N, hd)
 
     def rows_output(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Layout, r0: int) -> torch.Tensor:

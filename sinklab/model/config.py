@@ -21,8 +21,11 @@ from .registry import (ATTENTION_OPS, ATTN_BACKENDS, ATTN_BIASES, FAMILIES, POSI
                        check_positive_int)
 
 # model.attn_memory: the explicit path keeps each row chunk's map for backward, or nothing quadratic in T (chunks
-# recomputed in backward, kernel attention in its causal linear form)
-ATTN_MEMORY = ("keep_maps", "linear")
+# recomputed in backward, kernel attention in its causal linear form); auto picks one of the two (`memory` below)
+ATTN_MEMORY = ("auto", "keep_maps", "linear")
+# attn_memory=auto: linear where the maps a sequence keeps for backward, one fp32 (T, T + slots) map per head and
+# layer, would exceed this (tiny at T = 2048: 256 MiB, linear; the default run, tiny3 at T = 64: 0.4 MiB, keep_maps)
+KEPT_MAPS_BUDGET = 64 * 2 ** 20  # bytes per sequence
 
 
 @dataclass
@@ -57,7 +60,7 @@ class BaseModelConfig:
     # execution
     fused: bool = True  # false: every operation through its explicit maps (attn_backend=explicit; for old configs)
     attn_backend: str = "sdpa"  # sdpa | flex | explicit: which kernel runs softmax attention (model/backends.py)
-    attn_memory: str = "keep_maps"  # keep_maps | linear: training memory of the ops without a fused kernel
+    attn_memory: str = "auto"  # auto | keep_maps | linear: training memory of the ops without a fused kernel
     compile: bool = False
 
 
@@ -112,6 +115,21 @@ class ModelConfigMethods:
     def backend(self) -> str:
         """The attention backend that runs: model.attn_backend, or explicit where model.fused=false."""
         return self.attn_backend if self.fused else "explicit"
+
+    @property
+    def kept_map_bytes(self) -> int:
+        """What keep_maps keeps per sequence for backward, at least: one fp32 map per head and layer, queries x keys
+        (sink tokens, T real tokens, bias slots)."""
+        n_pos = self.n_sink_tokens + self.block_size
+        return 4 * self.n_layer * self.n_head * n_pos * (n_pos + self.n_slots)
+
+    @property
+    def memory(self) -> str:
+        """The training memory that runs: model.attn_memory, auto resolved here, once (keep_maps within
+        KEPT_MAPS_BUDGET, linear above)."""
+        if self.attn_memory != "auto":
+            return self.attn_memory
+        return "linear" if self.kept_map_bytes > KEPT_MAPS_BUDGET else "keep_maps"
 
     @property
     def can_fuse(self) -> bool:

@@ -90,6 +90,7 @@ class Layout:
     start: int = 0  # positions held by a KV cache before this forward's queries
     rope_keys: Optional[Callable[[torch.Tensor], torch.Tensor]] = None  # RoPE of the keys 0 .. start + n_pos - 1
     cache: Optional[Any] = None  # the KV cache (cache.KVCache) the layers read and extend, or None
+    bias_params: tuple = ()  # the parameters logit_bias reads (a learned relative table): they take its gradient
     memo: dict = field(default_factory=dict, repr=False)  # what a backend builds once per forward for every layer
 
     @property

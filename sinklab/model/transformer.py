@@ -114,7 +114,7 @@ class Transformer(nn.Module):
                       mask_mod=mask_mod, plain_causal=self.plain_causal and extra_mask is None,
                       logit_bias=self.pos.logit_bias, rope=rope, device=device, start=start,
                       rope_keys=self.pos.rotary(start + n_pos) if start and not cache.stores_rotated else None,
-                      cache=cache)
+                      cache=cache, bias_params=tuple(self.pos.parameters()) if self.pos.logit_bias else ())
 
     def embed(self, idx: torch.Tensor, start: int = 0) -> torch.Tensor:
         """idx (B, T) -> x (B, S + T, d) with the learned sink tokens prepended (at start 0: a KV cache that holds

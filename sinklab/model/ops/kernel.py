@@ -52,7 +52,7 @@ class KernelAttention(NormalisableOp):
 
     def __init__(self, cfg: Any):
         super().__init__(cfg)
-        self.linear_form = cfg.attn_memory == "linear"
+        self.linear_form = cfg.memory == "linear"
 
     @classmethod
     def resolve(cls, cfg: Any) -> type:
@@ -68,7 +68,7 @@ class KernelAttention(NormalisableOp):
 
     @classmethod
     def fusable(cls, cfg: Any) -> bool:
-        return cfg.attn_memory == "linear" and cfg.backend != "explicit" and not cfg.prefix_len and cfg.window is None
+        return cfg.memory == "linear" and cfg.backend != "explicit" and not cfg.prefix_len and cfg.window is None
 
     def divisor(self, z: torch.Tensor) -> torch.Tensor:
         """Row sums z -> what a normalised row is divided by. Identity and MLP features can sum to ~0: only rows
