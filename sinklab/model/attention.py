@@ -11,6 +11,7 @@ are rotated at their new places; a dense one after).
 from __future__ import annotations
 
 import math
+
 import torch
 from torch import nn
 
