@@ -15,7 +15,7 @@ from sinklab.model import ConfigError, ModelConfig, Transformer, backends
 from sinklab.model.config import KEPT_MAPS_BUDGET, preset
 from sinklab.perf import peak_memory
 from tests.conftest import SMALL, small_model, token_ids
-from tests.test_contracts import assert_same_logits_and_grads, logits_and_grads
+from sinklab.contracts.components import assert_same_logits_and_grads, logits_and_grads
 
 
 @pytest.mark.parametrize("bad,message", [
