@@ -185,13 +185,27 @@ def test_bos_is_prepended_to_training_blocks(env):
 
 def test_controls_leave_validation_and_probe_natural(env):
     plain = make_dm(env)
-    for kw in (dict(random_positions=[1, 2]), dict(fixed_token={"position": 1, "token_id": None}), dict(bos=True),
+    for kw in (dict(random_positions=[1, 2]), dict(fixed_token={"position": 1, "token_id": None}),
                dict(max_unique_tokens=2000)):
         dm = make_dm(env, **kw)
         assert torch.equal(torch.cat(list(dm.val_dataloader())), torch.cat(list(plain.val_dataloader())))
         assert torch.equal(dm.probe_tokens(), plain.probe_tokens())
+    assert torch.equal(make_dm(env, bos=True).probe_tokens(), plain.probe_tokens())  # data.probe_bos decides
     probe_bos = make_dm(env, probe_bos=True).probe_tokens()
     assert (probe_bos[:, 0] == plain.eos_id).all() and torch.equal(probe_bos[:, 1:], plain.probe_tokens()[:, :-1])
+
+
+def test_bos_is_prepended_to_validation_blocks_as_to_training_blocks(env):
+    """data.bos: the validation blocks are on the training distribution, BOS and then the plain block's text shifted
+    by one (same offsets), and that is what `sinklab quant` and `sinklab eval intervene` read."""
+    from sinklab.probe_inputs import val_blocks
+
+    plain, dm = torch.cat(list(make_dm(env).val_dataloader())), make_dm(env, bos=True)
+    val = torch.cat(list(dm.val_dataloader()))
+    assert val.shape == plain.shape and (val[:, 0] == dm.eos_id).all() and (plain[:, 0] != dm.eos_id).any()
+    assert torch.equal(val[:, 1:], plain[:, :-1])
+    assert dm.train_blocks[0][0] == val[0, 0]
+    assert torch.equal(torch.cat(val_blocks(dm, None)), val) and len(val_blocks(dm, 1)) == 1
 
 
 def test_invalid_controls_are_refused_before_loading(env):

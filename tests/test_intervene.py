@@ -115,14 +115,14 @@ def test_intervene_needs_a_run_dir(tmp_path, capsys):
 def test_validation_blocks_get_the_bos_token_the_model_was_trained_with(tmp_path):
     from omegaconf import OmegaConf
 
-    from sinklab.probe_inputs import read_run_data, val_blocks_as_trained
+    from sinklab.probe_inputs import read_run_data, val_blocks
 
     run, dm = natural_run(tmp_path)
-    plain = val_blocks_as_trained(dm, None)
+    plain = val_blocks(dm, None)
     cfg = OmegaConf.load(run / ".hydra" / "config.yaml")
     cfg.data.bos = True
     OmegaConf.save(cfg, run / ".hydra" / "config.yaml")
-    with_bos = read_run_data(run, {"num_workers": 0}, lambda d: val_blocks_as_trained(d, None), "T", "w", "h")
+    with_bos = read_run_data(run, {"num_workers": 0}, lambda d: val_blocks(d, None), "T", "w", "h")
     assert len(with_bos) == len(plain) and with_bos[0].shape == plain[0].shape
     assert (with_bos[0][:, 0] == dm.eos_id).all()
     torch.testing.assert_close(with_bos[0][:, 1:], plain[0][:, :-1])

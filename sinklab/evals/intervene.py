@@ -47,7 +47,7 @@ from sinklab.errors import UserError
 from sinklab.measure import OneLineParser, command_main, pick_device
 from sinklab.model.masks import MaskMod, and_masks
 from sinklab.probe_inputs import (checkpoint_and_run_dir, positive, probe_tokens, read_run_data,
-                                   val_blocks_as_trained)
+                                   val_blocks)
 
 PROG = "sinklab eval intervene"
 INTERVENTIONS = ("zero", "mean", "mask_first", "mask_random")
@@ -192,7 +192,7 @@ def run(args) -> dict:
         raise UserError(f"{args.target} has no run config (.hydra/config.yaml): intervene reads the run's validation "
                         "blocks and probe set; pass a run dir or a checkpoint inside one")
     model = load_model(ckpt).to(device).eval()
-    val = read_run_data(Path(run_dir), {"num_workers": 0}, lambda dm: val_blocks_as_trained(dm, args.val_batches),
+    val = read_run_data(Path(run_dir), {"num_workers": 0}, lambda dm: val_blocks(dm, args.val_batches),
                         "TARGET", "the validation blocks", "check the run's data config")
     val = [b.to(device) for b in val]
     probe = probe_tokens(Path(run_dir), None, None).to(device)
