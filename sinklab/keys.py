@@ -17,7 +17,7 @@ ACT_PREFIX = "act/"
 
 
 # The physical range of every logged metric family, the first pattern that matches a name; a new metric family gets
-# its line here (tests/test_bounds.py fails for a logged name without one).
+# its line here (tests/metrics/test_bounds.py fails for a logged name without one).
 PERCENT = (0.0, 100.0)
 NON_NEGATIVE = (0.0, math.inf)
 UNIT = (0.0, 1.0)

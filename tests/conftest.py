@@ -1,10 +1,7 @@
-"""Shared fixtures and helpers: small models, token batches, and the configurations that select every registered
-component (the generic contract tests run over them)."""
-import itertools
+"""Shared fixtures (the helpers they and the tests use live in tests/helpers). The tests mirror the source tree:
+tests/model, metrics, data, train, evals, config, report, cli, integration; tests/golden holds the numbers that must
+not change and their checks."""
 import os
-import random
-import subprocess
-import sys
 from pathlib import Path
 
 os.environ.setdefault("WANDB_MODE", "offline")
@@ -15,38 +12,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from sinklab.model import FAMILIES, ConfigError, ModelConfig, Transformer  # noqa: E402
-from sinklab.model.config import KNOBS  # noqa: E402
-
-# a fast real training run (tests/test_train.py and the runs the evaluation tests train): 2 layers, d 64
-FAST = ["model.n_layer=2", "model.d_model=64", "model.d_ff=128", "data.batch_size=16",
-        "trainer.val_check_interval=20", "trainer.limit_val_batches=4", "callbacks.sink.every_n_steps=20",
-        "callbacks.checkpoint.every_n_train_steps=20", "optim.warmup_steps=5", "trainer.enable_progress_bar=false"]
-SMALL = dict(vocab_size=97, n_layer=2, n_head=4, d_model=32, d_ff=64, block_size=24)
-WORDS = ["".join(random.Random(i).choice("etaoinshrdlucmfwypvbgk") for _ in range(1 + i % 8)) for i in range(300)]
-
-
-def fake_text(seed: int, n_words: int) -> str:
-    """Deterministic pseudo-prose with a Zipf-like word distribution (corpora for the data tests)."""
-    rng = random.Random(seed)
-    lines, line = [], []
-    for _ in range(n_words):
-        line.append(WORDS[min(int(rng.paretovariate(1.0)) - 1, len(WORDS) - 1)] if rng.random() < 0.7
-                    else rng.choice(WORDS))
-        if rng.random() < 0.12:
-            lines.append(" ".join(line).capitalize() + ".")
-            line = []
-    return "\n".join(lines) + "\n"
-
-
-def small_model(**overrides) -> Transformer:
-    """A 2-layer, d 32 model with seed 0, in eval mode."""
-    torch.manual_seed(0)
-    return Transformer(ModelConfig(**{**SMALL, **overrides})).eval()
-
-
-def token_ids(B: int = 2, T: int = 24, seed: int = 0, vocab: int = 97) -> torch.Tensor:
-    return torch.randint(0, vocab, (B, T), generator=torch.Generator().manual_seed(seed))
+from sinklab.model import ModelConfig, Transformer  # noqa: E402
+from tests.helpers import natural_run, save_ckpt, small_model, train_run, write_corpus  # noqa: E402
 
 
 @pytest.fixture
@@ -86,8 +53,6 @@ def small_run(tmp_path_factory):
         from sinklab.data import LMDataModule  # noqa: F401
     except ImportError as err:
         pytest.skip(f"sinklab.data.LMDataModule is not available ({err})")
-    from test_measure import natural_run, save_ckpt
-
     run, dm = natural_run(tmp_path_factory.mktemp("small_run"))
     torch.manual_seed(0)
     model = Transformer(ModelConfig(vocab_size=dm.vocab_size, n_layer=2, n_head=4, d_model=32, d_ff=64,
@@ -96,78 +61,19 @@ def small_run(tmp_path_factory):
     return run, dm, model
 
 
-def component_cases() -> list[dict]:
-    """One config (overrides of SMALL) per registered component of every family, and per value of each choice or
-    boolean knob it owns (softmax x sink_logit, kernel x kernel_map x attn_normalize, ...) and of each knob that lists
-    values to try in `metadata={"cases": (...)}` (rope x rope_fraction x nope_every), except the combinations the
-    component's `validate` refuses (a head-shared gate after the output projection). A component that needs
-    logits is paired with a position that works with it (the registry's defaults otherwise)."""
-    cases = []
-    for registry in FAMILIES:
-        for cls in registry:
-            owned = [(k, f) for k, (f, owners) in KNOBS.items() if cls in owners]
-            axes = [[(k, c) for c in f.metadata["choices"]] for k, f in owned if "choices" in f.metadata]
-            axes += [[(k, False), (k, True)] for k, f in owned if f.type in (bool, "bool")]
-            axes += [[(k, c) for c in f.metadata["cases"]] for k, f in owned if "cases" in f.metadata]
-            for combo in itertools.product(*axes):
-                case = {registry.key: cls.name, **dict(combo)}
-                if not refused(case):
-                    cases.append(case)
-    return cases
-
-
-def refused(case: dict) -> bool:
-    try:
-        ModelConfig(**{**SMALL, **case})
-    except ConfigError:
-        return True
-    return False
-
-
-def case_id(case: dict) -> str:
-    return ",".join(f"{k}={v}" for k, v in case.items())
-
-
-
-def train(out: Path, *overrides: str, check: bool = True, warnings: str = "ignore") -> subprocess.CompletedProcess:
-    """`sinklab-train paths.output_dir=OUT` with FAST and `overrides`, in a subprocess as a user runs it."""
-    cmd = [sys.executable, "-m", "sinklab.train.entry", f"paths.output_dir={out}", *FAST, *overrides]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "PYTHONWARNINGS": warnings})
-    if check and proc.returncode != 0:
-        raise AssertionError(f"training failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    return proc
-
-
 @pytest.fixture(scope="session")
 def trained_run(tmp_path_factory) -> Path:
-    """A real short default run, shared by the sampling and streaming tests: `sinklab-train` with FAST for 120 steps
+    """A real short default run, shared by the sampling and streaming tests: `train(cfg)` with FAST for 120 steps
     (Shakespeare, 1024 BPE with a BOS token at position 1, a 2-layer d 64 model of context 64, RoPE; ~20 s). At 40
     steps greedy decoding repeats one token, which would hide a decoding bug."""
     out = tmp_path_factory.mktemp("trained") / "run"
-    train(out, "trainer.max_steps=120")
+    train_run(out, "trainer.max_steps=120")
     return out
 
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """Six small text documents and a shared token cache (the reliability and SLURM tests' small runs)."""
+    return write_corpus(tmp_path_factory.mktemp("corpus"))
 
 
-def readme_cli_lines(prefix: str, paths: dict[str, Path]) -> list[list[str]]:
-    """The README's lines starting with `prefix` (e.g. "sinklab sample "), comments stripped, as the arguments after
-    `sinklab`; the placeholder paths of the README (keys of `paths`, e.g. runs/a) replaced by the test's."""
-    import shlex
-
-    lines = [line.split("  #", 1)[0].strip() for line in README.read_text().splitlines() if line.startswith(prefix)]
-    return [[str(paths.get(a, a)) for a in shlex.split(line)[1:]] for line in lines]
-
-
-def run_sinklab(capsys, *args: str) -> tuple[int, str, str]:
-    """`sinklab ARGS...` in this process: (exit code, stdout, stderr); argparse's usage errors exit too."""
-    from sinklab.cli import main
-
-    try:
-        rc = main(list(args))
-    except SystemExit as exc:
-        rc = exc.code
-    out, err = capsys.readouterr()
-    return rc, out, err
