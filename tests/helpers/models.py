@@ -51,6 +51,22 @@ def component_cases() -> list[dict]:
     return cases
 
 
+def covering(cases: list[dict]) -> list[dict]:
+    """A subset of `cases` in which every (key, value) that any of them has appears at least once: each component
+    and every value of each of its knobs, without their full product (greedy: the case adding the most unseen pairs
+    first, ties in the given order)."""
+    seen, out = set(), []
+    for component in dict.fromkeys(next(iter(c.items())) for c in cases):
+        own = [c for c in cases if next(iter(c.items())) == component]
+        while True:
+            best = max(own, key=lambda c: len(set(c.items()) - seen))
+            if not set(best.items()) - seen:
+                break
+            out.append(best)
+            seen |= set(best.items())
+    return out
+
+
 def refused(case: dict) -> bool:
     try:
         ModelConfig(**{**SMALL, **case})

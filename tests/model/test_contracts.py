@@ -3,7 +3,10 @@ operation, positional encoding, norm, FFN, gate or attention bias is tested here
 chunked and explicit paths agree (forward and gradients), and so do FlexAttention (model.attn_backend=flex) and the
 memory-linear training paths (model.attn_memory=linear), decoding with a KV cache gives the full forward's logits,
 it is causal, its rows sum to one where it says so, the
-chunked sink metric equals the brute-force one, it trains a step, and a file of its config group selects it."""
+chunked sink metric equals the brute-force one, it trains a step, and a file of its config group selects it.
+
+The default suite runs every component with every value of each of its knobs (tests.helpers.covering); the full
+product of the knobs (`component_cases`) runs with the `slow` tests."""
 from functools import lru_cache
 
 import pytest
@@ -13,10 +16,13 @@ from omegaconf import OmegaConf
 from sinklab.metrics.sink import attention_scores, brute_force_alpha
 from sinklab.model import ATTENTION_OPS, FAMILIES
 from sinklab.model.ops.softmax import Softmax
-from tests.helpers import (REPO, assert_same_logits_and_grads, case_id, component_cases, logits_and_grads, small_model,
-                           token_ids)
+from tests.helpers import (REPO, assert_same_logits_and_grads, case_id, component_cases, covering, logits_and_grads,
+                           small_model, token_ids)
 
 CASES = component_cases()
+# the default suite: every registered component and every value of each of its knobs (covering); the rest of the
+# knobs' full product (gate position x activation x sharing, ...) is marked slow
+CORE = covering(CASES)
 MASKS = {"causal": {}, "prefix": {"prefix_len": 4}, "window": {"window": 5}, "sinks": {"n_sink_tokens": 2, "window": 4}}
 CONF = REPO / "conf" / "model"
 
@@ -26,7 +32,17 @@ MASK_FAMILIES = ("pos", "attn_op", "attn_bias")
 WITH_MASKS = [(case, mask) for case in CASES for mask in (MASKS if next(iter(case)) in MASK_FAMILIES else ["causal"])]
 
 
-@pytest.mark.parametrize("case,mask", WITH_MASKS, ids=[f"{case_id(c)}-{m}" for c, m in WITH_MASKS])
+def cases(items=CASES) -> list:
+    """pytest params of `items` (cases, or (case, mask) pairs), those outside CORE marked slow."""
+    out = []
+    for item in items:
+        case, args, name = (item[0], item, f"{case_id(item[0])}-{item[1]}") if isinstance(item, tuple) else \
+            (item, (item,), case_id(item))
+        out.append(pytest.param(*args, id=name, marks=() if case in CORE else pytest.mark.slow))
+    return out
+
+
+@pytest.mark.parametrize("case,mask", cases(WITH_MASKS))
 def test_fused_chunked_and_explicit_paths_agree(case, mask):
     m = small_model(**case, **MASKS[mask]).train()
     idx = token_ids()
@@ -44,7 +60,7 @@ def takes_flex(model) -> bool:
     return issubclass(ATTENTION_OPS.selected(model.cfg), Softmax)
 
 
-@pytest.mark.parametrize("case,mask", WITH_MASKS, ids=[f"{case_id(c)}-{m}" for c, m in WITH_MASKS])
+@pytest.mark.parametrize("case,mask", cases(WITH_MASKS))
 def test_flex_and_memory_linear_paths_equal_the_explicit_maps(case, mask, flex_on_cpu):
     """FlexAttention for every softmax variant (model.attn_backend=flex), with model.attn_memory=linear for the
     others (the explicit path's row chunks, 5 rows each, recomputed in backward; kernel attention in its causal linear
@@ -58,7 +74,7 @@ def test_flex_and_memory_linear_paths_equal_the_explicit_maps(case, mask, flex_o
     assert len(flex_on_cpu) == (m.cfg.n_layer if takes_flex(m) else 0)  # one call per layer, no fallback
 
 
-@pytest.mark.parametrize("case,mask", WITH_MASKS, ids=[f"{case_id(c)}-{m}" for c, m in WITH_MASKS])
+@pytest.mark.parametrize("case,mask", cases(WITH_MASKS))
 def test_decoding_with_a_kv_cache_gives_the_full_forward_logits(case, mask):
     """A 6-token prompt (it covers the prefix LM's 4), a 3-token chunk, then one token at a time; odd steps through
     the explicit maps (return_probs), even ones through the fused kernel where the op has one."""
@@ -78,7 +94,7 @@ def test_decoding_with_a_kv_cache_gives_the_full_forward_logits(case, mask):
 NEW_PATH_CASES = [(case, mask) for case, mask in WITH_MASKS if next(iter(case)) in MASK_FAMILIES]
 
 
-@pytest.mark.parametrize("case,mask", NEW_PATH_CASES, ids=[f"{case_id(c)}-{m}" for c, m in NEW_PATH_CASES])
+@pytest.mark.parametrize("case,mask", cases(NEW_PATH_CASES))
 def test_flex_and_linear_forms_decode_with_a_kv_cache(case, mask, flex_on_cpu):
     """FlexAttention and kernel attention's causal linear form see a KV cache's earlier keys and the bias slots:
     a 6-token prompt, a 3-token chunk, then one token at a time give the explicit path's logits (for the operations,
@@ -94,7 +110,7 @@ def test_flex_and_linear_forms_decode_with_a_kv_cache(case, mask, flex_on_cpu):
     assert len(flex_on_cpu) == (m.cfg.n_layer * len(steps) if takes_flex(m) else 0)
 
 
-@pytest.mark.parametrize("case", CASES, ids=case_id)
+@pytest.mark.parametrize("case", cases())
 def test_no_information_from_the_future(case):
     m = small_model(**case)
     idx = token_ids()
@@ -105,7 +121,7 @@ def test_no_information_from_the_future(case):
     assert (after[:, 15:] - before[:, 15:]).abs().max() > 1e-6
 
 
-@pytest.mark.parametrize("case", CASES, ids=case_id)
+@pytest.mark.parametrize("case", cases())
 def test_rows_sum_to_one_where_claimed(case):
     m = small_model(**case, n_sink_tokens=1, window=6)
     _, maps = m(token_ids(), return_probs=True)
@@ -116,7 +132,7 @@ def test_rows_sum_to_one_where_claimed(case):
             torch.testing.assert_close(a.sum(-1), torch.ones_like(a.sum(-1)))
 
 
-@pytest.mark.parametrize("case", CASES, ids=case_id)
+@pytest.mark.parametrize("case", cases())
 def test_chunked_sink_metric_equals_brute_force(case):
     m = small_model(**case, n_sink_tokens=1 if "attn_bias" not in case else 0)
     tokens = token_ids(B=3, T=20, seed=1)
@@ -129,7 +145,7 @@ def test_chunked_sink_metric_equals_brute_force(case):
             torch.testing.assert_close(mine, want, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("case", CASES, ids=case_id)
+@pytest.mark.parametrize("case", cases())
 def test_trains_a_step(case):
     m = small_model(**case).train()
     opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
@@ -176,3 +192,11 @@ def test_components_command_lists_every_registered_component(capsys):
     assert main(["components"]) == 0  # the table the README points to
     table = capsys.readouterr().out
     assert "model.attn_op=sigmoid" in table and "knobs: attn_normalize=False, sigmoid_bias=0.0" in table
+
+
+def test_the_default_suite_has_every_component_and_every_knob_value():
+    """CORE, what the default suite runs, leaves out combinations only: every registered component and every value
+    of each of its knobs is in it."""
+    assert {next(iter(c.items())) for c in CORE} == {(r.key, cls.name) for r in FAMILIES for cls in r}
+    assert {kv for c in CORE for kv in c.items()} == {kv for c in CASES for kv in c.items()}
+    assert len(CORE) < len(CASES)
