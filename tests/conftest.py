@@ -13,7 +13,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from sinklab.model import ModelConfig, Transformer  # noqa: E402
-from tests.helpers import natural_run, save_ckpt, small_model, train_run, write_corpus  # noqa: E402
+from tests.helpers import natural_run, save_ckpt, small_model, train, write_corpus  # noqa: E402
 
 
 @pytest.fixture
@@ -63,11 +63,11 @@ def small_run(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def trained_run(tmp_path_factory) -> Path:
-    """A real short default run, shared by the sampling and streaming tests: `train(cfg)` with FAST for 120 steps
+    """A real short default run, shared by the sampling and streaming tests: `sinklab-train` with FAST for 120 steps
     (Shakespeare, 1024 BPE with a BOS token at position 1, a 2-layer d 64 model of context 64, RoPE; ~20 s). At 40
     steps greedy decoding repeats one token, which would hide a decoding bug."""
     out = tmp_path_factory.mktemp("trained") / "run"
-    train_run(out, "trainer.max_steps=120")
+    train(out, "trainer.max_steps=120")  # a subprocess: Hydra writes the run dir's .hydra/config.yaml they read
     return out
 
 

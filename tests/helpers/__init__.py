@@ -2,11 +2,10 @@
 from .cli import HYDRA_SCHEMA_WARNING, README, REPO, readme_cli_lines, readme_commands, run_sinklab
 from .models import (SMALL, assert_same_logits_and_grads, case_id, component_cases, covering, logits_and_grads,
                      refused, save_ckpt, small_model, token_ids)
-from .runs import (FAST, data_args, natural_run, rows, series, small, tiny_hf, train, train_run,
-                   write_corpus)
+from .runs import FAST, data_args, natural_run, rows, series, small, tiny_hf, train, write_corpus
 from .text import VERSE, WORDS, fake_text
 
 __all__ = ["FAST", "HYDRA_SCHEMA_WARNING", "README", "REPO", "SMALL", "VERSE", "WORDS", "assert_same_logits_and_grads",
            "case_id", "component_cases", "covering", "data_args", "fake_text", "logits_and_grads", "natural_run",
            "readme_cli_lines", "readme_commands", "refused", "rows", "run_sinklab", "save_ckpt", "series", "small",
-           "small_model", "tiny_hf", "token_ids", "train", "train_run", "write_corpus"]
+           "small_model", "tiny_hf", "token_ids", "train", "write_corpus"]

@@ -29,15 +29,6 @@ def train(out: Path, *overrides: str, check: bool = True, warnings: str = "ignor
     return proc
 
 
-def train_run(out: Path, *overrides: str) -> dict:
-    """`train(cfg)` in this process with FAST and `overrides` into `out`: what `sinklab-train` does, without a
-    process of its own (use `train` where the process is what is tested). Returns the final metrics."""
-    from sinklab.config import compose
-    from sinklab.train.entry import train as train_cfg
-
-    return train_cfg(compose([f"paths.output_dir={out}", *FAST, *overrides]))
-
-
 def natural_run(base: Path, name: str = "run") -> tuple[Path, object]:
     """A training-run dir whose .hydra/config.yaml has a data section (a small local corpus, BPE of 300)."""
     from hydra.utils import instantiate
