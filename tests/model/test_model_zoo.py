@@ -433,8 +433,10 @@ def test_chunked_explicit_path_equals_the_full_map(make_model, op, mask):
     for block in m.blocks:
         block.attn.row_chunk = 5  # chunks that do not divide N = 24 or 26
     chunked = m(idx)
-    torch.testing.assert_close(one_chunk, full, atol=1e-6, rtol=0)
-    torch.testing.assert_close(chunked, full, atol=1e-6, rtol=0)
+    # the paths sum in other orders: up to 1.3e-6 apart with ATEN_CPU_CAPABILITY=default (softpick with a KV bias,
+    # prefix and window), within 1e-6 with the AVX-512 kernels
+    torch.testing.assert_close(one_chunk, full, atol=1e-5, rtol=0)
+    torch.testing.assert_close(chunked, full, atol=1e-5, rtol=0)
 
 
 def test_chunked_explicit_path_never_holds_a_full_map(make_model):
