@@ -4,7 +4,7 @@
 # and its own log under OUTDIR; a failing step does not stop the others.
 #
 #   bash scripts/gpu_checks.sh OUTDIR STEP [STEP ...]
-#     cuda-tests        python -m pytest -m cuda tests/test_cuda.py (pytest-xdist workers if installed)
+#     cuda-tests        python -m pytest -m cuda tests/integration/test_cuda.py (pytest-xdist workers if installed)
 #     suite             the README's unit suite, on the CPU cores of the GPU machine
 #     bench-NAME        scripts/bench.py --config 60m --device cuda --dtype bf16 --data random --batch 16 --compile
 #                       for NAME in softmax_sdpa softmax_flex sink_logit alibi sigmoid_linear (BENCH_ARGS adds flags)
@@ -42,7 +42,7 @@ xdist() { $PY -c "import xdist" 2>/dev/null && echo "-n $1"; }
 for s in "$@"; do
   case $s in
     cuda-tests)
-      step cuda_tests "${CUDA_TESTS_TIME:-240}" $PY -m pytest -m cuda tests/test_cuda.py -q -rs $(xdist 6) ;;
+      step cuda_tests "${CUDA_TESTS_TIME:-240}" $PY -m pytest -m cuda tests/integration/test_cuda.py -q -rs $(xdist 6) ;;
     suite)
       step suite "${SUITE_TIME:-300}" env OMP_NUM_THREADS=1 $PY -m pytest -m "not slow and not cuda" -q \
         -p no:cacheprovider $(xdist 12) ;;

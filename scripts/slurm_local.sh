@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # A one-node SLURM on this machine, to try the SLURM launcher (hydra/launcher=slurm) and for its integration test
-# (tests/test_slurm.py). Every file (slurm.conf, munge key and socket, state, spool, pid and log files) lives in
+# (tests/train/test_slurm.py). Every file (slurm.conf, munge key and socket, state, spool, pid and log files) lives in
 # DIR (default /tmp/sinklab-slurm); the daemons are started directly (no systemd) and stopped by their pid files.
 #   bash scripts/slurm_local.sh start [DIR]    # installs slurm-wlm and munge with apt-get if missing (as root)
 #   export SLURM_CONF=DIR/slurm.conf           # the line `start` prints: sbatch, squeue and submitit use it

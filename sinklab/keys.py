@@ -18,7 +18,7 @@ ACT_PREFIX = "act/"
 
 # The physical range of every logged name, the first pattern that matches: the registered metrics' own (each metric
 # declares the bounds of its keys, sinklab/metrics/), then the training loop's below. A logged name no pattern covers
-# fails tests/test_bounds.py.
+# fails tests/metrics/test_bounds.py.
 PERCENT = (0.0, 100.0)
 NON_NEGATIVE = (0.0, math.inf)
 UNIT = (0.0, 1.0)

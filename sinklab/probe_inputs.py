@@ -174,11 +174,7 @@ def choose_tokens(args, vocab_size: int, context: Optional[int], run_dir: Option
     return make_tokens(kind, num_seqs, seq_len, vocab_size, args.seed), kind
 
 
-def val_blocks_as_trained(dm, n_batches: Optional[int]) -> list[torch.Tensor]:
-    """The run's validation blocks (B, T + 1), with the BOS token at position 1 when its training blocks have one
-    (data.bos: the model never saw a sequence without it; the data module's own validation blocks are plain
-    text), the last token dropped to keep the length."""
-    blocks = list(islice(dm.val_dataloader(), n_batches))
-    if not getattr(dm.config, "bos", False):
-        return blocks
-    return [torch.cat([torch.full_like(b[:, :1], dm.eos_id), b[:, :-1]], dim=1) for b in blocks]
+def val_blocks(dm, n_batches: Optional[int]) -> list[torch.Tensor]:
+    """The run's first `n_batches` validation batches (B, T + 1) (all with None), as the training validated on them:
+    the data module's (LMDataModule.val_dataloader: the BOS token first when data.bos, as in every training block)."""
+    return list(islice(dm.val_dataloader(), n_batches))

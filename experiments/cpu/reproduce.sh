@@ -17,7 +17,7 @@
 # and `sinklab eval intervene`, into OUT_DIR/NAME/{quant,streaming,intervene}.csv (eval_sweep.sh). Each sweep goes to
 # OUT_DIR/NAME and its `sinklab report` to OUT_DIR/NAME/report; the window sweep is also measured on probes as long as
 # its windows. Every other sweep runs on scale=cpu. RESULTS.md names, for each
-# number, the sweep it came from; tests/test_readme.py composes and validates every job listed here.
+# number, the sweep it came from; tests/cli/test_readme.py composes and validates every job listed here.
 set -euo pipefail
 OUT=${1:-logs/cpu_findings}
 shift || true

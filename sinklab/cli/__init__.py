@@ -3,7 +3,7 @@ prepare corpora.
 
 One module per command, each on the shared base `sinklab.cli.base` (parser, errors, device, TARGET / --hf-model,
 JSON) and the library below it (`sinklab.lm` loads and scores a model); no command imports another
-(tests/test_layering.py). `sinklab prepare` is `sinklab.data.prepare`, the data layer's own command line (also
+(tests/cli/test_layering.py). `sinklab prepare` is `sinklab.data.prepare`, the data layer's own command line (also
 `scripts/prepare_data.py`).
 """
 from __future__ import annotations

@@ -2,7 +2,7 @@
 metrics that a module of your own package registers (a package name covers its submodules).
 
 It imports the modules (as SINKLAB_PLUGINS would), then runs every check of sinklab.contracts on each component
-(per knob value and mask, as tests/test_contracts.py does for sinklab's own) and each metric: one line per failed
+(per knob value and mask, as tests/model/test_contracts.py does for sinklab's own) and each metric: one line per failed
 check, `FAIL <check>: <case>: <why>`, and a count. Exit code 0 when every check passes, 1 when one fails, 2 when a
 module cannot be imported or registers nothing.
 """

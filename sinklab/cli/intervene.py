@@ -43,7 +43,7 @@ from typing import Optional, Sequence
 from sinklab.cli.base import OneLineParser, add_device_json_args, command_main, pick_device
 from sinklab.errors import UserError
 from sinklab.evals.intervene import INTERVENTIONS, evaluate, find_massive
-from sinklab.probe_inputs import checkpoint_and_run_dir, positive, probe_tokens, read_run_data, val_blocks_as_trained
+from sinklab.probe_inputs import checkpoint_and_run_dir, positive, probe_tokens, read_run_data, val_blocks
 
 PROG = "sinklab eval intervene"
 
@@ -73,7 +73,7 @@ def run(args) -> dict:
         raise UserError(f"{args.target} has no run config (.hydra/config.yaml): intervene reads the run's validation "
                         "blocks and probe set; pass a run dir or a checkpoint inside one")
     model = load_model(ckpt).to(device).eval()
-    val = read_run_data(Path(run_dir), {"num_workers": 0}, lambda dm: val_blocks_as_trained(dm, args.val_batches),
+    val = read_run_data(Path(run_dir), {"num_workers": 0}, lambda dm: val_blocks(dm, args.val_batches),
                         "TARGET", "the validation blocks", "check the run's data config")
     val = [b.to(device) for b in val]
     probe = probe_tokens(Path(run_dir), None, None).to(device)

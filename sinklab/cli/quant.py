@@ -32,7 +32,7 @@ from sinklab.cli.base import (OneLineParser, add_device_json_args, add_target_ar
                               pick_device)
 from sinklab.errors import UserError
 from sinklab.lm import load_target
-from sinklab.probe_inputs import data_run_dir, load_tokens, positive, read_run_data, val_blocks_as_trained
+from sinklab.probe_inputs import data_run_dir, load_tokens, positive, read_run_data, val_blocks
 from sinklab.quant.fake import FP32, GRANULARITIES, SCHEMES, evaluate
 
 PROG = "sinklab quant"
@@ -86,7 +86,7 @@ def token_batches(path: str, flag: str, meta: dict, batch_size: int) -> list[tor
 def run_batches(run_dir: Path, flag: str, args, meta: dict) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """The run's validation blocks (at most --val-batches batches) and its first --calib-batches training batches."""
     def read(dm):
-        return (val_blocks_as_trained(dm, args.val_batches), list(islice(dm.make_train_loader(), args.calib_batches)))
+        return (val_blocks(dm, args.val_batches), list(islice(dm.make_train_loader(), args.calib_batches)))
 
     val, calib = read_run_data(run_dir, {"batch_size": args.batch_size, "num_workers": 0}, read, flag,
                                "the validation and training blocks", "pass --tokens FILE.npy")

@@ -23,8 +23,6 @@ from .store import CONF_DIR
 __all__ = ["validate_config", "built", "check_devices"]
 _MISSING = object()
 
-DEBUG_KEYS = ("nan_at_step",)
-
 # key -> (check, required). A key whose parent node is absent or null (callbacks.sink=null) is not checked.
 SCHEMA: dict[str, tuple[Check, bool]] = {
     "seed": (integer(0), True),
@@ -36,8 +34,6 @@ SCHEMA: dict[str, tuple[Check, bool]] = {
     "logger.wandb.entity": (string(optional=True), False),
     "logger.wandb.name": (string(optional=True), False),
     "logger.wandb.group": (string(optional=True), False),
-    # debugging knobs (+debug.nan_at_step=N)
-    "debug.nan_at_step": (integer(0, optional=True), False),
 }
 
 
@@ -201,7 +197,6 @@ def validate_config(cfg: DictConfig) -> ModelConfig:
         objects[key] = built(cfg, key)
     mcfg = objects["model"] if isinstance(objects.get("model"), ModelConfig) else built(cfg, "model")
     # option names: Hydra refuses unknown keys on the command line; these catch them in preset files too
-    _check_keys(_select(cfg, "debug"), "debug", DEBUG_KEYS)
     _check_target_keys(cfg, "trainer")
     _check_target_keys(cfg, "data")
     for group in ("callbacks", "logger"):

@@ -1,5 +1,5 @@
 """The generic contract checks of components (`components.py`) and metrics (`metrics.py`), importable so that
-sinklab's own tests (tests/test_contracts.py, tests/test_metric_contracts.py), `sinklab check-component` (`command.py`)
+sinklab's own tests (tests/model/test_contracts.py, tests/metrics/test_metric_contracts.py), `sinklab check-component` (`command.py`)
 and a user's own pytest suite run the same code:
 
     from sinklab.contracts import checks

@@ -1,6 +1,6 @@
 """The contract every registered component passes, as plain checks (an AssertionError says what broke).
 
-tests/test_contracts.py runs them over every registered component (`component_cases`), and
+tests/model/test_contracts.py runs them over every registered component (`component_cases`), and
 `sinklab check-component MODULE` over the components of a user's module: the fused, chunked and explicit paths
 agree (forward and gradients), and so do FlexAttention (model.attn_backend=flex) and the memory-linear paths
 (model.attn_memory=linear); decoding with a KV cache gives the full forward's logits; it is causal; its rows sum to

@@ -1,6 +1,6 @@
 """The contract every registered metric passes, as plain checks (an AssertionError says what broke).
 
-tests/test_metric_contracts.py runs them over every registered metric, and `sinklab check-component MODULE` over
+tests/metrics/test_metric_contracts.py runs them over every registered metric, and `sinklab check-component MODULE` over
 the metrics of a user's module: every value it logs has physical bounds and lies within them on random models of
 several switches; the hooked, streamed value (batches of 2 sequences, maps in chunks of 7 query rows, one layer at
 a time) equals the direct computation (every sequence at once, every layer's whole explicit map from one forward);

@@ -11,7 +11,8 @@ Training (TrainBlocks + StepBatchSampler)
     With `unique_tokens = N` offsets are drawn from [0, N - (block_size + 1)], so training only ever
     reads the first N tokens of the split.
 
-Validation (ValBlocks): `num_blocks` blocks at evenly spaced offsets of the validation split.
+Validation (ValBlocks): `num_blocks` blocks at evenly spaced offsets of the validation split, with the BOS
+token first when the training blocks have one (data.bos).
 
 Probe (probe_offsets): `num_seqs` sequences at evenly spaced offsets of the validation split; no seed,
 so every run on the same data probes the same held-out text.
@@ -114,21 +115,28 @@ class StepLoader:
 
 
 class ValBlocks(Dataset):
-    """`num_blocks` fixed (block_size + 1)-token blocks of the validation split; rank r takes r::world."""
+    """`num_blocks` fixed (block_size + 1)-token blocks of the validation split; rank r takes r::world. With
+    `bos_id` (data.bos) a block is that id and then block_size natural tokens, as every training block is (the text
+    shifted by one, not overwritten; the offsets stay those of the plain blocks), so that the validation loss is
+    measured on the distribution the model trains on."""
 
-    def __init__(self, store: TokenStore, block_size: int, num_blocks: int, rank: int = 0, world_size: int = 1):
+    def __init__(self, store: TokenStore, block_size: int, num_blocks: int, rank: int = 0, world_size: int = 1,
+                 bos_id: int | None = None):
         if len(store) < block_size + 1:
             raise UserError(f"the validation split has {len(store)} tokens, fewer than one block of block_size + 1 = "
                             f"{block_size + 1}; raise data.val_fraction or lower block_size")
         usable = num_blocks - num_blocks % world_size  # every rank gets the same number of blocks
-        self.store, self.length = store, block_size + 1
+        self.store, self.length, self.bos_id = store, block_size + 1, bos_id
         self.offsets = evenly_spaced(len(store), self.length, num_blocks)[:usable][rank::world_size]
 
     def __len__(self) -> int:
         return len(self.offsets)
 
     def __getitem__(self, index: int) -> torch.Tensor:
-        return torch.from_numpy(self.store.read(int(self.offsets[index]), self.length))  # (block_size + 1,)
+        start = int(self.offsets[index])
+        if self.bos_id is None:
+            return torch.from_numpy(self.store.read(start, self.length))  # (block_size + 1,)
+        return torch.from_numpy(np.concatenate([[self.bos_id], self.store.read(start, self.length - 1)]))
 
 
 def probe_set(store: TokenStore, num_seqs: int, seq_len: int) -> np.ndarray:

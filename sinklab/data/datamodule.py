@@ -181,9 +181,14 @@ class LMDataModule(StepLoader, L.LightningDataModule):
         return self.make_train_loader(step, rank, world, accumulate)
 
     def val_dataloader(self) -> DataLoader:
+        """The validation blocks, on the training distribution: with data.bos each starts with the BOS token, as
+        every training block does (the other controls, random and fixed tokens, are interventions on training and
+        leave validation natural). The training's val/loss, `sinklab quant` and `sinklab eval intervene` read
+        these."""
         _, rank, world, _ = self._distributed()
         self._prepared()
-        blocks = ValBlocks(self._stores["val"], self.block_size, self.config.val_num_blocks, rank, world)
+        blocks = ValBlocks(self._stores["val"], self.block_size, self.config.val_num_blocks, rank, world,
+                           bos_id=self._controls.bos_id)
         return DataLoader(blocks, batch_size=self.batch_size, shuffle=False, num_workers=self.num_workers,
                           pin_memory=self.pin_memory, persistent_workers=self.num_workers > 0)
 

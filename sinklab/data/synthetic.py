@@ -30,7 +30,7 @@ Same API as `sinklab.data.LMDataModule` (what `sinklab-train` and the sink callb
 
 The task (bigram table, triggers) and the validation / probe sequences depend on `task_seed` only, so runs with
 different training seeds learn the same task and are probed on the same sequences. Hydra: conf/data/synthetic.yaml;
-test: tests/test_sink_emergence.py.
+test: tests/integration/test_sink_emergence.py.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ A metric is one module (`sinklab/metrics/<name>.py`) with one class registered h
 - `headline`: the log keys `sinklab report --metrics NAME` shows.
 The training callback (`SinkCallback`), `sinklab measure` (sinklab checkpoints and Hugging Face models,
 `sinklab.metrics.record.measure_all`) and `sinklab report --metrics` iterate the registry;
-tests/test_metric_contracts.py checks every registered metric. A metric in a researcher's own package registers with
+tests/metrics/test_metric_contracts.py checks every registered metric. A metric in a researcher's own package registers with
 `@METRICS.register("name")` and is measured once its module is imported.
 """
 from __future__ import annotations

@@ -59,9 +59,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         check_same_model(resume, model_cfg.to_dict(), ckpt)
         log.info("resuming from %s (step %d)", ckpt, resume_step)
     del resume
-    debug = OmegaConf.to_container(cfg.debug, resolve=True) if cfg.get("debug") else None
     module = LitLM(model=model_cfg, optim=OmegaConf.to_container(cfg.optim, resolve=True, enum_to_str=True),
-                   max_steps=cfg.trainer.max_steps, peak_flops=cfg.get("peak_flops"), debug=debug,
+                   max_steps=cfg.trainer.max_steps, peak_flops=cfg.get("peak_flops"),
                    compile_backend=cfg.get("compile_backend") or "inductor")
     log.info("model: %.2fM non-embedding parameters; data: %s", module.net.num_params() / 1e6, dm.describe())
 

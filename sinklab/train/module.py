@@ -51,8 +51,7 @@ class LitLM(L.LightningModule):
     sinklab.train.optim.AdamWConfig's defaults), instantiated in configure_optimizers."""
 
     def __init__(self, model: Union[ModelConfig, dict[str, Any]], optim: dict[str, Any], max_steps: int,
-                 peak_flops: Union[float, str, None] = None, debug: Optional[dict[str, Any]] = None,
-                 compile_backend: str = "inductor"):
+                 peak_flops: Union[float, str, None] = None, compile_backend: str = "inductor"):
         super().__init__()
         self.cfg = model if isinstance(model, ModelConfig) else ModelConfig.from_dict(dict(model))
         self.optim = optimizer_config(optim)
@@ -68,8 +67,6 @@ class LitLM(L.LightningModule):
         # training starts, sinklab.perf.peak_matmul_flops at the training precision's matmul dtype)
         self.peak_flops = peak_flops
         self._t_last: Optional[float] = None
-        # +debug.nan_at_step=N: the gradients of step N become NaN, as in a diverging update (tests the NaN path)
-        self.nan_at_step = (debug or {}).get("nan_at_step")
 
     @property
     def net(self) -> Transformer:
@@ -156,12 +153,6 @@ class LitLM(L.LightningModule):
         cb = self._trainer.checkpoint_callback if self._trainer is not None else None
         path = getattr(cb, "last_model_path", "") or getattr(cb, "best_model_path", "")
         return f" ({path})" if path else " (none was saved yet)"
-
-    def on_before_optimizer_step(self, optimizer) -> None:
-        if self.nan_at_step is not None and self.global_step == self.nan_at_step:
-            for p in self.parameters():
-                if p.grad is not None:
-                    p.grad.fill_(float("nan"))
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Never write a diverged state over the last good checkpoint; save the RNG states for exact resumes."""

@@ -1,0 +1,202 @@
+"""The import graph of sinklab/: commands sit on a shared base and never import each other, the library never imports
+a command, and what evaluates a model sits below training (no Lightning for `sinklab quant` and `sinklab eval`).
+
+Imports are read from the source (ast), wherever they are in a module (module level or inside a function), except
+a module's `if __name__ == "__main__":` block: `python -m sinklab.measure` running `sinklab.cli.measure` is a
+command line, not a dependency.
+"""
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from sinklab.model import ModelConfig, Transformer
+
+SINKLAB = Path(__file__).resolve().parents[2] / "sinklab"
+CLI_BASE = {"sinklab.cli", "sinklab.cli.base", "sinklab.cli.__main__"}  # the shared base and the dispatcher
+# what loads, scores and evaluates a model: below sinklab.train, so that it runs without Lightning
+BELOW_TRAIN = ("sinklab.lm", "sinklab.evals", "sinklab.quant", "sinklab.metrics", "sinklab.model",
+               "sinklab.config.validate", "sinklab.checkpoint", "sinklab.hf", "sinklab.probe_inputs",
+               "sinklab.measure", "sinklab.cli.base")
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(SINKLAB.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def is_main_guard(node: ast.stmt) -> bool:
+    test = getattr(node, "test", None)
+    return (isinstance(node, ast.If) and isinstance(test, ast.Compare) and isinstance(test.left, ast.Name)
+            and test.left.id == "__name__" and any(isinstance(c, ast.Constant) and c.value == "__main__"
+                                                   for c in test.comparators))
+
+
+def imports(path: Path) -> set[str]:
+    """Every module `path` imports (`from a.b import c` counts as a.b and a.b.c), relative imports resolved."""
+    name = module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        for child in ast.iter_child_nodes(node):
+            if is_main_guard(child):
+                continue
+            if isinstance(child, ast.Import):
+                found.update(alias.name for alias in child.names)
+            elif isinstance(child, ast.ImportFrom):
+                base = child.module or ""
+                if child.level:
+                    anchor = package.split(".")[: len(package.split(".")) - child.level + 1]
+                    base = ".".join(anchor + ([base] if base else []))
+                found.add(base)
+                found.update(f"{base}.{alias.name}" for alias in child.names)
+            visit(child)
+
+    visit(ast.parse(path.read_text(), filename=str(path)))
+    return found
+
+
+def graph() -> dict[str, set[str]]:
+    return {module_name(p): {m for m in imports(p) if m == "sinklab" or m.startswith("sinklab.")}
+            for p in sorted(SINKLAB.rglob("*.py"))}
+
+
+def commands() -> set[str]:
+    return {m for m in graph() if m.startswith("sinklab.cli.") and m not in CLI_BASE}
+
+
+def test_the_graph_reader_sees_imports_of_every_kind(tmp_path, monkeypatch):
+    """The reader is what the rules below rest on: module-level, function-level and relative imports count, the
+    `python -m` block does not."""
+    pkg = tmp_path / "sinklab" / "cli"
+    pkg.mkdir(parents=True)
+    (pkg / "a.py").write_text("import sinklab.cli.b\nfrom . import c\nfrom .base import x\n"
+                              "def f():\n    from sinklab.cli.d import main\n"
+                              "if __name__ == '__main__':\n    from sinklab.cli.e import main\n")
+    monkeypatch.setattr(sys.modules[__name__], "SINKLAB", tmp_path / "sinklab")
+    assert imports(pkg / "a.py") == {"sinklab.cli.b", "sinklab.cli", "sinklab.cli.c", "sinklab.cli.base",
+                                     "sinklab.cli.base.x", "sinklab.cli.d", "sinklab.cli.d.main"}
+
+
+def test_every_command_is_a_module_of_the_cli_package():
+    from sinklab.cli import COMMANDS
+    from sinklab.cli.eval import SUBCOMMANDS
+
+    routed = {module for module, _ in [*COMMANDS.values(), *SUBCOMMANDS.values()]}
+    assert routed - commands() == {"sinklab.data.prepare"}  # the data layer's own command line (scripts/)
+    assert commands() - routed == set(), "a module in sinklab/cli/ that no command routes to"
+
+
+def test_no_command_imports_another():
+    g, cmds = graph(), commands()
+    for cmd in sorted(cmds):
+        others = {m for m in g[cmd] for other in cmds - {cmd} if m == other or m.startswith(other + ".")}
+        assert not others, f"{cmd} imports the command(s) {sorted(others)}: move what they share to sinklab.cli.base " \
+                           "or the library"
+
+
+def test_the_library_never_imports_a_command():
+    for module, deps in graph().items():
+        if module.startswith("sinklab.cli") or module.endswith("__main__"):
+            continue
+        up = sorted(m for m in deps if m == "sinklab.cli" or m.startswith("sinklab.cli."))
+        assert not up, f"{module} imports {up}: commands are the top of the graph"
+
+
+def test_evaluation_sits_below_training():
+    for module, deps in graph().items():
+        if module.startswith(BELOW_TRAIN):
+            up = sorted(m for m in deps if m == "sinklab.train" or m.startswith("sinklab.train."))
+            assert not up, f"{module} imports {up}: it must run without sinklab.train (and Lightning)"
+
+
+def test_nll_and_perplexity_are_written_once():
+    """One mean NLL and one perplexity (sinklab.lm); training, the commands and the evaluations call them."""
+    for path in [p for d in ("cli", "evals", "quant", "train") for p in (SINKLAB / d).rglob("*.py")]:
+        tree = ast.parse(path.read_text())
+        defined = {n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}
+        assert not defined & {"mean_nll", "perplexity", "next_token_targets"}, path
+        exps = [n for n in ast.walk(tree) if isinstance(n, ast.Attribute) and n.attr == "exp"
+                and isinstance(n.value, ast.Name) and n.value.id == "math"]
+        assert not exps, f"{path}: math.exp of a loss is sinklab.lm.perplexity"
+
+
+def test_perplexity_overflow_guard():
+    import math
+
+    from sinklab.lm import perplexity
+
+    assert perplexity(2.0) == math.exp(2.0)
+    assert perplexity(705.0) == math.exp(705.0) < math.inf  # representable: exact, no early cut-off
+    assert perplexity(710.0) == math.inf
+    assert math.isnan(perplexity(float("nan")))
+    nll = torch.tensor([1.0, 2.0, 4.0])
+    assert perplexity(nll) == math.exp(float(nll.double().mean()))
+
+
+def run_without_lightning(code: str) -> subprocess.CompletedProcess:
+    """Run `code`, then fail (exit 3) when it imported Lightning."""
+    check = ("\nimport sys\nbad = sorted(m for m in sys.modules if m.split('.')[0] in ('lightning', "
+             "'pytorch_lightning'))\nif bad:\n    print('imported', bad[:5], file=sys.stderr)\n    sys.exit(3)\n")
+    return subprocess.run([sys.executable, "-c", code + check], capture_output=True, text=True, timeout=300)
+
+
+def test_quant_and_eval_commands_import_no_lightning():
+    proc = run_without_lightning("import sinklab.cli, sinklab.cli.quant, sinklab.cli.eval, sinklab.cli.streaming, "
+                                 "sinklab.cli.intervene, sinklab.cli.measure, sinklab.cli.sample, sinklab.lm, "
+                                 "sinklab.config.validate")
+    assert proc.returncode == 0, proc.stderr
+    # the check itself: a module that does import Lightning is caught
+    assert run_without_lightning("import sinklab.train.module").returncode == 3
+
+
+def test_the_dispatcher_loads_no_command_and_no_torch():
+    """`sinklab --help` imports a command's module only when it runs, and the base imports torch only to pick a
+    device."""
+    code = ("import sys, contextlib, io\nfrom sinklab.cli import main\n"
+            "with contextlib.redirect_stdout(io.StringIO()):\n    main(['--help'])\n"
+            "loaded = sorted(m for m in sys.modules if m.startswith('sinklab.cli.') and m != 'sinklab.cli.base')\n"
+            "sys.exit(f'loaded {loaded}, torch: {\"torch\" in sys.modules}' if loaded or 'torch' in sys.modules "
+            "else 0)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.slow
+def test_quant_and_streaming_run_without_lightning(tmp_path):
+    """`sinklab quant` and `sinklab eval streaming` of a checkpoint on a token file, end to end, load no Lightning
+    (a run's own data is read through its Lightning data module; a token file is not)."""
+    cfg = ModelConfig(vocab_size=64, n_layer=1, n_head=2, d_model=16, d_ff=32, block_size=16).validate()
+    torch.manual_seed(0)
+    ckpt = tmp_path / "m.ckpt"
+    model = Transformer(cfg)
+    torch.save({"state_dict": {"model." + k: v for k, v in model.state_dict().items()},
+                "hyper_parameters": {"model": cfg.to_dict(), "optim": {}, "max_steps": 1}}, ckpt)
+    rng = np.random.default_rng(0)
+    np.save(tmp_path / "seqs.npy", rng.integers(0, 64, (4, 17)))
+    np.save(tmp_path / "text.npy", rng.integers(0, 64, (40,)))
+    out = tmp_path / "out.json"
+    argvs = [["quant", str(ckpt), "--tokens", str(tmp_path / "seqs.npy"), "--schemes", "w8a8"],
+             ["eval", "streaming", str(ckpt), "--tokens", str(tmp_path / "text.npy"), "--first", "1", "--recent", "8"]]
+    proc = run_without_lightning(textwrap.dedent(f"""
+        import contextlib, io, json
+        from sinklab.cli import main
+        codes, buf = [], io.StringIO()
+        with contextlib.redirect_stdout(buf):
+            for argv in {argvs!r}:
+                codes.append(main(argv + ["--device", "cpu", "--json"]))
+        open({str(out)!r}, "w").write(json.dumps([*codes, buf.getvalue().splitlines()]))"""))
+    assert proc.returncode == 0, proc.stderr
+    q, s, lines = json.loads(out.read_text())
+    assert (q, s) == (0, 0)
+    assert set(json.loads(lines[0])["schemes"]) == {"fp32", "w8a8"}
+    assert json.loads(lines[1])["settings"][0]["name"] == "x=1 y=8"

@@ -1,0 +1,128 @@
+"""sinklab eval intervene: the interventions do what they say (a key masked for every query and path, the massive
+activations found and overwritten where they are), and the command's table, JSON and errors."""
+from __future__ import annotations
+
+import contextlib
+import json
+
+import pytest
+import torch
+
+from sinklab.cli import main as sinklab_main
+from sinklab.evals.intervene import drop_first_key, drop_random_key, find_massive, set_activations
+from sinklab.metrics import SinklabTarget, attention_maps
+from sinklab.model import ModelConfig, Transformer
+from tests.helpers import natural_run, save_ckpt, small_model, token_ids
+
+
+@pytest.mark.parametrize("case", [{}, {"n_sink_tokens": 1}, {"attn_op": "sigmoid"}], ids=["softmax", "sinks", "sigmoid"])
+def test_masking_the_first_key_removes_its_column_on_every_path(case):
+    m = small_model(**case)
+    idx = token_ids(B=2, T=12)
+    S = m.cfg.n_sink_tokens
+    plain = m(idx)
+    mask = drop_first_key(S)
+    fused = m(idx, extra_mask=mask)  # the fused kernel (softmax) must take the mask: no is_causal shortcut
+    explicit = small_model(**case, attn_backend="explicit")(idx, extra_mask=mask)
+    torch.testing.assert_close(fused, explicit, atol=2e-5, rtol=1e-5)
+    assert not torch.allclose(fused, plain, atol=1e-3)
+    for a in attention_maps(m, idx, extra_mask=mask):  # (B, H, S + T, n_keys)
+        assert (a[:, :, S + 1:, S] == 0).all() and (a[:, :, S, S] > 0).all()
+        if m.cfg.row_normalised:  # softmax renormalises over the remaining keys
+            torch.testing.assert_close(a.sum(-1), torch.ones_like(a.sum(-1)))
+    torch.testing.assert_close(m(idx), plain, atol=0, rtol=0)  # the model itself is unchanged
+
+
+def test_the_random_control_drops_one_earlier_key_per_query():
+    m = small_model()
+    idx = token_ids(B=1, T=12)
+    before = attention_maps(m, idx)
+    after = attention_maps(m, idx, extra_mask=drop_random_key(0, 12, seed=3, device=idx.device))
+    zeros = (after[0][0, 0] == 0) & (before[0][0, 0] > 0)  # (T, T) newly zero entries, head 0
+    assert zeros[:2].sum() == 0  # queries 1 and 2 have no key other than token 1 and themselves
+    for q in range(2, 12):
+        (dropped,) = torch.nonzero(zeros[q]).flatten().tolist()
+        assert 1 <= dropped < q  # not the first token, not itself
+    assert len({int(torch.nonzero(zeros[q])[0]) for q in range(5, 12)}) > 1  # random, not a fixed column
+
+
+def massive_model(channel: int = 5, token_id: int = 7) -> Transformer:
+    """Token id 7 carries 80 in one embedding channel: a massive activation at its position from layer 1 on."""
+    torch.manual_seed(0)
+    m = Transformer(ModelConfig(vocab_size=97, n_layer=2, n_head=4, d_model=32, d_ff=64, block_size=24)).eval()
+    with torch.no_grad():
+        m.tok_emb.weight[token_id, channel] = 80.0
+        m.tok_emb.weight[token_id, channel + 1] = -40.0
+    return m
+
+
+def test_find_massive_locates_the_planted_channels_and_set_activations_overwrites_them():
+    m = massive_model()
+    probe = token_ids(B=6, T=16, seed=1)
+    probe[:, 2] = 7  # token 3 of every sequence
+    found = find_massive(m, probe, n_channels=2)
+    assert (found["layer"], found["token"], found["channels"]) == (0, 3, [5, 6])
+    assert found["mean_values"][0] > 70 and found["mean_values"][1] < -30 and found["ratio"] > 20
+    def first_layer_h() -> torch.Tensor:
+        layers = {}
+        with SinklabTarget(m).hooks({"h"}, lambda i, rec: layers.__setitem__(i, rec["h"])), torch.no_grad():
+            m(probe)
+        return layers[0]
+    with set_activations(m, 0, 2, [5, 6], torch.tensor([0.0, 1.5])):
+        h = first_layer_h()
+    assert (h[:, 2, 5] == 0).all() and (h[:, 2, 6] == 1.5).all()
+    assert (first_layer_h()[:, 2, 5] > 70).all()  # the hook is gone
+    with pytest.raises(Exception, match="--channels 40 must be in 1..32"):
+        find_massive(m, probe, n_channels=40)
+
+
+def test_intervene_command_table_and_json(small_run, capsys):
+    run, dm, _ = small_run
+    assert sinklab_main(["eval", "intervene", str(run), "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    rows = res["rows"]
+    assert list(rows) == ["none", "zero", "mean", "mask_first", "mask_random"]
+    assert rows["none"]["dppl"] == 0 and all(r["ppl"] > 1 for r in rows.values())
+    assert res["val_targets"] == 2 * 32 and res["probe"] == {"num_seqs": 10, "seq_len": 16}
+    # under mask_first only query 1 attends to token 1, with weight 1: alpha_1 = 1 / T exactly
+    assert rows["mask_first"]["alpha1"] == pytest.approx(1 / 16, abs=1e-6) and rows["mask_first"]["sink1"] == 0
+    assert rows["none"]["alpha1"] > 1 / 16 and rows["mask_random"]["alpha1"] >= rows["none"]["alpha1"]
+    assert 0 <= res["massive"]["layer"] < 2 and 1 <= res["massive"]["token"] <= 16
+    assert sinklab_main(["eval", "intervene", str(run), "--interventions", "mask_first"]) == 0
+    out = capsys.readouterr().out
+    assert "massive activations: layer" in out and [line.split()[0] for line in out.splitlines()[-2:]] == \
+        ["none", "mask_first"]
+
+
+@pytest.mark.parametrize("args,message", [(["--channels", "0"], "--channels 0 must be in 1..32"),
+                                          (["--val-batches", "0"], "--val-batches 0 must be a positive integer"),
+                                          (["--interventions", "drop"], "invalid choice: 'drop'")])
+def test_intervene_refuses_bad_input_in_one_line(small_run, capsys, args, message):
+    run, _, _ = small_run
+    with pytest.raises(SystemExit) if args[0] == "--interventions" else contextlib.nullcontext():
+        rc = sinklab_main(["eval", "intervene", str(run), *args])
+        assert rc == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0]
+
+
+def test_intervene_needs_a_run_dir(tmp_path, capsys):
+    ckpt = save_ckpt(small_model(), tmp_path / "m.ckpt")
+    assert sinklab_main(["eval", "intervene", str(ckpt)]) == 2
+    assert "has no run config" in capsys.readouterr().err
+
+
+def test_validation_blocks_get_the_bos_token_the_model_was_trained_with(tmp_path):
+    from omegaconf import OmegaConf
+
+    from sinklab.probe_inputs import read_run_data, val_blocks
+
+    run, dm = natural_run(tmp_path)
+    plain = val_blocks(dm, None)
+    cfg = OmegaConf.load(run / ".hydra" / "config.yaml")
+    cfg.data.bos = True
+    OmegaConf.save(cfg, run / ".hydra" / "config.yaml")
+    with_bos = read_run_data(run, {"num_workers": 0}, lambda d: val_blocks(d, None), "T", "w", "h")
+    assert len(with_bos) == len(plain) and with_bos[0].shape == plain[0].shape
+    assert (with_bos[0][:, 0] == dm.eos_id).all()
+    torch.testing.assert_close(with_bos[0][:, 1:], plain[0][:, :-1])

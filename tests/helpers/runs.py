@@ -1,0 +1,131 @@
+"""Training runs for tests: the FAST recipe, `sinklab-train` in a subprocess (as a user runs it, for what only a
+process shows: exit codes, signals, warnings), small local corpora and run dirs, and reading metrics.csv."""
+import csv
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from .text import VERSE
+
+# a fast real training run (tests/train/test_train.py and the runs the evaluation tests train): 2 layers, d 64
+FAST = ["model.n_layer=2", "model.d_model=64", "model.d_ff=128", "data.batch_size=16",
+        "trainer.val_check_interval=20", "trainer.limit_val_batches=4", "callbacks.sink.every_n_steps=20",
+        "callbacks.checkpoint.every_n_train_steps=20", "optim.warmup_steps=5", "trainer.enable_progress_bar=false"]
+
+
+def train(out: Path, *overrides: str, check: bool = True, warnings: str = "ignore") -> subprocess.CompletedProcess:
+    """`sinklab-train paths.output_dir=OUT` with FAST and `overrides`, in a subprocess as a user runs it."""
+    cmd = [sys.executable, "-m", "sinklab.train.entry", f"paths.output_dir={out}", *FAST, *overrides]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONWARNINGS": warnings})
+    if check and proc.returncode != 0:
+        raise AssertionError(f"training failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return proc
+
+
+def natural_run(base: Path, name: str = "run") -> tuple[Path, object]:
+    """A training-run dir whose .hydra/config.yaml has a data section (a small local corpus, BPE of 300)."""
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+
+    corpus = base / "corpus"
+    if not corpus.exists():
+        corpus.mkdir(parents=True)
+        rng = np.random.default_rng(0)
+        words = ("the quick brown fox jumps over a lazy dog while seven wise kings sing of silver rivers and "
+                 "golden hills").split()
+        for i in range(20):
+            (corpus / f"doc{i}.txt").write_text("\n".join(" ".join(rng.choice(words, 12)) for _ in range(60)))
+    data = {"_target_": "sinklab.data.LMDataModule", "corpus": "local",
+            "files": [str(p) for p in sorted(corpus.glob("*.txt"))], "tokenizer": "bpe", "vocab_size": 300,
+            "cache_dir": str(base / "cache"), "block_size": 32, "batch_size": 4, "val_num_blocks": 2,
+            "probe_num_seqs": 10, "probe_seq_len": 16}
+    run = base / name
+    (run / ".hydra").mkdir(parents=True)
+    (run / "checkpoints").mkdir()
+    OmegaConf.save(OmegaConf.create({"data": data, "seed": 0}), run / ".hydra" / "config.yaml")
+    dm = instantiate(OmegaConf.create(data), _recursive_=False)
+    dm.prepare()
+    return run, dm
+
+
+def write_corpus(root: Path) -> SimpleNamespace:
+    """Six small text documents under `root` and a token cache dir (the BPE is trained by the first run that needs
+    it): (root, files, cache)."""
+    import random
+
+    files = []
+    for d in range(6):
+        rng = random.Random(d)
+        lines = [" ".join(rng.choice(VERSE) for _ in range(12)).capitalize() + "." for _ in range(150)]
+        path = root / f"doc{d}.txt"
+        path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+        files.append(str(path))
+    return SimpleNamespace(root=root, files=files, cache=str(root / "cache"))
+
+
+def data_args(files, cache) -> list[str]:
+    return ["data=local", "data.files=[" + ",".join(f"'{f}'" for f in files) + "]", f"data.cache_dir='{cache}'",
+            "data.vocab_size=300", "data.batch_size=4", "data.val_num_blocks=4", "data.probe_num_seqs=8",
+            "data.probe_seq_len=16"]
+
+
+def small(corpus, *extra: str) -> list[str]:
+    return [*data_args(corpus.files, corpus.cache),
+            "model.n_layer=1", "model.n_head=2", "model.d_model=32", "model.d_ff=64", "model.block_size=32",
+            "trainer.max_steps=8", "trainer.val_check_interval=4", "trainer.limit_val_batches=1",
+            "trainer.log_every_n_steps=1", "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false",
+            "callbacks.sink.every_n_steps=4", "callbacks.sink.heatmap=false",
+            "callbacks.checkpoint.every_n_train_steps=4", "optim.warmup_steps=2", "seed=3", *extra]
+
+
+def rows(path: Path) -> list[dict]:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def series(path: Path, key: str) -> dict[int, str]:
+    """{step: value as written} of one metric; every step at most once."""
+    out: dict[int, str] = {}
+    for r in rows(path):
+        if r.get(key) not in (None, ""):
+            step = int(float(r["step"]))
+            assert step not in out, f"{key} logged twice at step {step} in {path}"
+            out[step] = r[key]
+    return out
+
+
+def tiny_hf(kind: str, path: Path) -> Path:
+    """A randomly initialised 2-layer model of the family, saved with save_pretrained; layer 0's queries and keys
+    scaled up for sharper, head-dependent maps than the near-uniform random init."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    small = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 max_position_embeddings=64)
+    if kind in ("llama", "mistral"):  # grouped-query attention: 4 query heads share 2 kv heads
+        model = (transformers.LlamaForCausalLM(transformers.LlamaConfig(**small, num_key_value_heads=2))
+                 if kind == "llama" else
+                 transformers.MistralForCausalLM(transformers.MistralConfig(**small, num_key_value_heads=2,
+                                                                            sliding_window=16)))
+        attn = model.model.layers[0].self_attn
+        with torch.no_grad():
+            attn.q_proj.weight.mul_(8.0)
+            attn.k_proj.weight.mul_(8.0)
+    elif kind == "neox":  # RoPE on half of each head (partial rotary)
+        model = transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(**small, rotary_pct=0.5))
+        with torch.no_grad():
+            model.gpt_neox.layers[0].attention.query_key_value.weight.mul_(8.0)
+    else:
+        cfg = transformers.GPT2Config(vocab_size=128, n_embd=32, n_layer=2, n_head=4, n_positions=64,
+                                      bos_token_id=0, eos_token_id=0)
+        model = transformers.GPT2LMHeadModel(cfg)
+        with torch.no_grad():
+            model.transformer.h[0].attn.c_attn.weight[:, :64].mul_(8.0)  # q and k columns of layer 0
+    model.save_pretrained(str(path))
+    return path

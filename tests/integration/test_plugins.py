@@ -1,0 +1,274 @@
+"""Components from outside sinklab (sinklab/plugins.py): a researcher's package, written here in a temporary
+directory and put on PYTHONPATH, brings an attention operation with a knob, a yaml option of its own and a metric.
+It trains through `sinklab-train` (the op found through the entry-point group `sinklab.plugins` of an installed
+distribution's metadata, the metric through `plugins=` on the command line), its checkpoint loads in a process that
+names no plugin, `sinklab check-component` (and the same checks in the user's own pytest suite) passes it and fails
+a broken one, one line per failed check; a sweep of it runs under the submitit launcher (slow)."""
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from omegaconf import OmegaConf
+
+from sinklab.plugins import from_argv
+from tests.helpers import FAST, train
+
+OPS = '''
+"""Scaled sigmoid attention: sigmoid(scaled_alpha * logit - 2) on the visible keys."""
+import dataclasses
+
+import torch
+
+from sinklab.model.ops.base import AttentionOp
+from sinklab.model.registry import ATTENTION_OPS
+
+
+@ATTENTION_OPS.register("scaled_sigmoid")
+class ScaledSigmoid(AttentionOp):
+    """sigmoid(alpha * logit - 2) per visible key, rows not normalised."""
+
+    @dataclasses.dataclass
+    class Knobs:
+        scaled_alpha: float = 1.0  # alpha
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.alpha = cfg.scaled_alpha
+
+    def normalise(self, s, seen):
+        return torch.sigmoid(self.alpha * s - 2.0) * seen
+'''
+
+METRIC = '''
+"""The residual stream's RMS leaving each layer, mean over tokens: act/resid_rms, act/layer<i>/resid_rms."""
+import torch
+
+from sinklab.metrics.base import METRICS, NON_NEGATIVE, Metric
+
+
+@METRICS.register("resid_rms")
+class ResidRMS(Metric):
+    records = frozenset({"h"})
+    bounds = ((r"^act/(layer\\d+/)?resid_rms$", NON_NEGATIVE),)
+    json_key = "resid_rms"
+    headline = ("act/resid_rms",)
+
+    def __init__(self, ctx):
+        super().__init__(ctx)
+        self.sums, self.count = [0.0] * ctx.n_layer, [0] * ctx.n_layer
+
+    def update(self, layer, rec):
+        rms = rec["h"].double().pow(2).mean(-1).sqrt()  # (B, T)
+        self.sums[layer] += rms.sum().item()
+        self.count[layer] += rms.numel()
+
+    def result(self):
+        by_layer = [s / max(n, 1) for s, n in zip(self.sums, self.count)]
+        return {"mean": sum(by_layer) / len(by_layer), "by_layer": by_layer}
+
+    @staticmethod
+    def flatten(result):
+        return {"act/resid_rms": result["mean"],
+                **{f"act/layer{i}/resid_rms": v for i, v in enumerate(result["by_layer"])}}
+'''
+
+BROKEN = '''
+"""An operation that looks at the future (it ignores the mask) and a metric that logs a key without bounds."""
+import torch
+
+from sinklab.metrics.base import METRICS, Metric
+from sinklab.model.ops.base import AttentionOp
+from sinklab.model.registry import ATTENTION_OPS
+
+
+@ATTENTION_OPS.register("leaky")
+class Leaky(AttentionOp):
+    """sigmoid(logit) on every key, the future included."""
+
+    def normalise(self, s, seen):
+        return torch.sigmoid(s)
+
+
+@METRICS.register("unbounded")
+class Unbounded(Metric):
+    records = frozenset({"h"})
+
+    def update(self, layer, rec):
+        self.value = rec["h"].abs().max().item()
+
+    def result(self):
+        return {"value": self.value}
+
+    @staticmethod
+    def flatten(result):
+        return {"act/unbounded_max": result["value"]}
+'''
+
+
+@pytest.fixture(scope="module")
+def user_package(tmp_path_factory) -> Path:
+    """A directory for PYTHONPATH: the package `labext` (ops, metrics, broken, conf/model/attn/scaled_sharp.yaml)
+    and the metadata of an installed distribution declaring `labext.ops` in the entry-point group sinklab.plugins."""
+    root = tmp_path_factory.mktemp("user")
+    pkg = root / "labext"
+    (pkg / "conf" / "model" / "attn").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    for name, source in (("ops", OPS), ("metrics", METRIC), ("broken", BROKEN)):
+        (pkg / f"{name}.py").write_text(textwrap.dedent(source))
+    (pkg / "conf" / "model" / "attn" / "scaled_sharp.yaml").write_text(
+        "# @package model\nattn_op: scaled_sigmoid\nscaled_alpha: 4.0\n")
+    clash = root / "clashpkg"  # an option named like one of sinklab's files
+    (clash / "conf" / "model" / "attn").mkdir(parents=True)
+    (clash / "__init__.py").write_text("from labext.broken import Leaky  # noqa: F401\n")
+    (clash / "conf" / "model" / "attn" / "relu.yaml").write_text("# @package model\nattn_op: leaky\n")
+    info = root / "labext-0.1.dist-info"  # what `pip install` writes for the package's pyproject.toml
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: labext\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text("[sinklab.plugins]\nscaled_sigmoid = labext.ops\n")
+    return root
+
+
+def user_env(root: Path, **extra: str) -> dict[str, str]:
+    """The environment with `root` on PYTHONPATH, SINKLAB_PLUGINS only where `extra` sets it."""
+    env = {k: v for k, v in os.environ.items() if k != "SINKLAB_PLUGINS"}
+    env.update(PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])),
+               PYTHONWARNINGS="ignore", **extra)
+    return env
+
+
+def start(root: Path, *args: str, **env: str) -> subprocess.Popen:
+    """`python ARGS...` with the user's package on PYTHONPATH, started (several run at once)."""
+    return subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=user_env(root, **env))
+
+
+def done(proc: subprocess.Popen) -> subprocess.CompletedProcess:
+    out, err = proc.communicate(timeout=300)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def run(root: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
+    return done(start(root, *args, **env))
+
+
+def test_an_external_op_and_metric_train_from_the_command_line(user_package, tmp_path, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", user_env(user_package)["PYTHONPATH"])
+    monkeypatch.delenv("SINKLAB_PLUGINS", raising=False)
+    out = tmp_path / "run"
+    # the op through the entry point, its yaml option (scaled_alpha 4.0) overridden by the knob, the metric by plugins=
+    train(out, "plugins=labext.metrics", "model/attn=scaled_sharp", "model.scaled_alpha=2.5",
+          "trainer.max_steps=20")
+    config = OmegaConf.load(out / ".hydra" / "config.yaml")
+    assert config.model.attn_op == "scaled_sigmoid" and config.model.scaled_alpha == 2.5
+    logged = pd.read_csv(out / "metrics.csv")
+    assert "act/resid_rms" in logged and "act/layer1/resid_rms" in logged
+    values = logged["act/resid_rms"].dropna()
+    assert len(values) >= 1 and all(math.isfinite(v) and v > 0 for v in values)
+    # the checkpoint names its plugins: a process that names none measures the run with the user's metric
+    # (`sinklab measure RUN --json`) and loads the op with the knob's value
+    probe = textwrap.dedent(f"""
+        import contextlib, io, json, sinklab
+        from sinklab.cli import main
+        with contextlib.redirect_stdout(io.StringIO()) as measured:
+            rc = main(["measure", {str(out)!r}, "--json", "--num-seqs", "4"])
+        op = sinklab.load_model({str(out)!r}).blocks[0].attn.op
+        print(rc, json.loads(measured.getvalue())["resid_rms"]["mean"] > 0, type(op).__name__, op.alpha)""")
+    env = user_env(user_package)  # the package importable, its entry point taken away
+    (user_package / "labext-0.1.dist-info" / "entry_points.txt").rename(tmp_path / "entry_points.txt")
+    try:
+        loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, env=env)
+    finally:
+        (tmp_path / "entry_points.txt").rename(user_package / "labext-0.1.dist-info" / "entry_points.txt")
+    assert loaded.returncode == 0, loaded.stderr[-2000:]
+    assert loaded.stdout.split() == ["0", "True", "ScaledSigmoid", "2.5"], loaded.stdout
+
+
+USER_TEST = '''
+import pytest
+from sinklab.contracts import checks
+
+CHECKS = checks(["labext.ops", "labext.metrics"])
+
+
+@pytest.mark.parametrize("what,run", CHECKS, ids=[what for what, _ in CHECKS])
+def test_sinklab_contract(what, run):
+    run()
+'''
+
+
+def test_check_component_passes_an_external_op_and_metric(user_package, tmp_path):
+    """`sinklab check-component`, and the same checks in the user's own pytest suite (sinklab.contracts.checks)."""
+    (tmp_path / "test_user_contracts.py").write_text(USER_TEST)
+    in_pytest = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                                  "test_user_contracts.py", "-k", "future or streamed"], cwd=tmp_path,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=user_env(user_package))
+    proc = run(user_package, "-m", "sinklab.cli", "check-component", "labext.ops", "labext.metrics")
+    user = done(in_pytest)
+    assert user.returncode == 0 and "6 passed, 26 deselected" in user.stdout, user.stdout[-3000:]  # 1 op, 5 switches
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    last = proc.stdout.strip().splitlines()[-1]
+    n = int(last.split()[0])
+    assert last.startswith(f"{n} of {n} contract checks passed for labext.ops, labext.metrics") and n >= 20, last
+    assert "FAIL" not in proc.stdout
+
+
+def test_check_component_fails_a_broken_op_and_metric_one_line_per_check(user_package):
+    proc = run(user_package, "-m", "sinklab.cli", "check-component", "labext.broken")
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-2000:]
+    failed = [line for line in proc.stdout.splitlines() if line.startswith("FAIL ")]
+    assert any(line.startswith("FAIL no information from the future: attn_op=leaky: AssertionError: changing "
+                               "token 15 changes the logits before it") for line in failed), failed
+    assert any(line.startswith("FAIL rows sum to one where claimed: attn_op=leaky: AssertionError: attention to "
+                               "keys it cannot see") for line in failed), failed
+    assert any("act/unbounded_max has no bounds" in line for line in failed), failed
+    assert not any("trains a step" in line for line in failed), failed  # it still trains: only what is broken
+    last = proc.stdout.strip().splitlines()[-1]
+    total = int(last.split()[2])
+    assert last.startswith(f"{total - len(failed)} of {total} contract checks passed for labext.broken"), last
+
+
+def test_a_bad_knob_or_plugin_is_one_line(user_package):
+    started = [start(user_package, "-m", "sinklab.train.entry", "model/attn=scaled_sigmoid", "model.scaled_alpah=2"),
+               start(user_package, "-m", "sinklab.train.entry", "model.scaled_alpha=2"),  # the op is not selected
+               start(user_package, "-m", "sinklab.train.entry", SINKLAB_PLUGINS="labext.nope"),
+               start(user_package, "-m", "sinklab.cli", "check-component", "json"),
+               start(user_package, "-m", "sinklab.train.entry", "plugins=clashpkg")]
+    typo, owner, missing, nothing, clash = (done(p) for p in started)
+    for proc in (typo, owner, missing, nothing, clash):
+        assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr[-2000:]
+    assert "model.scaled_alpah" in typo.stderr
+    assert "model.scaled_alpha=2.0 applies to model.attn_op=scaled_sigmoid only" in owner.stderr
+    assert missing.stderr.strip() == "error: plugin module 'labext.nope' (named by SINKLAB_PLUGINS) cannot be " \
+        "imported: No module named 'labext.nope'; pip install its package or put it on PYTHONPATH"
+    assert nothing.stderr.startswith("sinklab check-component: error: json registers no component and no metric; "
+                                     "allowed: a module that registers with @ATTENTION_OPS.register(...)")
+    assert clash.stderr.strip() == "error: model/attn=relu of a plugin has the name of sinklab's " \
+        "model/attn/relu.yaml; rename the component or the plugin's yaml"
+
+
+def test_plugins_on_the_command_line_are_taken_out_of_hydras_arguments():
+    assert from_argv(["plugins=[a.b,c]", "model=14m", "+plugins=d"]) == (["a.b", "c", "d"], ["model=14m"])
+    assert from_argv(["model.plugins_x=1"]) == ([], ["model.plugins_x=1"])
+
+
+@pytest.mark.slow
+def test_a_sweep_of_external_ops_runs_under_the_submitit_launcher(user_package, tmp_path):
+    """`sinklab-train -m hydra/launcher=submitit_local plugins=...`: each job, in its own process, finds the plugin
+    (SINKLAB_PLUGINS, exported by the entry point) and trains with its knob's value (~45 s)."""
+    sweep = tmp_path / "sweep"
+    proc = run(user_package, "-m", "sinklab.train.entry", "-m", "hydra/launcher=submitit_local",
+               "hydra.launcher.timeout_min=5", f"hydra.sweep.dir={sweep}", *FAST, "plugins=labext.metrics",
+               "model/attn=scaled_sigmoid", "model.scaled_alpha=1.5,3", "trainer.max_steps=3",
+               "trainer.val_check_interval=3", "callbacks.sink.every_n_steps=3",
+               "callbacks.checkpoint.every_n_train_steps=3")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for job, alpha in (("0", 1.5), ("1", 3.0)):
+        assert OmegaConf.load(sweep / job / ".hydra" / "config.yaml").model.scaled_alpha == alpha
+        assert "act/resid_rms" in pd.read_csv(sweep / job / "metrics.csv")

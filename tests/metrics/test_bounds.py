@@ -1,0 +1,63 @@
+"""Every logged number is within its physical bounds (sinklab.keys.all_bounds), in a real training run: shares in
+[0, 100] %, cosines in [-1, 1], norms and losses >= 0, MFU in (0, 1], SiLU gate scores >= their minimum -0.278. A
+utilisation above 1 is never logged."""
+import math
+import warnings
+
+import pandas as pd
+import pytest
+
+from sinklab.config import compose
+from sinklab.keys import all_bounds, bounds
+from sinklab.train.entry import train as train_cfg
+
+SHORT = ["trainer.max_steps=30", "trainer.val_check_interval=15", "callbacks.sink.every_n_steps=15",
+         "trainer.log_every_n_steps=5", "trainer.enable_progress_bar=false", "data.batch_size=8"]
+
+
+def train(tmp_path, *overrides):
+    """A SHORT run trained in this process (`train(cfg)`): its metrics.csv and the warnings it gave, one a line."""
+    out = tmp_path / "run"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        train_cfg(compose([*SHORT, *overrides, f"paths.output_dir={out}"]))
+    return pd.read_csv(out / "metrics.csv"), "\n".join(str(w.message) for w in caught)
+
+
+@pytest.mark.parametrize("switches", [[], ["model/bias=kv", "model/attn=sigmoid"], ["model/gate=elementwise_silu"]],
+                         ids=["softmax", "kv_sigmoid", "silu_gate"])
+def test_every_logged_metric_is_within_its_bounds(tmp_path, switches):
+    metrics, _ = train(tmp_path, *switches)
+    families = {"sink/sink1", "sink/alpha1", "act/cos_q_k1", "act/massive_ratio", "train/loss", "val/loss",
+                "perf/tokens_per_sec", "lr-AdamW", "act/resid_inf_norm", "act/attn_kurtosis", "act/attn_top_median",
+                "act/layer1/resid_sink_ratio", "act/resid_sink_channel_share", "act/layer0/ffn_norm_min",
+                "act/final_norm_min", "act/norm_min", "act/first_token_attn", "act/layer1/first_token_attn"}
+    gated = any(s.startswith("model/gate=") for s in switches)
+    gate_families = {"act/gate_mean", "act/gate_low_share", "act/gate_first_token", "act/layer1/gate_mean"}
+    assert families <= set(metrics.columns)
+    assert (gate_families <= set(metrics.columns)) if gated else not gate_families & set(metrics.columns)
+    for name in metrics.columns:
+        limits = bounds(name)
+        assert limits is not None, f"{name} has no bounds (its metric's `bounds`, or sinklab.keys)"
+        values = metrics[name].dropna()
+        assert len(values) and values.map(math.isfinite).all(), name
+        assert values.between(*limits).all(), (name, limits, values[~values.between(*limits)].tolist())
+    if "perf/mfu" in metrics:
+        assert (metrics["perf/mfu"].dropna() > 0).all()
+
+
+def test_an_mfu_above_one_is_dropped_with_a_warning(tmp_path):
+    metrics, warned = train(tmp_path, "peak_flops=1000.0", "callbacks.sink=null")  # any step beats 1 kFLOP/s
+    assert "perf/mfu" not in metrics.columns and metrics["perf/tokens_per_sec"].notna().any()
+    assert "perf/mfu dropped" in warned and "peak_flops=1000.0" in warned
+
+
+def test_bounds_cover_distinct_families():
+    assert bounds("sink/layer3/sink1") == (0.0, 100.0) and bounds("act/layer0/cos_q_kj") == (-1.0, 1.0)
+    assert bounds("val/loss") == (0.0, math.inf) and bounds("perf/mfu") == (0.0, 1.0)
+    assert bounds("act/gate_low_share") == bounds("act/layer2/gate_low_share") == (0.0, 1.0)
+    silu_min = min(x / 1000 / (1 + math.exp(-x / 1000)) for x in range(-3000, 0))  # x sigmoid(x), x < 0
+    assert bounds("act/layer0/gate_mean") == bounds("act/gate_first_token") == (pytest.approx(silu_min), math.inf)
+    assert bounds("act/attn_entropy") == bounds("act/layer1/attn_entropy") == (0.0, math.inf)
+    patterns = [p for p, _ in all_bounds()]
+    assert bounds("something/new") is None and len(set(patterns)) == len(patterns)

@@ -1,0 +1,343 @@
+"""End-to-end training through the Hydra entry point (subprocess, as a user runs it)."""
+import csv
+import math
+import os
+import re
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import sinklab
+from tests.helpers import FAST, train
+
+def rows(path: Path) -> list[dict]:
+    with open(path) as f:
+        return list(csv.DictReader(f))
+
+
+def column(path: Path, key: str) -> list[tuple[int, float]]:
+    return [(int(r["step"]), float(r[key])) for r in rows(path) if r.get(key) not in (None, "")]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("run")
+    proc = train(out, "trainer.max_steps=60", "optim.schedule=constant")  # constant after warmup: see the test below
+    return out, proc
+
+
+def test_training_lowers_loss_and_writes_outputs(run):
+    out, proc = run
+    assert (out / "checkpoints" / "last.ckpt").is_file()
+    assert (out / "metrics.csv").is_file() and (out / ".hydra" / "config.yaml").is_file()
+    losses = column(out / "metrics.csv", "train/loss")
+    # below the uniform guess over the default data's 1024-token vocabulary by > 1 nat, and still falling
+    assert losses[-1][1] < math.log(1024) - 1.0 and losses[-1][1] < losses[0][1], losses
+    val = column(out / "metrics.csv", "val/loss")
+    sink = column(out / "metrics.csv", "sink/sink1")
+    assert val and sink and sink[-1][0] == 60  # measured at the end of training
+    assert "done: 60 steps" in proc.stdout and "Sink_1" in proc.stdout and "val/loss" in proc.stdout
+    assert list((out / "sink_heatmaps").glob("*.png"))
+    # the closing lines: where the sink is (on the BOS token of the default data), the heatmap, the run dir last
+    closing = proc.stdout[proc.stdout.index("done: 60 steps"):].strip().splitlines()
+    assert closing[1].startswith("sink: ") and "the BOS token '<|endoftext|>'" in closing[1], closing
+    heatmap = next(line for line in closing if line.startswith("heatmap of alpha_1 per layer x head: "))
+    assert Path(heatmap.split(": ", 1)[1]).is_file() and "step0000060" in heatmap
+    assert closing[-1] == f"run dir: {out}"
+    assert '"status": "completed"' in (out / "status.json").read_text()
+
+
+def test_throughput_and_mfu_are_logged(run):
+    """peak_flops=auto (the default) measures this machine's matmul FLOP/s when training starts, so perf/mfu is
+    logged next to perf/tokens_per_sec without any setting."""
+    out, _ = run
+    for key in ("perf/tokens_per_sec", "perf/mfu"):
+        values = [v for _, v in column(out / "metrics.csv", key)]
+        assert len(values) >= 5 and all(math.isfinite(v) and v > 0 for v in values), (key, values)
+    assert all(v < 1.5 for _, v in column(out / "metrics.csv", "perf/mfu"))  # a share of a measured peak
+
+
+def test_peak_matmul_flops_is_quick_and_leaves_the_rng_alone():
+    from sinklab.perf import matmul_dtype, peak_matmul_flops
+
+    torch.manual_seed(0)
+    state = torch.get_rng_state()
+    t0 = time.perf_counter()
+    peak = peak_matmul_flops(torch.device("cpu"), matmul_dtype("32-true"))
+    assert time.perf_counter() - t0 < 2.0 and 1e8 < peak < 1e14
+    assert torch.equal(torch.get_rng_state(), state)
+    assert matmul_dtype("bf16-mixed") == torch.bfloat16 and matmul_dtype("16-mixed") == torch.float16
+
+
+def test_load_model_from_run_dir_and_checkpoint(run):
+    out, _ = run
+    for target in (out, out / "checkpoints" / "last.ckpt"):
+        model = sinklab.load_model(target)
+        assert not model.training
+        idx = torch.randint(0, model.cfg.vocab_size, (2, 16))
+        assert model(idx).shape == (2, 16, model.cfg.vocab_size)
+
+
+def test_resume_from_last_continues_the_step_count(run, tmp_path):
+    out, _ = run
+    import shutil
+
+    resumed = tmp_path / "resumed"
+    shutil.copytree(out, resumed)
+    train(resumed, "trainer.max_steps=80", "ckpt_path=last")
+    steps = [s for s, _ in column(resumed / "metrics.csv", "train/loss")]
+    assert max(steps) >= 79 and min(s for s in steps if s > 60) > 60
+    ckpt = torch.load(resumed / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    assert ckpt["global_step"] == 80
+
+
+def test_a_longer_constant_lr_run_repeats_the_shorter_one_step_for_step(run, tmp_path):
+    """With a constant lr after warmup, the 60-step run logs exactly the losses and sink metric of a 40-step run over
+    its first 40 steps: the data order and the schedule do not depend on max_steps, so a long run's early
+    measurements stand for the shorter runs (what experiment=no_bos's training-token axis rests on)."""
+    longer, _ = run
+    short = tmp_path / "short"
+    train(short, "trainer.max_steps=40", "optim.schedule=constant")
+    for key in ("train/loss", "sink/alpha1", "val/loss"):
+        first = column(short / "metrics.csv", key)
+        assert first, key
+        assert column(longer / "metrics.csv", key)[:len(first)] == first, key
+    assert max(s for s, _ in column(longer / "metrics.csv", "train/loss")) > 40
+
+
+# ---------------------------------------------------------------------------------------------- model.compile
+def backend_is_installed(name: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(name) is not None
+
+
+def fails_to_compile_backward(gm, example_inputs):
+    raise RuntimeError("this backward compiler always fails")
+
+
+@pytest.mark.skipif(backend_is_installed("tvm"), reason="apache-tvm is installed: the tvm backend would compile")
+def test_compile_failure_falls_back_to_eager_with_one_warning():
+    """torch.compile is lazy: it compiles at the first forward. A backend that fails there (tvm, registered in torch
+    but not installed here: BackendCompilerFailed), or one whose backward compiler fails (AOTAutograd compiles the
+    backward lazily, at the first backward), gives one warning naming the reason, and the forward and backward of
+    that same call and of the later ones are eager's. A backend that works (aot_eager) stays compiled, silently."""
+    import torch._dynamo
+    from torch._dynamo.backends.common import aot_autograd
+
+    from sinklab.train.module import CompileFallbackWarning, LitLM
+
+    if "bw_fails_test" not in torch._dynamo.list_backends(exclude_tags=()):
+        torch._dynamo.register_backend(name="bw_fails_test", compiler_fn=aot_autograd(
+            fw_compiler=lambda gm, example_inputs: gm, bw_compiler=fails_to_compile_backward))
+    model = dict(vocab_size=128, n_layer=2, n_head=2, d_model=32, d_ff=64, block_size=16)
+    optim = dict(lr=1e-3, weight_decay=0.1)
+    batches = [torch.randint(0, 128, (4, 17), generator=torch.Generator().manual_seed(i)) for i in range(2)]
+
+    def steps(lit):
+        losses = []
+        for batch in batches:
+            lit.zero_grad(set_to_none=True)
+            loss = lit.loss(batch)
+            loss.backward()
+            losses.append(loss.detach())
+        grads = [p.grad.clone() for p in lit.net.parameters()]
+        with torch.no_grad():
+            lit.eval()
+            val = lit.loss(batches[0])
+        return losses, grads, val
+
+    torch.manual_seed(0)
+    eager = steps(LitLM(model=model, optim=optim, max_steps=2))
+    for backend, reason in (("tvm", "backend='tvm' raised: ImportError: Please install apache-tvm"),
+                            ("bw_fails_test", "this backward compiler always fails"),
+                            ("aot_eager", None)):
+        torch.manual_seed(0)
+        lit = LitLM(model={**model, "compile": True}, optim=optim, max_steps=2, compile_backend=backend)
+        assert lit.model is not lit.net  # torch.compile accepted it: the failure, if any, comes at the first call
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got = steps(lit)
+        ours = [str(w.message) for w in caught if issubclass(w.category, CompileFallbackWarning)]
+        if reason is None:
+            assert ours == [] and lit.model is not lit.net, ours
+            torch.testing.assert_close(got, eager, rtol=1e-5, atol=1e-6)
+            continue
+        assert len(ours) == 1 and reason in ours[0] and "running eager from now on" in ours[0], ours
+        assert lit.model is lit.net
+        for a, b in zip(got[0] + got[1] + [got[2]], eager[0] + eager[1] + [eager[2]]):
+            assert torch.equal(a, b)  # eager is eager: bit for bit
+
+
+@pytest.mark.skipif(backend_is_installed("tvm"), reason="apache-tvm is installed: the tvm backend would compile")
+def test_compile_failure_in_a_real_run_trains_as_eager(run, tmp_path):
+    """sinklab-train model.compile=true compile_backend=tvm: compilation fails at the first forward; the run warns
+    once, finishes, and its losses and weights equal the eager run's."""
+    out, _ = run
+    proc = train(tmp_path, "trainer.max_steps=60", "model.compile=true", "compile_backend=tvm", warnings="default")
+    warned = proc.stderr.count("model.compile=true: torch.compile failed (BackendCompilerFailed")
+    assert warned == 1, proc.stderr[-3000:]
+    assert "done: 60 steps" in proc.stdout
+    assert column(tmp_path / "metrics.csv", "train/loss") == column(out / "metrics.csv", "train/loss")
+    a = sinklab.load_model(tmp_path).state_dict()
+    b = sinklab.load_model(out).state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_checkpoint_keys_load_across_compiled_and_eager():
+    """A compiled model saves model._orig_mod.* keys, an eager one model.*: resuming either from the other (a
+    changed model.compile, or a run whose compilation fell back) loads every weight."""
+    from sinklab.train.module import LitLM
+
+    model = dict(vocab_size=64, n_layer=1, n_head=2, d_model=16, d_ff=32, block_size=8)
+    optim = dict(lr=1e-3, weight_decay=0.1)
+    torch.manual_seed(0)
+    compiled = LitLM(model={**model, "compile": True}, optim=optim, max_steps=1, compile_backend="aot_eager")
+    torch.manual_seed(1)
+    eager = LitLM(model=model, optim=optim, max_steps=1)
+    for source, target in ((compiled, eager), (eager, compiled)):
+        checkpoint = {"state_dict": {k: v.clone() for k, v in source.state_dict().items()}}
+        target.on_load_checkpoint(checkpoint)
+        target.load_state_dict(checkpoint["state_dict"])  # strict: every key matches
+        a, b = source.net.state_dict(), target.net.state_dict()
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert any(k.startswith("model._orig_mod.") for k in compiled.state_dict())
+
+
+def test_unknown_compile_backend_is_refused_before_training():
+    from sinklab.config import compose, validate_config
+    from sinklab.errors import UserError
+
+    with pytest.raises(UserError, match=r"^compile_backend='indcutor' is not allowed; allowed: one of .*\binductor\b"):
+        validate_config(compose(["model.compile=true", "compile_backend=indcutor"]))
+    validate_config(compose(["compile_backend=indcutor"]))  # not used without model.compile=true
+
+
+def test_bad_override_is_one_clear_line(tmp_path):
+    proc = train(tmp_path / "bad", "model.window=1000", check=False)
+    assert proc.returncode != 0
+    assert "model.window=1000 exceeds the context" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_wandb_offline_without_key_and_one_run_per_job(tmp_path):
+    """logger=wandb with no API key goes offline by itself; each multirun job is its own wandb run, grouped as
+    <experiment name>-<sweep dir name> and tagged from the config; a single run's group is <experiment name>-<run
+    time>."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB")}
+    env.update(HOME=str(tmp_path), PYTHONWARNINGS="ignore", SINKLAB_CACHE=os.environ.get(
+        "SINKLAB_CACHE", str(Path.home() / ".cache" / "sinklab")))
+    sweep = tmp_path / "2026-11-22_10-00-00"
+    cmd = [sys.executable, "-m", "sinklab.train.entry", "-m", f"hydra.sweep.dir={sweep}", "logger=wandb",
+           *FAST, "trainer.max_steps=4", "callbacks.sink.every_n_steps=2", "seed=0,1", "experiment.name=wb",
+           "tags=[wb,scale-cpu]"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = sorted(sweep.glob("*/wandb/offline-run-*"))
+    assert len(runs) == 2, runs  # one offline run per job, finished before the next job
+    for job in ("0", "1"):
+        record = wandb_run_record(next((sweep / job / "wandb").glob("offline-run-*/run-*.wandb")))
+        assert record.config["seed"] == int(job) and record.config["optim"]["lr"] == 6e-3  # the config (scale=quick lr)
+        assert record.group == "wb-2026-11-22_10-00-00"  # one group for the sweep: experiment name + sweep time
+        assert record.tags == ["wb", "scale-cpu"]
+        assert f"seed={job}" in record.name.split(",") and "experiment.name=wb" in record.name  # the job's overrides
+        assert record.exit_code == 0 and "run/failed" not in record.history_keys
+    assert (sweep / "0" / "metrics.csv").is_file()  # csv stays on next to wandb
+
+    single = tmp_path / "single"
+    cmd = [sys.executable, "-m", "sinklab.train.entry", f"paths.output_dir={single}", "logger=wandb", *FAST,
+           "trainer.max_steps=3", "callbacks.sink.every_n_steps=2", "+callbacks.nan={_target_:tests.helpers.faults.NanGradientsAt,step:1}"]
+    started = time.time()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 1, proc.stderr[-3000:]  # diverged: failed in status.json, metrics.csv and wandb
+    record = wandb_run_record(next((single / "wandb").glob("offline-run-*/run-*.wandb")))
+    match = re.fullmatch(r"default-(\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d)", record.group)
+    assert match, record.group
+    run_time = time.mktime(time.strptime(match.group(1), "%Y-%m-%d_%H-%M-%S"))
+    assert started - 2 <= run_time <= time.time() + 1
+    assert record.tags == [] and record.exit_code == 1 and "run/failed" in record.history_keys
+
+
+def wandb_run_record(path: Path) -> SimpleNamespace:
+    """Read the config, group, run name, tags, logged keys and exit code of an offline wandb run from its transaction log."""
+    import json
+
+    from wandb.proto import wandb_internal_pb2
+
+    out = SimpleNamespace(config={}, group="", name="", tags=[], history_keys=set(), exit_code=None)
+    for data in leveldb_log_records(path.read_bytes()):
+        rec = wandb_internal_pb2.Record()
+        rec.ParseFromString(data)
+        kind = rec.WhichOneof("record_type")
+        if kind == "run":
+            out.group = rec.run.run_group or out.group
+            out.name = rec.run.display_name or out.name
+            out.tags = list(rec.run.tags) or out.tags
+            for item in rec.run.config.update:
+                out.config[item.key] = json.loads(item.value_json)
+        elif kind == "config":
+            for item in rec.config.update:
+                out.config[item.key] = json.loads(item.value_json)
+        elif kind == "history":
+            out.history_keys.update(item.key or "/".join(item.nested_key) for item in rec.history.item)
+        elif kind == "exit":
+            out.exit_code = rec.exit.exit_code
+    return out
+
+
+def leveldb_log_records(raw: bytes, block: int = 32768):
+    """wandb's transaction log: a 7-byte file header, then LevelDB-log records (crc32, length, type) in 32 KiB
+    blocks; types FULL=1, FIRST=2, MIDDLE=3, LAST=4."""
+    import struct
+
+    assert raw[:4] == b":W&B", "not a wandb transaction log"
+    pos, parts = 7, b""
+    while pos + 7 <= len(raw):
+        left = block - pos % block
+        if left < 7:
+            pos += left
+            continue
+        _, length, kind = struct.unpack("<IHB", raw[pos:pos + 7])
+        payload = raw[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind == 1:
+            yield payload
+        elif kind == 2:
+            parts = payload
+        elif kind == 3:
+            parts += payload
+        elif kind == 4:
+            yield parts + payload
+        else:
+            break
+
+
+def test_closing_lines_say_where_the_sink_is_and_what_to_try():
+    from sinklab.train.summary import closing_lines
+
+    final = {"val/loss": 4.25, "sink/sink1": 25.0, "sink/alpha1": 0.151}
+    lines = closing_lines(1500, final, {0: 0.0, 1: 75.0, 2: 0.0}, "the BOS token 'B'", 0.3, 24, Path("/r"))
+    assert lines[0] == "done: 1500 steps, val/loss 4.2500, Sink_1 25.00% (alpha_1 0.151)"
+    assert lines[1] == ("sink: 6.0 of 24 heads (mean over the probe sequences) put > 0.3 of their attention on "
+                        "token 1, the BOS token 'B'; by layer: layer 2 75.0% of its heads")
+    assert lines[2].startswith("next: sinklab-train model/bias=k") and "model/attn=sigmoid" in lines[2]
+    assert lines[-1] == "run dir: /r"  # no heatmap file in /r: no heatmap line
+    none = closing_lines(10, {"sink/sink1": 0.0, "sink/alpha1": 0.07}, {0: 0.0}, "the BOS token 'B'", 0.3, 8,
+                         Path("/r"))
+    assert none[1].startswith("sink: none: no head puts > 0.3")
+    assert not any(line.startswith("next:") for line in none)
+    assert closing_lines(10, {}, {}, None, None, None, Path("/r")) == ["done: 10 steps", "run dir: /r"]
+    # rows that do not sum to one (sigmoid): the renormalised share is the one that says where the sink is
+    star = closing_lines(10, {"sink/sink1": 90.0, "sink/alpha1": 0.5, "sink/sink1_star": 0.0}, {0: 90.0}, "B", 0.3,
+                         8, Path("/r"))
+    assert star[0].endswith("Sink*_1 0.00% (rows renormalised)"), star
+    assert star[1].startswith("sink: none: no head puts > 0.3"), star
+    # a K bias: the heads sink on the slot instead
+    slot = closing_lines(10, {"sink/sink1": 0.0, "sink/slot_bias": 62.5}, {0: 0.0}, "B", 0.3, 8, Path("/r"))
+    assert "bias slot: 62.50% of the heads sink on it instead (sink/slot_bias)" in slot
