@@ -541,7 +541,7 @@ def test_lightnings_slurm_requeue_is_off(corpus, tmp_path):
     (not one of callbacks.preemption.signals) ends the process as it ends any program, and nothing is saved."""
     slurm = {"SLURM_NTASKS": "1", "SLURM_JOB_NAME": "train", "SLURM_JOB_ID": "1", "SLURM_PROCID": "0",
              "SLURM_LOCALID": "0", "SLURM_NODEID": "0", "SLURM_NODELIST": "localhost"}
-    usr1 = ["+callbacks.usr1._target_=test_reliability.SignalAt", "+callbacks.usr1.step=2",
+    usr1 = ["+callbacks.usr1._target_=tests.helpers.faults.SignalAt", "+callbacks.usr1.step=2",
             "+callbacks.usr1.signum=SIGUSR1"]
     proc = run_cli([f"paths.output_dir={tmp_path}", *small(corpus), *usr1], extra_env=slurm)
     out, err = proc.communicate(timeout=300)
