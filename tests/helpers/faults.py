@@ -67,3 +67,12 @@ class NanGradientsAt(L.Callback):
                 if p.grad is not None:
                     p.grad.fill_(float("nan"))
 
+
+class Pace(L.Callback):
+    """Sleeps `seconds` after every training step (the model and its numbers are unchanged)."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        time.sleep(self.seconds)

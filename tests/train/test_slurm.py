@@ -26,7 +26,6 @@ from datetime import datetime
 from pathlib import Path
 from types import SimpleNamespace
 
-import lightning as L
 import pytest
 
 from tests.helpers import HYDRA_SCHEMA_WARNING, REPO, readme_commands, rows, series, small
@@ -43,16 +42,6 @@ TRAINING = [f"trainer.max_steps={STEPS}", "trainer.val_check_interval=100", "cal
             "callbacks.checkpoint.every_n_train_steps=50", "optim.warmup_steps=10", "peak_flops=null"]
 REQUEUE_AFTER_STEP = 60  # past the periodic checkpoint of step 50: the resume must come from the SIGTERM's save
 SWEEP_TIMEOUT_S = 480
-
-
-class Pace(L.Callback):
-    """Sleeps `seconds` after every training step (the model and its numbers are unchanged)."""
-
-    def __init__(self, seconds: float):
-        self.seconds = seconds
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        time.sleep(self.seconds)
 
 
 # ---------------------------------------------------------------------------------------------- the cluster
@@ -175,7 +164,7 @@ def sweep(cluster, corpus, tmp_path_factory):  # noqa: F811
 
     sweep_dir = root / "multirun"
     args = ["-m", *readme_launcher_args(), f"hydra.launcher.timeout_min={TIME_LIMIT_MIN}",
-            f"hydra.launcher.signal_delay_s={SIGNAL_DELAY_S}", *common, "+callbacks.pace._target_=test_slurm.Pace",
+            f"hydra.launcher.signal_delay_s={SIGNAL_DELAY_S}", *common, "+callbacks.pace._target_=tests.helpers.faults.Pace",
             f"+callbacks.pace.seconds={PACE_S}", "tags=[requeue],[timelimit]", f"hydra.sweep.dir={sweep_dir}"]
     proc = subprocess.Popen(train_cmd(*args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=job_env(cluster))
