@@ -22,7 +22,6 @@ from einops import rearrange
 from torch import nn
 
 from sinklab.errors import UserError
-from sinklab.metrics.sink import AttentionScores
 
 INSTALL_HINT = "--hf-model needs transformers, an optional extra: pip install 'sinklab[hf]'"
 ROW_SUM_TOL = 1e-3  # rows whose sum differs from 1 by more than this: the op is not row-normalised (Sink* reported)
@@ -239,24 +238,3 @@ class HFTarget:
             for metric in metrics:
                 if "maps" in metric.records:
                     metric.update_maps(i, rows, m)
-
-
-@torch.no_grad()
-def hf_scores(model: nn.Module, tokens: torch.Tensor, k: int = 4,
-              batch_size: int = 25) -> tuple[AttentionScores, bool, dict]:
-    """tokens (N, T) -> (the sink metric's scores with alpha (N, L, H, K) and alpha_star, row_normalised, the
-    activation metrics' results merged): every registered metric through `HFTarget`."""
-    from sinklab.metrics import METRICS, measure_all
-
-    target = HFTarget(model)
-    metrics = METRICS.build(target.context(k=k))
-    measure_all(target, tokens, metrics, batch_size)
-    stats: dict = {}
-    scores = None
-    for m in metrics:
-        result = m.result()
-        if m.name == "sink":
-            scores = result["scores"]
-        elif m.name in ("massive", "norms", "outliers", "residual_sinks"):
-            stats.update(result)
-    return scores, target.row_normalised, stats

@@ -27,7 +27,6 @@ def build_result(metrics, meta: dict) -> dict:
             res.update(part)
         else:
             res[metric.json_key] = part
-    res.setdefault("gates", {})
     return res
 
 

@@ -36,7 +36,7 @@ class Context:
     n_layer, n_head; n_extra: key columns before the real tokens in `maps` (bias slot + sink tokens);
     slot_names: their names; row_normalised: whether every map row sums to one (None: not known before the maps
     are seen, as for Hugging Face models; `Target.row_normalised` says afterwards); eps, k: the sink thresholds and
-    how many first tokens are scored; model: the sinklab Transformer (None for other models); gated: has gates."""
+    how many first tokens are scored; model: the sinklab Transformer (None for other models)."""
 
     n_layer: int
     n_head: int
@@ -46,7 +46,6 @@ class Context:
     eps: list[float] = field(default_factory=lambda: [0.3])
     k: int = 4
     model: Any = None
-    gated: bool = False
 
 
 class Metric:

@@ -33,10 +33,9 @@ class SinklabTarget:
         from .sink import slot_names
 
         cfg = self.model.cfg
-        gated = any(getattr(b.attn.gate_proj, "gate_act", None) is not None for b in self.model.blocks)
         return Context(n_layer=cfg.n_layer, n_head=cfg.n_head, n_extra=cfg.n_slots + cfg.n_sink_tokens,
                        slot_names=slot_names(cfg), row_normalised=cfg.row_normalised, eps=list(eps), k=k,
-                       model=self.model, gated=gated)
+                       model=self.model)
 
     def settle(self, metrics: Sequence[Metric]) -> None:
         """Nothing to tell: a sinklab model's row normalisation is known from its config."""
@@ -85,11 +84,11 @@ class SinklabTarget:
             for h in handles:
                 h.remove()
 
-    def maps(self, layer: int, rec: dict, T: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def maps(self, layer: int, rec: dict, layout) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """The layer's map in chunks of real query rows: (rows (R,) 0-based, A (B, H, R, n_extra + T))."""
         S = self.model.cfg.n_sink_tokens
+        T = layout.n_pos - S
         q, k = rec["q_all"], rec["k_all"]  # (B, H, S + T, hd), (B, H, n_slots + S + T, hd)
-        layout = self.model.layout(T, q.device, extra_mask=self.extra_mask)
         attn = self.model.blocks[layer].attn
         for r0 in range(0, T, self.chunk):
             rows = torch.arange(S + r0, S + min(T, r0 + self.chunk), device=q.device)  # positions of real queries
@@ -98,13 +97,14 @@ class SinklabTarget:
     def run(self, idx: torch.Tensor, metrics: Sequence[Metric]) -> None:
         names = set().union(*(m.records for m in metrics)) if metrics else set()
         map_users = [m for m in metrics if "maps" in m.records]
-        T = idx.shape[1]
+        # the layout of this batch, as the forward builds it (every layer's maps read it)
+        layout = self.model.layout(idx.shape[1], idx.device, extra_mask=self.extra_mask) if map_users else None
 
         def on_layer(i: int, rec: dict) -> None:
             for m in metrics:
                 m.update(i, {n: rec[n] for n in m.records if n in rec})
             if map_users:
-                for rows, a in self.maps(i, rec, T):
+                for rows, a in self.maps(i, rec, layout):
                     for m in map_users:
                         m.update_maps(i, rows, a)
 

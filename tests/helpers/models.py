@@ -58,3 +58,20 @@ def layer_records(m: Transformer, idx: torch.Tensor, explicit: bool = False) -> 
         for h in handles:
             h.remove()
     return layers
+
+
+def training_peak(T: int, device: str = "cpu", **overrides) -> int:
+    """Peak tensor bytes of one forward + backward of a 1-layer model at T tokens, batch 1, on `device` (gradients
+    already allocated: the measured step holds the same)."""
+    from sinklab.model import ModelConfig
+    from sinklab.perf import peak_memory
+
+    torch.manual_seed(0)
+    m = Transformer(ModelConfig(vocab_size=64, n_layer=1, n_head=2, d_model=32, d_ff=64, block_size=T,
+                                **overrides)).to(device)
+    idx = token_ids(B=1, T=T, vocab=64).to(device)
+
+    def step():
+        torch.nn.functional.cross_entropy(m(idx)[0], idx[0]).backward()
+    step()
+    return peak_memory(step, torch.device(device))

@@ -23,7 +23,7 @@ import torch
 from sinklab.metrics.sink import attention_scores, brute_force_alpha
 from sinklab.model import ModelConfig, Transformer
 from sinklab.perf import peak_memory
-from tests.helpers import fake_text
+from tests.helpers import fake_text, training_peak
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (CI runs on CPUs)")]
@@ -134,23 +134,11 @@ def test_memory_linear_training_equals_the_explicit_maps(op, dtype):
                        attn_backend=LINEAR_OPS[op].get("attn_backend", "sdpa"))
 
 
-def training_peak(T: int, **overrides) -> int:
-    """Peak CUDA bytes of one forward + backward of a 1-layer model at T tokens, batch 1 (gradients allocated)."""
-    torch.manual_seed(0)
-    m = Transformer(ModelConfig(vocab_size=64, n_layer=1, n_head=2, d_model=64, d_ff=128, block_size=T,
-                                **overrides)).to(CUDA)
-    idx = tokens(B=1, T=T, vocab=64)
-
-    def step():
-        torch.nn.functional.cross_entropy(m(idx)[0], idx[0]).backward()
-    step()
-    return peak_memory(step, CUDA)
-
-
 @pytest.mark.parametrize("op", ["sigmoid", "softpick"])
 def test_memory_linear_training_grows_linearly_in_t_on_cuda(op):
     def exponent(**kw):
-        return math.log(training_peak(4096, attn_op=op, **kw) / training_peak(1024, attn_op=op, **kw)) / math.log(4)
+        peaks = [training_peak(T, "cuda", attn_op=op, **kw) for T in (1024, 4096)]
+        return math.log(peaks[1] / peaks[0]) / math.log(4)
     linear, kept = exponent(attn_memory="linear"), exponent()
     assert linear <= 1.2 < 1.5 <= kept, (linear, kept)
 

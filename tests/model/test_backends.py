@@ -6,15 +6,14 @@ import os
 import subprocess
 import sys
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
 
 from sinklab.model import ConfigError, ModelConfig, Transformer, backends
 from sinklab.model.config import KEPT_MAPS_BUDGET, preset
-from sinklab.perf import peak_memory
-from tests.helpers import REPO, SMALL, assert_same_logits_and_grads, logits_and_grads, small_model, token_ids
+from tests.helpers import (REPO, SMALL, assert_same_logits_and_grads, logits_and_grads, small_model, token_ids,
+                           training_peak)
 
 
 @pytest.mark.parametrize("bad,message", [
@@ -112,18 +111,6 @@ def test_flex_equals_the_explicit_maps_on_combined_switches(case, flex_on_cpu):
     assert_same_logits_and_grads(logits_and_grads(m, idx),
                                  logits_and_grads(small_model(**case).train(), idx, explicit=True))
     assert len(flex_on_cpu) == m.cfg.n_layer
-
-
-def training_peak(T: int, **overrides) -> int:
-    """Peak bytes of one forward + backward of a 1-layer model at T tokens, batch 1."""
-    torch.manual_seed(0)
-    m = Transformer(ModelConfig(vocab_size=64, n_layer=1, n_head=2, d_model=32, d_ff=64, block_size=T, **overrides))
-    idx = token_ids(B=1, T=T, vocab=64)
-
-    def step():
-        torch.nn.functional.cross_entropy(m(idx)[0], idx[0]).backward()
-    step()  # gradients allocated: the measured step holds the same
-    return peak_memory(step, torch.device("cpu"))
 
 
 @pytest.mark.parametrize("op", [dict(attn_op="sigmoid"), dict(attn_op="kernel", attn_normalize=True),
