@@ -22,6 +22,7 @@ CONF_DIR = Path(os.environ.get("SINKLAB_CONF", Path(__file__).resolve().parents[
 SCHEMA_MODULES = (
     "sinklab.model.config",
     "sinklab.train.optim",
+    "sinklab.train.muon",
     "sinklab.train.config",  # trainer, callbacks/{sink,checkpoint,preemption,status}
     "sinklab.data.config",
     "sinklab.train.launchers",  # hydra/launcher: the submitit plugin's schemas, its preset names

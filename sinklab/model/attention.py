@@ -42,6 +42,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(H * hd, d, bias=False)
         self.gate_proj = GATES.selected(cfg)(cfg)
         self.op = ATTENTION_OPS.selected(cfg)(cfg)
+        self.op.bind_layer(layer)
         self.backend = select_backend(cfg)
         self.use_fused = self.backend.fuses
         self.recompute = cfg.memory == "linear"
@@ -103,6 +104,6 @@ class Attention(nn.Module):
         o = self.op.fused(q, k, v, layout, self.scale, self.backend) if self.use_fused else None
         if o is None:
             o = self.explicit(q, k, v, layout)
-        o = self.gate_proj.at(G1, x, self.attn_bias.output(o))
+        o = self.gate_proj.at(G1, x, self.attn_bias.output(self.op.output(o)))
         out = self.o_proj(o.transpose(1, 2).flatten(2))  # (B, H, N, hd) -> (B, N, H * hd) -> (B, N, d)
         return self.gate_proj.at(G5, x, out)

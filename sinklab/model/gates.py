@@ -19,6 +19,19 @@ What the paper leaves open, decided here:
   applies there (headwise or head-shared is refused).
 - A K / KV bias slot is prepended after the gate (never gated); at G1 the gate multiplies after a V bias is added.
 
+Value-state gate (`model.gate=vga`, Bu et al. 2025, "Value-State Gated Attention for Mitigating Extreme-Token
+Phenomena in Transformers", arXiv 2510.09017): the same G1 position, but the scores come from the value states instead
+of the block's input: Y' = Y * sigmoid(V W_g), V = X W_v the value projection's output of the same token. The paper
+states the gate as a sigmoid of a learned projection of the value states that multiplies the attention output (so a
+head can output nothing without draining its sink token's value). What it leaves open, decided here:
+- which values: the query token's own value state (row i of V gates row i of the output, as the element-wise product
+  of two (T, d) matrices reads), before a KV bias slot is added and before the kv heads are repeated (GQA);
+- W_g's shape: one matrix over all value heads concatenated (n_kv_head * hd -> n_head * hd, no bias), one score per
+  channel (elementwise), as Qwen's G1 maps the whole input; initialised N(0, init_std) like every matrix (scores ~0.5);
+- no other gate at the same time (one `model.gate`), and the activation is the paper's sigmoid.
+The value states reach the gate through its G2 call (`at(G2, x, v)` passes v unchanged and keeps it for the G1 call
+of the same forward), so the attention module needs no second path.
+
 Recording the gate values: every gate's activation is its submodule `gate_act` (`blocks.<i>.attn.gate_proj.gate_act`,
 an nn.Sigmoid or nn.SiLU). A forward hook on it receives the scores act(X W_theta) of shape (B, S + T, width), before
 they are arranged per head; `sinklab.metrics.gates.record_gates` registers these hooks and `gate_stats` summarises.
@@ -165,3 +178,26 @@ class ElementwiseGate(HeadwiseGate):
     @staticmethod
     def width(cfg: Any, position: type[GatePosition]) -> int:
         return position.channels(cfg)
+
+
+@GATES.register("vga")
+class ValueStateGate(Component, nn.Linear):
+    """Value-state gate (VGA, arXiv 2510.09017): Y * sigmoid(V W_g) after SDPA (G1), V the token's value states.
+
+    v (B, n_kv_head, N, hd) -> scores (B, n_head, N, hd), one per channel of each head's output."""
+
+    def __init__(self, cfg: Any):
+        nn.Linear.__init__(self, cfg.kv_heads * cfg.hd, cfg.n_head * cfg.hd, bias=False)
+        self.heads, self.per_head = cfg.n_head, cfg.hd
+        self.gate_act = nn.Sigmoid()  # a named submodule: a forward hook records the scores
+        self.values: torch.Tensor | None = None  # this forward's value states, from the G2 call to the G1 call
+
+    def at(self, position: type[GatePosition], x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """G2: keep the value states t (B, n_kv_head, N, hd), unchanged; G1: gate the heads' output t with them."""
+        if position is G2:
+            self.values = t
+        elif position is G1:
+            values, self.values = self.values, None
+            v = values.transpose(1, 2).flatten(2)  # (B, n_kv_head, N, hd) -> (B, N, n_kv_head * hd)
+            return t * G1.arrange(self.gate_act(F.linear(v, self.weight)), self.heads, self.per_head)
+        return t

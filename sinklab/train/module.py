@@ -190,12 +190,14 @@ def optimizer_config(optim: dict[str, Any]) -> dict[str, Any]:
     """The optimizer node with the schema's defaults filled in, checked, as plain types."""
     from omegaconf import OmegaConf
 
+    from sinklab.train.muon import MuonConfig
     from sinklab.train.optim import AdamWConfig
 
     node = OmegaConf.create(dict(optim))
-    if node.get("_target_", AdamWConfig._target_) == AdamWConfig._target_:
-        node = OmegaConf.merge(OmegaConf.structured(AdamWConfig), node)  # defaults and types
-        OmegaConf.to_object(node)  # AdamWConfig.__post_init__ checks the values
+    schema = {s._target_: s for s in (AdamWConfig, MuonConfig)}.get(node.get("_target_", AdamWConfig._target_))
+    if schema is not None:
+        node = OmegaConf.merge(OmegaConf.structured(schema), node)  # defaults and types
+        OmegaConf.to_object(node)  # the schema's __post_init__ checks the values
     return OmegaConf.to_container(node, resolve=True, enum_to_str=True)
 
 

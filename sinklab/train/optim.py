@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 from torch import nn
@@ -58,13 +58,26 @@ def no_decay(name: str, p: nn.Parameter) -> bool:
 def adamw(model: nn.Module, max_steps: int, *, lr: float, weight_decay: float, betas: list[float], eps: float,
           exclude_norm_and_embedding: bool, warmup_steps: int, schedule: str, min_lr_ratio: float) -> dict[str, Any]:
     """AdamW and its per-step schedule, as LightningModule.configure_optimizers returns them."""
+    opt = torch.optim.AdamW(decay_groups(model.named_parameters(), weight_decay, exclude_norm_and_embedding), lr=lr,
+                            betas=tuple(betas), eps=eps, fused=None)
+    return with_schedule(opt, max_steps, warmup_steps, schedule, min_lr_ratio)
+
+
+def decay_groups(named: Iterable[tuple[str, nn.Parameter]], weight_decay: float,
+                 exclude_norm_and_embedding: bool) -> list[dict[str, Any]]:
+    """Parameter groups: weight decay on every parameter, or (exclude_norm_and_embedding) none on `no_decay`'s."""
     decay, exempt = [], []
-    for name, p in model.named_parameters():
+    for name, p in named:
         (exempt if exclude_norm_and_embedding and no_decay(name, p) else decay).append(p)
     groups = [{"params": decay, "weight_decay": weight_decay}]
     if exempt:
         groups.append({"params": exempt, "weight_decay": 0.0})
-    opt = torch.optim.AdamW(groups, lr=lr, betas=tuple(betas), eps=eps, fused=None)
+    return groups
+
+
+def with_schedule(opt: torch.optim.Optimizer, max_steps: int, warmup_steps: int, schedule: str,
+                  min_lr_ratio: float) -> dict[str, Any]:
+    """The optimizer with its per-step LambdaLR (`lr_lambda`), as configure_optimizers returns them."""
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: lr_lambda(s, warmup_steps, max_steps, schedule, min_lr_ratio))
     return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}

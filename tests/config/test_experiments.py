@@ -46,7 +46,8 @@ TABLES = load_paper_tables()
 REQUIRED = {"learning_rate", "batch_size", "weight_decay", "data_amount", "fixed_token_position", "random_tokens",
             "prefix_lm", "window", "positional_encoding", "post_norm", "ffn", "heads", "biases", "bias_head_sharing",
             "fixed_value_bias", "attention_operation", "softmax_scale", "sigmoid_no_norm_lr_wd", "sink_free",
-            "residual_sinks", "gate_positions", "outliers_quant", "sink_uses", "no_bos"}
+            "residual_sinks", "gate_positions", "outliers_quant", "sink_uses", "no_bos",
+            "value_gates", "diff_attention", "muon"}
 CONTEXT = {"cpu": 64, "paper": 2048}
 SECTIONS = ("model", "data", "optim", "trainer")
 # keeps one job to seconds: one step, validation and sink measurement on a few blocks

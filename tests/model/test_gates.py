@@ -238,3 +238,28 @@ def test_components_lists_the_gate_knobs_and_clipped_softmax(capsys):
             "model/gate=elementwise_silu"} <= set(listed[("model.gate", "elementwise")]["files"])
     clip = listed[("model.attn_op", "clipped_softmax")]
     assert clip["knobs"] == {"clip_zeta": 1.0, "clip_alpha": 4.0} and clip["files"] == ["model/attn=clipped_softmax"]
+
+
+@pytest.mark.parametrize("kv", [None, 2])
+def test_vga_gates_the_sdpa_output_with_a_sigmoid_of_the_tokens_value_states(kv):
+    """VGA (arXiv 2510.09017) by hand: Y' = Y * sigmoid(V W_g), V = X W_v the token's value states (its kv heads
+    concatenated), Y the heads' SDPA outputs; gating with another token's values would differ; the gates metric's
+    hook records the scores (B, T, n_head * hd)."""
+    m = small_model(gate="vga", n_kv_head=kv, pos="nope")
+    h, x, out, _ = block0_inputs(m, token_ids())
+    attn = m.blocks[0].attn
+    B, N, _ = x.shape
+    heads_kv = kv or H
+    q = (x @ attn.q_proj.weight.T).view(B, N, H, HD).transpose(1, 2)
+    k, v = ((x @ p.weight.T).view(B, N, heads_kv, HD).transpose(1, 2) for p in (attn.k_proj, attn.v_proj))
+    s = (q @ k.repeat_interleave(H // heads_kv, 1).transpose(-1, -2)) / HD ** 0.5
+    s = s.masked_fill(~torch.ones(N, N, dtype=torch.bool).tril(), float("-inf"))
+    y = (torch.softmax(s, -1) @ v.repeat_interleave(H // heads_kv, 1)).transpose(1, 2).reshape(B, N, H * HD)
+    g = torch.sigmoid((x @ attn.v_proj.weight.T) @ attn.gate_proj.weight.T)  # (B, N, H * HD)
+    assert attn.gate_proj.weight.shape == (H * HD, heads_kv * HD)
+    torch.testing.assert_close(out, (y * g) @ attn.o_proj.weight.T, atol=1e-6, rtol=1e-5)
+    assert not torch.allclose(out, (y * g[:, :1]) @ attn.o_proj.weight.T, atol=1e-4)  # not the first token's values
+    with record_gates(m) as values, torch.no_grad():
+        m(token_ids())
+    assert values[0][0].shape == (B, N, H * HD) and 0 < gate_stats(values)["gate_mean"] < 1
+    assert attn.gate_proj.values is None  # the value states are not kept past the forward

@@ -21,6 +21,8 @@ class AttentionOp(Component, torch.nn.Module):
       fusable(cfg)         whether `fused` computes it with this config (backend, masks, model.attn_memory)
       fused(...)           a fused kernel's output (softmax: through the backend), or None to use the explicit map
       llama_ok(cfg)        whether transformers' LLaMA can represent it (export-hf asks)
+      output(o)            what the op does to the heads' output after the map (differential attention's norm)
+      bind_layer(layer)    told its layer's index once, when the layer is built (a depth-dependent constant)
     Its parameters (a learned sink logit, a feature map) are submodules / parameters of the op.
     """
 
@@ -44,6 +46,13 @@ class AttentionOp(Component, torch.nn.Module):
               backend: AttentionBackend) -> Optional[torch.Tensor]:
         """q (B, H, N, hd), k and v (B, H, n_keys, hd) -> (B, H, N, hd), or None where there is no fused path."""
         return None
+
+    def bind_layer(self, layer: int) -> None:
+        """The index of the layer this op belongs to (from 0); most ops do not depend on it."""
+
+    def output(self, o: torch.Tensor) -> torch.Tensor:
+        """The heads' output map @ v (B, H, N, hd), fused or explicit -> what the layer's attention outputs."""
+        return o
 
     def probs(self, q: torch.Tensor, k: torch.Tensor, layout: Layout, rows: torch.Tensor,
               scale: float) -> torch.Tensor:
