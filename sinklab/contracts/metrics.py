@@ -21,7 +21,8 @@ from .components import small_model, token_ids
 
 SWITCHES = {"softmax": {}, "kv_bias_sink_token": dict(attn_bias="kv", n_sink_tokens=1),
             "sigmoid": dict(attn_op="sigmoid"), "gated": dict(gate="elementwise"),
-            "alibi_window": dict(pos="alibi", window=6)}
+            "alibi_window": dict(pos="alibi", window=6),
+            "differential": dict(attn_op="differential")}  # a map with negative entries, rows summing to 1 - lambda
 
 
 def logged(model, tokens, names=None, batch_size=2, chunk=7, target_cls=SinklabTarget) -> dict[str, dict]:

@@ -67,7 +67,8 @@ def test_refuses_what_llama_cannot_represent(tmp_path, capsys):
     assert [r.split("=")[0] for r in reasons] == ["model.norm", "model.attn_bias", "model.window"]
     assert unrepresentable(ModelConfig(**SMALL, n_kv_head=1).validate()) == []
     for overrides in ({"ffn": "gelu"}, {"n_sink_tokens": 1}, {"gate": "headwise"}, {"sink_logit": "learned"},
-                      {"norm_position": "post"}, {"attn_op": "sigmoid"}, {"softmax_scale": 2.0}, {"prefix_len": 4}):
+                      {"norm_position": "post"}, {"attn_op": "sigmoid"}, {"softmax_scale": 2.0}, {"prefix_len": 4},
+                      {"gate": "vga"}, {"attn_op": "differential"}):
         cfg = ModelConfig(**SMALL, **overrides).validate()
         assert not cfg.llama_compatible and [r.split("=")[0] for r in unrepresentable(cfg)] == \
             ["model." + next(iter(overrides))]
