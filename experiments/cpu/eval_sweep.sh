@@ -4,6 +4,7 @@
 #   bash experiments/cpu/eval_sweep.sh SWEEP_DIR EVAL [its options ...]      EVAL: quant | streaming | intervene
 #   bash experiments/cpu/eval_sweep.sh logs/train/multiruns/<time> streaming --first 0,4 --recent 32
 #   bash experiments/cpu/eval_sweep.sh logs/train/multiruns/<time> intervene
+#   JOBS="0 1 2" bash experiments/cpu/eval_sweep.sh logs/train/multiruns/<time> quant    # only these job dirs
 #
 # For each job dir of SWEEP_DIR (0, 1, ...) that has checkpoints/last.ckpt, runs `sinklab quant JOB --json` (quant)
 # or `sinklab eval EVAL JOB --json` with the options given into JOB/EVAL.json; a job without a checkpoint is skipped
@@ -29,6 +30,7 @@ esac
 for job in "$SWEEP"/*/; do
   job=${job%/}
   [[ $(basename "$job") =~ ^[0-9]+$ ]] || continue
+  if [ -n "${JOBS:-}" ] && [[ " $JOBS " != *" $(basename "$job") "* ]]; then continue; fi
   if [ ! -f "$job/checkpoints/last.ckpt" ]; then
     echo "== $job: no checkpoints/last.ckpt (not finished?), skipped" >&2
     continue
