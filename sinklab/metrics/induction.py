@@ -1,7 +1,7 @@
 """Induction and previous-token scores per head (Olsson et al. 2022, "In-context Learning and Induction Heads"; the
 definitions of TransformerLens's repeated-token test), on an input of its own: repeated random tokens.
 
-Input (`own_input`, the same on every call): N = 16 sequences [t_0, r_1 .. r_L, r_1 .. r_L] of 2L + 1 tokens with
+Input (`own_input`, the same on every call): N = 8 sequences [t_0, r_1 .. r_L, r_1 .. r_L] of 2L + 1 tokens with
 L = (T0 - 1) // 2 for the given probe input of length T0 (31 at T0 = 64). t_0 is the first token of a probe sequence
 (the BOS token in runs whose data puts one first, as the default run's probe set does); the r_j are drawn uniformly,
 with a fixed seed, from the distinct token ids of the probe input after its first column, so that they are ids the
@@ -27,7 +27,7 @@ from sinklab.keys import ACT_PREFIX
 from .base import METRICS, UNIT, Context, Metric
 from .sink import renormalise
 
-NUM_SEQS = 16
+NUM_SEQS = 8
 SEED = 0
 SCORES = ("induction", "prev_token")
 

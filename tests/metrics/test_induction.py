@@ -13,9 +13,9 @@ from tests.helpers import small_model, token_ids
 def test_its_input_is_the_probe_input_s_first_token_then_a_seeded_random_half_repeated():
     probe = token_ids(B=5, T=24, seed=3)
     ids = repeated_tokens(probe)
-    assert ids.shape == (16, 23) and torch.equal(ids, repeated_tokens(probe))  # L = (24 - 1) // 2 = 11
+    assert ids.shape == (8, 23) and torch.equal(ids, repeated_tokens(probe))  # L = (24 - 1) // 2 = 11
     assert torch.equal(ids[:, 1:12], ids[:, 12:])
-    assert torch.equal(ids[:, 0], probe[torch.arange(16) % 5, 0])
+    assert torch.equal(ids[:, 0], probe[torch.arange(8) % 5, 0])
     assert set(ids[:, 1:].flatten().tolist()) <= set(probe[:, 1:].flatten().tolist())
     assert not torch.equal(ids, repeated_tokens(probe, seed=1))
 
@@ -52,9 +52,9 @@ def test_the_scores_equal_transformer_lens_s_stripes_on_whole_maps():
     res = metric.result()
     ids = repeated_tokens(probe)
     L = (ids.shape[1] - 1) // 2
-    for layer, a in enumerate(attention_maps(model, ids)):  # (16, H, 2L + 1, 2L + 1)
+    for layer, a in enumerate(attention_maps(model, ids)):  # (8, H, 2L + 1, 2L + 1)
         prev = a.diagonal(-1, dim1=-2, dim2=-1).mean(-1).mean(0)  # (H,)
         induction = a.diagonal(-(L - 1), dim1=-2, dim2=-1)[..., -L:].mean(-1).mean(0)  # the second repeat's rows
         assert res["by_head"]["prev_token"][layer] == pytest.approx(prev.tolist(), rel=1e-5)
         assert res["by_head"]["induction"][layer] == pytest.approx(induction.tolist(), rel=1e-5)
-    assert res["num_seqs"] == 16 and res["seq_len"] == 2 * L + 1
+    assert res["num_seqs"] == 8 and res["seq_len"] == 2 * L + 1
