@@ -46,7 +46,7 @@ from sinklab.perf import datasheet_peak, matmul_probe  # noqa: E402  (shared wit
 
 # sequences per step: 2048 tokens in every config (tiny: the data default of 32 blocks), so that a CPU step takes
 # seconds, not minutes; --batch 32 gives the data default for 14m / 60m too
-DEFAULT_BATCH = {"tiny": 32, "14m": 8, "60m": 1}
+DEFAULT_BATCH = {"tiny3": 16, "tiny": 32, "14m": 8, "60m": 1}  # tiny3: the default run (scale=quick)
 SECTIONS = ("peak", "callback", "data", "lightning", "compile", "metric")  # --skip; the training loop always runs
 
 
@@ -389,7 +389,8 @@ def main(argv=None) -> int:
     device = torch.device(args.device)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     B = args.batch or DEFAULT_BATCH[args.config]
-    steps = max(2, args.steps or {"tiny": 40, "14m": 16, "60m": 6}[args.config] // (4 if args.quick else 1))
+    default_steps = {"tiny3": 40, "tiny": 40, "14m": 16, "60m": 6}[args.config]
+    steps = max(2, args.steps or default_steps // (4 if args.quick else 1))
     skip = set(args.skip)
     warnings.filterwarnings("ignore", ".*does not have many workers.*")
     warnings.filterwarnings("ignore", ".*LeafSpec.*")

@@ -205,6 +205,8 @@ class HFTarget:
         return handles
 
     def run(self, idx: torch.Tensor, metrics) -> None:
+        from sinklab.metrics.record import feed_maps
+
         names = set().union(*(m.records for m in metrics)) if metrics else set()
         device = next(self.model.parameters()).device
         idx = idx.to(device)
@@ -235,6 +237,4 @@ class HFTarget:
             m = m.float()
             if self.row_normalised and (m.sum(-1) - 1).abs().max().item() > ROW_SUM_TOL:
                 self.row_normalised = False
-            for metric in metrics:
-                if "maps" in metric.records:
-                    metric.update_maps(i, rows, m)
+            feed_maps(metrics, i, lambda m=m: [(rows, m)])

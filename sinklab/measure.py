@@ -147,6 +147,18 @@ def format_tables(res: dict, max_heads: int = 16) -> str:
         for layer, (mean, low, first) in enumerate(rows):
             lines.append(f"{layer:>5} {mean:8.4f} {100 * low:8.1f} {first:8.4f}")
         lines.append(f"{'all':>5} {g['mean']:8.4f} {100 * g['low_share']:8.1f} {g['first_token']:8.4f}")
+    sec, noop, ind = res.get("secondary_sinks"), res.get("noop"), res.get("induction")
+    if sec and noop and ind:
+        lines += ["", f"sinks at any position k <= {sec['scored_positions']} (alpha_k > {sec['eps']:g}), the no-op "
+                      f"signature and the best head's scores on repeated random tokens, per layer",
+                  f"{'layer':>5} {'2nd sink%':>9} {'positions':>9} {'v drain':>8} {'out ratio':>9} {'induction':>9} "
+                  f"{'prev tok':>8}"]
+        cols = (sec["by_layer"]["secondary_sink_heads"], sec["by_layer"]["sink_positions"],
+                noop["by_layer"]["value_drain_ratio"], noop["by_layer"]["sink_output_ratio"],
+                ind["by_layer"]["induction"], ind["by_layer"]["prev_token"])
+        for layer, row in enumerate(zip(*cols)):
+            lines.append(f"{layer:>5} " + " ".join(_fmt(x, w, p) for x, (w, p) in
+                                                   zip(row, ((9, 2), (9, 2), (8, 3), (9, 3), (9, 3), (8, 3)))))
     extra = [key for key in ("k1_norm_ratio", "v1_norm_ratio", "cos_q_k1", "cos_q_kj") if key in n]
     if extra:
         lines += ["", "first-token keys and values (mean over layers): "

@@ -36,6 +36,13 @@ What is measured and how: `sinklab.measure`. User errors are one line on stderr 
         the gate scores act(X W_theta) of a model with `model.gate` (Qwen's gated attention): their mean, the share
         below 0.1 and the mean on token 1, from the same forwards (sinklab.metrics.gates); {} without a gate,
     entropy {mean, by_layer, by_head}: attention entropy in nats (sinklab.metrics.entropy),
+    secondary_sinks {eps, min_queries, scored_positions, secondary_sink_heads, sink_positions, first_layer,
+        last_layer, by_layer, by_head, positions [{"k": {share, alpha}} per layer]}: sinks at any position
+        (sinklab.metrics.secondary_sinks),
+    noop {value_drain_ratio, sink_query_share, sink_output_ratio, ..., by_layer}: the no-op signature
+        (sinklab.metrics.noop),
+    induction {seq_len, repeat, num_seqs, seed, induction, prev_token, by_layer, by_head}: induction and
+        previous-token scores on repeated random tokens (sinklab.metrics.induction),
     and the part of any other registered metric (`sinklab.metrics.METRICS`) under its json_key.
 Non-finite values (a norm ratio with T = 1) are null.
 """

@@ -16,6 +16,7 @@ import torch
 
 from sinklab.keys import bounds
 from sinklab.metrics import METRICS, SinklabTarget, attention_maps, measure_all
+from sinklab.metrics.record import feed_maps
 
 from .components import small_model, token_ids
 
@@ -50,9 +51,7 @@ class DirectTarget(SinklabTarget):
             rows = torch.arange(idx.shape[1])
             whole = maps[i][:, :, S:]  # (B, H, T, n_slots + S + T): the real queries, every key
             assert whole.shape[-1] == n_slots + S + idx.shape[1]
-            for m in metrics:
-                if "maps" in m.records:
-                    m.update_maps(i, rows, whole)
+            feed_maps(metrics, i, lambda whole=whole: [(rows, whole)])
 
 
 def assert_within_bounds(values: dict[str, float], where: str) -> None:

@@ -2,12 +2,16 @@
 
 A metric is one module (`sinklab/metrics/<name>.py`) with one class registered here. It declares
 - `records`: what it needs from each layer's forward, a subset of RECORDABLE: `q`, `k`, `v` (real tokens' queries,
-  keys and values as the operation sees them: after RoPE, the kv heads repeated to H), `attn` (the attention
+  keys and values as the operation sees them: after RoPE, the kv heads repeated to H), `v_extra` (the values of
+  the extra keys, bias slot then learned sink tokens, (B, H, n_extra, hd); absent without them), `attn` (the attention
   module's output, (B, T, d)), `h` (the residual stream leaving the layer, (B, T, d)), `gate` (a gated model's
   scores, (B, T, width)) and `maps` (the attention map in chunks of query rows, (B, H, R, n_extra + T), the extra
   key columns first: the bias slot, then learned sink tokens);
 - how it reduces: `update(layer, rec)` and `update_maps(layer, rows, maps)` per layer and batch, `end_batch()`,
-  `result()` per layer (lists indexed by layer) and overall;
+  `result()` per layer (lists indexed by layer) and overall; with `reads_maps_twice`, each layer's chunks come again
+  to `update_maps_again` once all of them were seen (a statistic of each query row that needs the column sums);
+- `own_input(tokens)`: the token ids it measures instead of the probe input it is given (None: that input), e.g.
+  random tokens repeated for induction scores; built deterministically from a fixed seed;
 - `bounds`: the physical range of each of its log keys (regexes over the full name, e.g. `^act/(layer\\d+/)?x$`);
 - `log(result)`: the scalars the training callback logs (full names, `sink/...` or `act/...`);
 - `json(result)`: its part of `sinklab measure --json` (under `json_key`, or merged at the top level when None);
@@ -26,7 +30,7 @@ import torch
 
 from sinklab.keys import ANY, NON_NEGATIVE, PERCENT, UNIT  # noqa: F401  (the bounds metrics declare)
 
-RECORDABLE = frozenset({"q", "k", "v", "attn", "h", "gate", "maps"})
+RECORDABLE = frozenset({"q", "k", "v", "v_extra", "attn", "h", "gate", "maps"})
 
 
 @dataclass
@@ -57,6 +61,7 @@ class Metric:
     json_key: ClassVar[Optional[str]] = None
     headline: ClassVar[tuple[str, ...]] = ()
     needs_model: ClassVar[bool] = False  # reads the sinklab model itself (weights): not for Hugging Face models
+    reads_maps_twice: ClassVar[bool] = False  # each layer's map chunks come again to update_maps_again
 
     def __init__(self, ctx: Context):
         self.ctx = ctx
@@ -71,6 +76,14 @@ class Metric:
 
     def update_maps(self, layer: int, rows: torch.Tensor, maps: torch.Tensor) -> None:
         """A chunk of one layer's map: `rows` (R,) are real query positions (0-based), maps (B, H, R, n_extra + T)."""
+
+    def update_maps_again(self, layer: int, rows: torch.Tensor, maps: torch.Tensor) -> None:
+        """With `reads_maps_twice`: the same chunks of the layer's map once more, after update_maps saw all of them."""
+
+    def own_input(self, tokens: torch.Tensor) -> Optional[torch.Tensor]:
+        """The token ids (N, T') this metric measures instead of the probe input `tokens` (N0, T0) it is given, built
+        from them deterministically (a fixed seed), on the CPU; None: the given input, shared with the other metrics."""
+        return None
 
     def end_batch(self) -> None:
         """Every layer of the batch has been seen."""

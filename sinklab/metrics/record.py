@@ -1,8 +1,10 @@
 """One way to record activations: forward hooks, on a sinklab model's hook points (`sinklab.model.hooks`) and
 modules, and on a Hugging Face model's decoder layers (`sinklab.hf.HFTarget`). A target runs a batch through its
 model with the hooks that the chosen metrics need and hands each metric every layer's recorded tensors as soon as
-the layer has run (`Metric.update`), then the layer's attention map in chunks of query rows (`Metric.update_maps`);
-nothing is kept after the layer, so memory is one layer's tensors plus one chunk of one map.
+the layer has run (`Metric.update`), then the layer's attention map in chunks of query rows (`Metric.update_maps`,
+and once more `Metric.update_maps_again` for a metric that `reads_maps_twice`); nothing is kept after the layer, so
+memory is one layer's tensors plus one chunk of one map. A metric with its own input (`Metric.own_input`, e.g.
+repeated random tokens) gets its own forwards over it.
 
     metrics = METRICS.build(SinklabTarget(model).context(eps=[0.3], k=4))
     measure_all(SinklabTarget(model), tokens, metrics, batch_size=32)
@@ -14,7 +16,7 @@ the chunked routes against.
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Iterator, Optional, Sequence
+from typing import Callable, Iterable, Iterator, Optional, Sequence
 
 import torch
 
@@ -56,11 +58,14 @@ class SinklabTarget:
         queries = lambda t: t[:, :, S:]  # noqa: E731  (B, H, S + T, hd) -> the real queries
         keys = lambda t: t[:, :, n_slots + S:]  # noqa: E731  (B, H, n_slots + S + T, hd) -> the real keys
         tokens = lambda t: t[:, S:]  # noqa: E731  (B, S + T, ...) -> the real tokens
+        extra = lambda t: t[:, :, :n_slots + S]  # noqa: E731  (B, H, n_slots + S + T, hd) -> the extra keys
+        if not n_slots + S:
+            names = names - {"v_extra"}
         need_qk = "maps" in names
         for i, block in enumerate(self.model.blocks):
             attn = block.attn
             wanted = ((attn.hook_q, "q", queries), (attn.hook_k, "k", keys), (attn.hook_v, "v", keys),
-                      (attn, "attn", tokens))
+                      (attn.hook_v, "v_extra", extra), (attn, "attn", tokens))
             for module, name, trim in wanted:
                 if name in names:
                     handles.append(module.register_forward_hook(keep(name, trim)))
@@ -96,30 +101,56 @@ class SinklabTarget:
 
     def run(self, idx: torch.Tensor, metrics: Sequence[Metric]) -> None:
         names = set().union(*(m.records for m in metrics)) if metrics else set()
-        map_users = [m for m in metrics if "maps" in m.records]
         # the layout of this batch, as the forward builds it (every layer's maps read it)
-        layout = self.model.layout(idx.shape[1], idx.device, extra_mask=self.extra_mask) if map_users else None
+        layout = self.model.layout(idx.shape[1], idx.device, extra_mask=self.extra_mask) if "maps" in names else None
 
         def on_layer(i: int, rec: dict) -> None:
             for m in metrics:
                 m.update(i, {n: rec[n] for n in m.records if n in rec})
-            if map_users:
-                for rows, a in self.maps(i, rec, layout):
-                    for m in map_users:
-                        m.update_maps(i, rows, a)
+            feed_maps(metrics, i, lambda: self.maps(i, rec, layout))
 
         with self.hooks(names, on_layer):
             self.model(idx, extra_mask=self.extra_mask)
 
 
+KEEP_CHUNKS_BYTES = 64 << 20  # a layer's map chunks up to this size are kept for a second pass, not recomputed
+
+
+def feed_maps(metrics: Sequence[Metric], layer: int,
+              chunks: Callable[[], Iterable[tuple[torch.Tensor, torch.Tensor]]]) -> None:
+    """One layer's map, as the chunks (rows, maps) that `chunks()` yields, to the metrics that record maps
+    (`update_maps`), then again to those that read it twice (`update_maps_again`): from the chunks kept on the first
+    pass while they fit KEEP_CHUNKS_BYTES, else from `chunks()` called again (memory stays one chunk)."""
+    users = [m for m in metrics if "maps" in m.records]
+    twice = [m for m in users if m.reads_maps_twice]
+    kept: Optional[list] = [] if twice else None
+    size = 0
+    for rows, a in chunks() if users else ():
+        for m in users:
+            m.update_maps(layer, rows, a)
+        size += a.numel() * a.element_size()
+        if kept is not None:
+            kept = kept if size <= KEEP_CHUNKS_BYTES else None  # too large: the second pass recomputes them
+        if kept is not None:
+            kept.append((rows, a))
+    for rows, a in (kept if kept is not None else chunks()) if twice else ():
+        for m in twice:
+            m.update_maps_again(layer, rows, a)
+
+
 @torch.no_grad()
 def measure_all(target, tokens: torch.Tensor, metrics: Sequence[Metric], batch_size: int = 32) -> None:
-    """Run `tokens` (N, T) through `target` in batches; every metric sees every layer of every batch; then the
-    target tells the metrics what it learnt on the way (`settle`: whether a HF model's rows summed to one)."""
-    for start in range(0, tokens.shape[0], batch_size):
-        target.run(tokens[start:start + batch_size], metrics)
-        for m in metrics:
-            m.end_batch()
+    """Run `tokens` (N, T) through `target` in batches; every metric sees every layer of every batch (a metric with
+    its own input, `Metric.own_input`, sees its own forwards over that instead); then the target tells the metrics
+    what it learnt on the way (`settle`: whether a HF model's rows summed to one)."""
+    own = [m.own_input(tokens) for m in metrics]
+    inputs = [(tokens, [m for m, ids in zip(metrics, own) if ids is None])]
+    inputs += [(ids.to(tokens.device), [m]) for m, ids in zip(metrics, own) if ids is not None]
+    for ids, group in inputs:
+        for start in range(0, ids.shape[0], batch_size) if group else ():
+            target.run(ids[start:start + batch_size], group)
+            for m in group:
+                m.end_batch()
     target.settle(metrics)
 
 
