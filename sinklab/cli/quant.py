@@ -125,7 +125,7 @@ def run(args) -> dict:
         raise UserError(f"--momentum {args.momentum:g} must be in [0, 1) (0: the last batch's range only)")
     device = pick_device(args.device)
     t0 = time.perf_counter()
-    target = load_target(args.target, args.hf_model, device)
+    target = load_target(args.target, args.hf_model, device, args.revision, args.dtype)
     meta = target.meta
     val, calib, kind = choose_data(args, meta, target.run_dir)
     val, calib = [b.to(device) for b in val], [b.to(device) for b in calib]

@@ -145,7 +145,7 @@ def run(args) -> dict:
         raise UserError(f"--n-tokens {args.n_tokens}: allowed: >= 2 (a token and the next one to predict)")
     device = pick_device(args.device)
     t0 = time.perf_counter()
-    target = load_target(args.target, args.hf_model, device)
+    target = load_target(args.target, args.hf_model, device, args.revision, args.dtype)
     model, meta, run_dir = target.model, target.meta, target.run_dir
     hf = meta["source"] == "hf"
     if meta["prefix_len"]:
