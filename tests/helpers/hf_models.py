@@ -13,45 +13,50 @@ from .text import VERSE
 HF_KINDS = ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "olmo2", "phi3", "neox", "gpt_oss", "gpt2",
             "opt"]
 ABSOLUTE_KINDS = ("gpt2", "opt")  # learned absolute positions: no streaming cache
+MHA_KINDS = ("gpt2", "neox", "opt")  # one kv head per query head; the others: 4 query heads share 2 kv heads
 SMALL = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
              max_position_embeddings=64)
-GQA = dict(SMALL, num_key_value_heads=2)  # grouped-query attention: 4 query heads share 2 kv heads
-SLIDING = dict(sliding_window=8, layer_types=["sliding_attention", "full_attention"])  # layer 0 sees 8 keys
+TWO_LAYERS = ("sliding_attention", "full_attention")  # where a family has layer types: layer 0 sees 8 keys
 
 
-def build(kind: str):
-    """The family's model with a tiny config: 2 layers, d 32, 4 heads, vocabulary 128, context 64."""
+def build(kind: str, layer_types: tuple = TWO_LAYERS):
+    """The family's model with a tiny config: len(layer_types) layers (default 2), d 32, 4 heads, vocabulary 128,
+    context 64; `layer_types` for the families that have them (Gemma2/3, gpt-oss: sliding windows of 8)."""
     import transformers as tf
 
+    small = dict(SMALL, num_hidden_layers=len(layer_types))
+    gqa = dict(small, num_key_value_heads=2)  # grouped-query attention: 4 query heads share 2 kv heads
+    sliding = dict(sliding_window=8, layer_types=list(layer_types))
     if kind == "llama":
-        return tf.LlamaForCausalLM(tf.LlamaConfig(**GQA))
+        return tf.LlamaForCausalLM(tf.LlamaConfig(**gqa))
     if kind == "mistral":
-        return tf.MistralForCausalLM(tf.MistralConfig(**GQA, sliding_window=16))
+        return tf.MistralForCausalLM(tf.MistralConfig(**gqa, sliding_window=16))
     if kind == "qwen2":
-        return tf.Qwen2ForCausalLM(tf.Qwen2Config(**GQA))  # biases on q, k, v
+        return tf.Qwen2ForCausalLM(tf.Qwen2Config(**gqa))  # biases on q, k, v
     if kind == "qwen3":
-        return tf.Qwen3ForCausalLM(tf.Qwen3Config(**GQA, head_dim=8))  # q_norm / k_norm per head
+        return tf.Qwen3ForCausalLM(tf.Qwen3Config(**gqa, head_dim=8))  # q_norm / k_norm per head
     if kind == "gemma2":  # logit soft-capping, a sliding and a global layer
-        return tf.Gemma2ForCausalLM(tf.Gemma2Config(**GQA, head_dim=8, query_pre_attn_scalar=8, **SLIDING))
+        return tf.Gemma2ForCausalLM(tf.Gemma2Config(**gqa, head_dim=8, query_pre_attn_scalar=8, **sliding))
     if kind == "gemma3":  # per-layer-type RoPE (local and global bases), q_norm / k_norm
-        return tf.Gemma3ForCausalLM(tf.Gemma3TextConfig(**GQA, head_dim=8, query_pre_attn_scalar=8, **SLIDING))
+        return tf.Gemma3ForCausalLM(tf.Gemma3TextConfig(**gqa, head_dim=8, query_pre_attn_scalar=8, **sliding))
     if kind == "olmo2":  # q_norm / k_norm over the whole projection
-        return tf.Olmo2ForCausalLM(tf.Olmo2Config(**GQA, eos_token_id=1, pad_token_id=0))
+        return tf.Olmo2ForCausalLM(tf.Olmo2Config(**gqa, eos_token_id=1, pad_token_id=0))
     if kind == "phi3":  # fused qkv_proj, RoPE on half of each head
-        return tf.Phi3ForCausalLM(tf.Phi3Config(**GQA, partial_rotary_factor=0.5, pad_token_id=0, eos_token_id=1,
+        return tf.Phi3ForCausalLM(tf.Phi3Config(**gqa, partial_rotary_factor=0.5, pad_token_id=0, eos_token_id=1,
                                                 bos_token_id=0))
     if kind == "neox":  # RoPE on half of each head (partial rotary)
-        return tf.GPTNeoXForCausalLM(tf.GPTNeoXConfig(**SMALL, rotary_pct=0.5))
+        return tf.GPTNeoXForCausalLM(tf.GPTNeoXConfig(**small, rotary_pct=0.5))
     if kind == "gpt_oss":  # learned sink logits, mixture of experts, YaRN RoPE, a sliding and a global layer
-        return tf.GptOssForCausalLM(tf.GptOssConfig(**GQA, head_dim=8, num_local_experts=4, num_experts_per_tok=2,
-                                                    **SLIDING))
+        return tf.GptOssForCausalLM(tf.GptOssConfig(**gqa, head_dim=8, num_local_experts=4, num_experts_per_tok=2,
+                                                    **sliding))
     if kind == "gpt2":
-        return tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=128, n_embd=32, n_layer=2, n_head=4, n_positions=64,
-                                                bos_token_id=0, eos_token_id=0))
+        return tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=128, n_embd=32, n_layer=len(layer_types), n_head=4,
+                                                n_positions=64, bos_token_id=0, eos_token_id=0))
     if kind == "opt":
-        return tf.OPTForCausalLM(tf.OPTConfig(vocab_size=128, hidden_size=32, ffn_dim=64, num_hidden_layers=2,
-                                              num_attention_heads=4, max_position_embeddings=64,
-                                              word_embed_proj_dim=32, bos_token_id=0, eos_token_id=1, pad_token_id=2))
+        return tf.OPTForCausalLM(tf.OPTConfig(vocab_size=128, hidden_size=32, ffn_dim=64,
+                                              num_hidden_layers=len(layer_types), num_attention_heads=4,
+                                              max_position_embeddings=64, word_embed_proj_dim=32, bos_token_id=0,
+                                              eos_token_id=1, pad_token_id=2))
     raise ValueError(f"unknown kind {kind!r}; allowed: {', '.join(HF_KINDS)}")
 
 
