@@ -76,7 +76,8 @@ def load_hf_tokenizer(name_or_dir: Union[str, Path], revision: Optional[str] = N
         except Exception as err:
             first = (str(err).strip().splitlines() or [""])[0][:160]
             raise UserError(f"--hf-model {name_or_dir}: no tokenizer beside the model ({type(err).__name__}: "
-                            f"{first}); natural input needs one: pass --tokens FILE.npy or --input random|repeat") from None
+                            f"{first}); natural input needs one: pass --tokens FILE.npy or --input random|repeat"
+                            ) from None
 
 
 @contextlib.contextmanager

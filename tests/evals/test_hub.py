@@ -75,9 +75,11 @@ def test_revisions_resolve_through_refs_and_commits(offline_cache, capsys):
 def test_offline_and_not_cached_is_one_line_with_the_fetch_command(offline_cache, capsys):
     cases = [(("--hf-model", REPO_ID, "--revision", "v2"), ["tiny-org/tiny-llama", "v2",
                                                              "hf download tiny-org/tiny-llama --revision v2"]),
-             (("--hf-model", "tiny-org/absent"), ["tiny-org/absent", "HF_HUB_OFFLINE=1", "hf download tiny-org/absent"]),
+             (("--hf-model", "tiny-org/absent"),
+              ["tiny-org/absent", "HF_HUB_OFFLINE=1", "hf download tiny-org/absent"]),
              (("--hf-model", "no/such/dir"), ["--hf-model no/such/dir: no such directory, and not a hub id"]),
-             (("--hf-model", str(offline_cache[1]["main"]), "--revision", "main"), ["--revision main", "local directory"]),
+             (("--hf-model", str(offline_cache[1]["main"]), "--revision", "main"),
+              ["--revision main", "local directory"]),
              (("--hf-model", REPO_ID, "--dtype", "int8"), ["--dtype", "'float32', 'bfloat16', 'float16'"])]
     for args, named in cases:
         rc, out, err = run_sinklab(capsys, "measure", *args, "--input", "random")

@@ -54,8 +54,8 @@ def test_the_table_is_each_single_measurement_with_the_paper_beside(offline, cap
     args = ["--input", "natural", "random", "repeat", "--text", text, "--num-seqs", "6", "--seq-len", "32"]
     res = measure_json(capsys, "--hf-model", "openai-community/gpt2-xl", "meta-llama/Llama-2-7b-hf", *args,
                        "--csv", str(tmp_path / "t.csv"), "--markdown", str(tmp_path / "t.md"))
-    assert [(r["model"], r["input"]) for r in res["rows"]] == [
-        (m, i) for m in ("openai-community/gpt2-xl", "meta-llama/Llama-2-7b-hf") for i in ("natural", "random", "repeat")]
+    models, inputs = ("openai-community/gpt2-xl", "meta-llama/Llama-2-7b-hf"), ("natural", "random", "repeat")
+    assert [(r["model"], r["input"]) for r in res["rows"]] == [(m, i) for m in models for i in inputs]
     paper = {(r["model"], r["input"]): r["paper_sink1"] for r in res["rows"]}
     assert paper[("openai-community/gpt2-xl", "random")] == 70.29  # sinklab/reference/paper_tables.yaml
     assert paper[("meta-llama/Llama-2-7b-hf", "natural")] == 92.47 and paper[("meta-llama/Llama-2-7b-hf",

@@ -6,7 +6,8 @@ from .hf_models import ABSOLUTE_KINDS, HF_KINDS, MHA_KINDS, hub_cache, tiny_hf, 
 from .runs import FAST, data_args, natural_run, rows, series, small, train, write_corpus
 from .text import VERSE, WORDS, fake_text
 
-__all__ = ["ABSOLUTE_KINDS", "FAST", "HF_KINDS", "HYDRA_SCHEMA_WARNING", "MHA_KINDS", "README", "REPO", "SMALL", "VERSE", "WORDS",
+__all__ = ["ABSOLUTE_KINDS", "FAST", "HF_KINDS", "HYDRA_SCHEMA_WARNING", "MHA_KINDS", "README", "REPO", "SMALL",
+           "VERSE", "WORDS",
            "assert_same_logits_and_grads", "case_id", "component_cases", "covering", "data_args", "explicit_logits",
            "fake_text", "hub_cache", "layer_records", "logits_and_grads", "natural_run", "readme_cli_lines",
            "readme_commands", "refused", "rows", "run_sinklab", "save_ckpt", "series", "small", "small_model",
