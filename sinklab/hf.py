@@ -13,6 +13,7 @@ output projection) in a forward hook. Norm weights are not read from HF models (
 """
 from __future__ import annotations
 
+import contextlib
 import sys
 from pathlib import Path
 from typing import Optional, Union
@@ -42,31 +43,56 @@ def dtype_kwargs(transformers, dtype: torch.dtype) -> dict:
     return {"dtype": dtype} if (major, minor) >= (4, 56) else {"torch_dtype": dtype}
 
 
-def load_hf_model(path: Union[str, Path], device: Union[str, torch.device] = "cpu",
-                  dtype: torch.dtype = torch.float32) -> nn.Module:
-    """A local causal-LM dir -> the model in eval mode with the eager attention kernel (maps available)."""
+def load_hf_model(name_or_dir: Union[str, Path], device: Union[str, torch.device] = "cpu",
+                  dtype: Union[str, torch.dtype] = torch.float32, revision: Optional[str] = None) -> nn.Module:
+    """A causal LM -> the model in eval mode on `device` in `dtype` (a torch dtype or a `--dtype` name) with the
+    eager attention kernel (maps available). `name_or_dir`: a local dir written by save_pretrained, or a hub id at
+    `revision` (`sinklab.hub.resolve_model`: huggingface_hub's cache, read offline with HF_HUB_OFFLINE=1)."""
+    from sinklab.hub import pick_dtype, resolve_model
+
     transformers = require_transformers()
-    p = Path(path)
-    if not p.is_dir():  # never let transformers read a missing path as a hub repo id
-        raise UserError(f"--hf-model {path}: no such directory (pass a local dir written by save_pretrained)")
-    if not (p / "config.json").is_file():
-        raise UserError(f"--hf-model {path}: the directory has no config.json (pass a dir written by save_pretrained)")
+    path = resolve_model(name_or_dir, revision)
+    dtype = pick_dtype(dtype, device)
+    with quiet(transformers):
+        try:
+            model = transformers.AutoModelForCausalLM.from_pretrained(
+                str(path), attn_implementation="eager", local_files_only=True, **dtype_kwargs(transformers, dtype))
+        except Exception as err:  # unknown architecture, missing weights, ...
+            first = (str(err).strip().splitlines() or [""])[0][:200]
+            raise UserError(f"--hf-model {name_or_dir}: transformers cannot load it as a causal LM "
+                            f"({type(err).__name__}: {first})") from None
+    return model.to(device).eval()
+
+
+def load_hf_tokenizer(name_or_dir: Union[str, Path], revision: Optional[str] = None):
+    """The tokenizer saved beside the model (`load_hf_model`'s dir or snapshot), or a one-line UserError."""
+    from sinklab.hub import resolve_model
+
+    transformers = require_transformers()
+    path = resolve_model(name_or_dir, revision)
+    with quiet(transformers):
+        try:
+            return transformers.AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        except Exception as err:
+            first = (str(err).strip().splitlines() or [""])[0][:160]
+            raise UserError(f"--hf-model {name_or_dir}: no tokenizer beside the model ({type(err).__name__}: "
+                            f"{first}); natural input needs one: pass --tokens FILE.npy or --input random|repeat"
+                            ) from None
+
+
+@contextlib.contextmanager
+def quiet(transformers):
+    """transformers' progress bars and warnings off (stderr is for what matters: errors are one line)."""
     hf_logging = transformers.utils.logging
     bars, verbosity = hf_logging.is_progress_bar_enabled(), hf_logging.get_verbosity()
-    hf_logging.disable_progress_bar()  # keep stderr for what matters (errors are one line)
+    hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
     try:
-        model = transformers.AutoModelForCausalLM.from_pretrained(
-            str(p), attn_implementation="eager", local_files_only=True, **dtype_kwargs(transformers, dtype))
-    except Exception as err:  # unknown architecture, missing weights, ...
-        first = (str(err).strip().splitlines() or [""])[0][:200]
-        raise UserError(f"--hf-model {path}: transformers cannot load it as a causal LM "
-                        f"({type(err).__name__}: {first})") from None
+        yield
     finally:
         hf_logging.set_verbosity(verbosity)
         if bars:
             hf_logging.enable_progress_bar()
-    return model.to(device).eval()
 
 
 def text_config(model: nn.Module):
@@ -110,27 +136,43 @@ def attention_module(layer: nn.Module) -> Optional[nn.Module]:
     return None
 
 
-def project_qkv(attn: nn.Module, hidden: torch.Tensor, position_embeddings=None):
-    """The attention's input hidden (B, T, d) -> q, k, v (B, H, T, hd) as the model attends with them: keys after
-    RoPE (with the model's own `apply_rotary_pos_emb` and the (cos, sin) the model passed to the attention), the kv
-    heads of grouped-query attention repeated to H as HF's repeat_kv does. None for a layout not known here.
+def heads(x: torch.Tensor, hd: int, norm: Optional[nn.Module] = None) -> torch.Tensor:
+    """A projection (B, T, n * hd) -> (B, n, T, hd), through the attention's q_norm / k_norm when it has one: per
+    head when the norm's weight has hd entries (Qwen3, Gemma3), over the whole projection otherwise (OLMo2)."""
+    if norm is not None and getattr(norm, "weight", None) is not None and norm.weight.numel() == hd:
+        return rearrange(norm(rearrange(x, "b t (h d) -> b t h d", d=hd)), "b t h d -> b h t d")
+    if norm is not None:
+        x = norm(x)
+    return rearrange(x, "b t (h d) -> b h t d", d=hd)
 
-    Layouts: q_proj / k_proj / v_proj (LLaMA, Mistral, Qwen2, ...), query_key_value with [q | k | v] per head
-    (GPT-NeoX), c_attn with [q | k | v] over all heads (GPT-2). Attentions that normalise q or k (q_norm, k_norm)
-    are not reproduced and give None."""
-    if hasattr(attn, "q_norm") or hasattr(attn, "k_norm"):
-        return None
+
+def project_qkv(attn: nn.Module, hidden: torch.Tensor, position_embeddings=None):
+    """The attention's input hidden (B, T, d) -> q, k, v (B, H, T, hd) as the model attends with them: q and k
+    through the attention's q_norm / k_norm if any, then RoPE (the model's own `apply_rotary_pos_emb` on the
+    (cos, sin) the model passed to the attention, partial rotary included), the kv heads of grouped-query
+    attention repeated to H as HF's repeat_kv does. None for a layout not known here.
+
+    Layouts: q_proj / k_proj / v_proj (LLaMA, Mistral, Qwen2/3, Gemma2/3, OLMo2, OPT, gpt-oss, ...), qkv_proj with
+    [q | k | v] over all heads (Phi-3), query_key_value with [q | k | v] per head (GPT-NeoX), c_attn with
+    [q | k | v] over all heads (GPT-2). OPT scales q inside the attention: its q here is unscaled (the key
+    statistics are norms of k and v and cosines, which a scale of q does not change)."""
+    hd = getattr(attn, "head_dim", None)
+    q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
     if all(isinstance(getattr(attn, n, None), nn.Module) for n in ("q_proj", "k_proj", "v_proj")) and \
-            isinstance(getattr(attn, "head_dim", None), int):
-        q, k, v = (rearrange(proj(hidden), "b t (h d) -> b h t d", d=attn.head_dim)
-                   for proj in (attn.q_proj, attn.k_proj, attn.v_proj))
+            isinstance(hd, int):
+        q, k, v = (heads(proj(hidden), hd, norm) for proj, norm in ((attn.q_proj, q_norm), (attn.k_proj, k_norm),
+                                                                       (attn.v_proj, None)))
+    elif isinstance(getattr(attn, "qkv_proj", None), nn.Module) and isinstance(hd, int) and q_norm is None:
+        n_q = attn.config.num_attention_heads * hd
+        n_kv = attn.config.num_key_value_heads * hd
+        q, k, v = (heads(x, hd) for x in attn.qkv_proj(hidden).split([n_q, n_kv, n_kv], dim=-1))
     elif isinstance(getattr(attn, "query_key_value", None), nn.Module) and hasattr(attn, "head_size"):
         qkv = attn.query_key_value(hidden)  # (B, T, H * 3 * hd), per head [q | k | v]
         q, k, v = rearrange(qkv, "b t (h three d) -> three b h t d", three=3, d=attn.head_size)
-    elif isinstance(getattr(attn, "c_attn", None), nn.Module) and hasattr(attn, "head_dim") and \
+    elif isinstance(getattr(attn, "c_attn", None), nn.Module) and isinstance(hd, int) and \
             not getattr(attn, "is_cross_attention", False):
         qkv = attn.c_attn(hidden)  # (B, T, 3 * H * hd): [q | k | v], each over all heads
-        q, k, v = rearrange(qkv, "b t (three h d) -> three b h t d", three=3, d=attn.head_dim)
+        q, k, v = rearrange(qkv, "b t (three h d) -> three b h t d", three=3, d=hd)
     else:
         return None
     apply_rope = getattr(sys.modules.get(type(attn).__module__), "apply_rotary_pos_emb", None)
@@ -147,13 +189,28 @@ def project_qkv(attn: nn.Module, hidden: torch.Tensor, position_embeddings=None)
     return q, k, v
 
 
+def has_sink_logits(layers: Optional[list]) -> bool:
+    """Whether every attention has learned sink logits (gpt-oss: a `sinks` parameter, one logit per head that
+    joins each row's softmax and is dropped from the map the model returns)."""
+    return bool(layers) and all(isinstance(getattr(attention_module(layer), "sinks", None), nn.Parameter)
+                                for layer in layers)
+
+
+def first(output):
+    return output[0] if isinstance(output, (tuple, list)) else output
+
+
 class HFTarget:
     """A Hugging Face causal LM as a measurement target (`sinklab.metrics.record`): forward hooks on each decoder
     layer (its output: the residual stream `h`), on its attention's input (a pre-hook recomputing `q`, `k`, `v`
-    with `project_qkv`) and output (`attn`); a layer's tensors go to the metrics when the layer has run. The maps
-    come from ``output_attentions=True`` after the forward, one layer at a time as one chunk of every row.
-    `row_normalised` is known after the maps were seen (every row summed to one within 1e-3); `settle` tells the
-    metrics. Key statistics are left out for attention layouts `project_qkv` does not know."""
+    with `project_qkv`) and output (`attn`, after the output projection, and the attention map the eager kernel
+    returns beside it); a layer's tensors and its map (one chunk of every row) go to the metrics when the layer
+    has run and are dropped, so one layer's map is held at a time. Recorded tensors are handed over in float32.
+
+    Learned sink logits (gpt-oss) are an extra key column, `sink_logit`, scored as the bias slot of a sinklab
+    model is (`sink/slot_sink_logit`): its attention is the mass the sink took from the row, 1 - the row's sum.
+    `row_normalised` is known after the maps were seen (every row, with that column, summed to one within 1e-3);
+    `settle` tells the metrics. Key statistics are left out for attention layouts `project_qkv` does not know."""
 
     def __init__(self, model: nn.Module):
         self.model = model
@@ -161,48 +218,60 @@ class HFTarget:
         tcfg = text_config(model)
         self.n_layer = len(self.layers) if self.layers else int(getattr(tcfg, "num_hidden_layers", 0) or 0)
         self.n_head = int(getattr(tcfg, "num_attention_heads", 0) or 0)
+        self.sink_logits = has_sink_logits(self.layers)
         self.row_normalised = True
 
     def context(self, eps=(0.3,), k: int = 4):
         from sinklab.metrics import Context
 
-        return Context(n_layer=self.n_layer, n_head=self.n_head, row_normalised=None, eps=list(eps), k=k)
+        slots = ["sink_logit"] if self.sink_logits else []
+        return Context(n_layer=self.n_layer, n_head=self.n_head, n_extra=len(slots), slot_names=slots,
+                       row_normalised=None, eps=list(eps), k=k)
 
     def settle(self, metrics) -> None:
         for m in metrics:
             m.ctx.row_normalised = self.row_normalised
 
-    def _hooks(self, names: set, on_layer) -> list:
+    def hooks(self, names: set, on_layer) -> list:
+        """Hooks that fill one dict per layer with `names` (and "map" when "maps" is asked for) and call
+        on_layer(layer, dict) when the decoder layer has run; the handles, to remove."""
         current: dict = {}
         handles = []
 
         def hidden(i):
             def hook(_module, _inputs, output):
                 if "h" in names:
-                    current["h"] = output[0] if isinstance(output, (tuple, list)) else output  # (B, T, d)
+                    current["h"] = first(output).float()  # (B, T, d)
                 rec = dict(current)
                 current.clear()
                 on_layer(i, rec)
             return hook
 
         def attn_out(_module, _inputs, output):
-            current["attn"] = output[0] if isinstance(output, (tuple, list)) else output  # after the projection
+            if "attn" in names:
+                current["attn"] = first(output).float()  # after the output projection
+            if "maps" in names:
+                current["map"] = output[1] if isinstance(output, (tuple, list)) and len(output) > 1 else None
 
         def qkv(attn, args, kwargs):
             hidden_states = args[0] if args else kwargs.get("hidden_states")
             found = project_qkv(attn, hidden_states, kwargs.get("position_embeddings")) \
                 if hidden_states is not None else None
             if found is not None:
-                current.update(zip(("q", "k", "v"), found))
+                current.update(zip(("q", "k", "v"), (t.float() for t in found)))
 
         for i, layer in enumerate(self.layers):
             attn = attention_module(layer)
-            if attn is not None and "attn" in names:
+            if attn is not None and names & {"attn", "maps"}:
                 handles.append(attn.register_forward_hook(attn_out))
             if attn is not None and names & {"q", "k", "v"}:
                 handles.append(attn.register_forward_pre_hook(qkv, with_kwargs=True))
             handles.append(layer.register_forward_hook(hidden(i)))
         return handles
+
+    def with_sink_column(self, m: torch.Tensor) -> torch.Tensor:
+        """(B, H, T, T) -> (B, H, T, 1 + T): the sink logit's share (1 - the row's sum) first, for gpt-oss."""
+        return torch.cat([1.0 - m.sum(-1, keepdim=True), m], dim=-1) if self.sink_logits else m
 
     def run(self, idx: torch.Tensor, metrics) -> None:
         from sinklab.metrics.record import feed_maps
@@ -210,31 +279,29 @@ class HFTarget:
         names = set().union(*(m.records for m in metrics)) if metrics else set()
         device = next(self.model.parameters()).device
         idx = idx.to(device)
+        rows = torch.arange(idx.shape[1], device=device)
+        map_users = [m for m in metrics if "maps" in m.records]
 
         def on_layer(i: int, rec: dict) -> None:
             for m in metrics:
                 m.update(i, {n: rec[n] for n in m.records if n in rec})
+            if not map_users:
+                return
+            a = rec.get("map")
+            if a is None:
+                raise UserError("--hf-model: the model's eager attention returned no attention map; this "
+                                "architecture is not supported")
+            a = self.with_sink_column(a.float())  # (B, H, T, n_extra + T), one layer
+            if self.row_normalised and (a.sum(-1) - 1).abs().max().item() > ROW_SUM_TOL:
+                self.row_normalised = False
+            feed_maps(metrics, i, lambda: [(rows, a)])
 
-        handles = self._hooks(names, on_layer) if self.layers else []
+        if not self.layers:
+            raise UserError(f"--hf-model: no list of {self.n_layer} decoder layers found in the model; this "
+                            "architecture is not supported")
+        handles = self.hooks(names, on_layer)
         try:
-            out = self.model(input_ids=idx, attention_mask=torch.ones_like(idx), output_attentions=True,
-                             output_hidden_states=not self.layers, use_cache=False)
+            self.model(input_ids=idx, attention_mask=torch.ones_like(idx), use_cache=False)
         finally:
             for h in handles:
                 h.remove()
-        if not self.layers:  # no decoder-layer list found: HF's hidden states (the last one is after the final norm)
-            for i, h in enumerate(out.hidden_states[1:]):
-                on_layer(i, {"h": h})
-        maps = out.attentions
-        if not maps or any(m is None for m in maps):
-            raise UserError("--hf-model: the model returned no attention maps with output_attentions=True "
-                            "(its eager attention does not expose them)")
-        if len(maps) != self.n_layer:
-            raise UserError(f"--hf-model: {len(maps)} attention maps for {self.n_layer} decoder layers; this "
-                            "architecture is not supported")
-        rows = torch.arange(idx.shape[1], device=device)
-        for i, m in enumerate(maps):  # (B, H, T, T), one layer at a time
-            m = m.float()
-            if self.row_normalised and (m.sum(-1) - 1).abs().max().item() > ROW_SUM_TOL:
-                self.row_normalised = False
-            feed_maps(metrics, i, lambda m=m: [(rows, m)])

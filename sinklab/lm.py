@@ -75,14 +75,17 @@ class Target:
     run_dir: Optional[Path]
 
 
-def load_target(target: Optional[str], hf_model: Optional[str], device: torch.device) -> Target:
-    """A sinklab checkpoint or run dir (`target`), or a local transformers causal-LM dir (`hf_model`), on `device`."""
+def load_target(target: Optional[str], hf_model: Optional[str], device: torch.device, revision: Optional[str] = None,
+                dtype="auto") -> Target:
+    """A sinklab checkpoint or run dir (`target`), or a transformers causal LM (`hf_model`: a local dir or a hub id
+    at `revision`, in `dtype`: a torch dtype or a --dtype name, `sinklab.hf.load_hf_model`), on `device`."""
     if hf_model is not None:
         from sinklab import hf
 
-        model = hf.load_hf_model(hf_model, device)
+        model = hf.load_hf_model(hf_model, device, dtype, revision)
         meta = {"target": str(hf_model), "source": "hf", "vocab_size": hf.vocab_size(model),
-                "context": hf.context_length(model), "prefix_len": 0}
+                "context": hf.context_length(model), "prefix_len": 0, "revision": revision,
+                "dtype": str(next(model.parameters()).dtype).removeprefix("torch.")}
         return Target(model, lambda idx: model(input_ids=idx, use_cache=False).logits, meta, None)
     from sinklab.checkpoint import load_model
     from sinklab.probe_inputs import checkpoint_and_run_dir

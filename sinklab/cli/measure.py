@@ -1,13 +1,23 @@
 """sinklab measure: the attention-sink metric (Gu et al., ICLR 2025) and activation statistics of one model.
 
     sinklab measure RUN_DIR_OR_CKPT [--tokens FILE.npy | --input natural|random|repeat] [--eps E ...] [--json]
-    sinklab measure --hf-model DIR (--tokens FILE.npy | --input random|repeat) [--json]
+    sinklab measure --hf-model NAME_OR_DIR [--revision R] [--dtype D] (--tokens FILE.npy | --input INPUT) [--json]
+    sinklab measure --hf-model A B C --input natural random repeat [--csv T.csv] [--markdown T.md]   (the table)
     sinklab measure --eps 0.3 0.5 RUN_DIR_OR_CKPT ...                   (TARGET may follow --eps's values)
     python -m sinklab.measure ...                                       (the same)
 
 Inputs: ``natural`` (default for a training run) is the run's probe set, read through the data config saved in
 ``RUN_DIR/.hydra/config.yaml``; ``random`` draws uniform token ids (seeded); ``repeat`` repeats one random token
 T times per sequence (the paper's Table 1); ``--tokens`` measures exactly the sequences of an int .npy (N, T).
+For a transformers model, ``natural`` is text (``--text FILE ...``, default the validation plays of sinklab's
+Shakespeare corpus) through the model's own tokenizer, in consecutive pieces of T tokens, each starting with the
+special tokens its tokenizer puts first (LLaMA's BOS, nothing for GPT-2); random and repeat ids have none.
+
+--hf-model takes a local dir or a hub id (``--revision`` a branch, tag or commit), loaded in ``--dtype`` (auto:
+bfloat16 on CUDA): `sinklab.hub`. Several models and/or several inputs make one table in the layout of the paper's
+Table 1, with its numbers beside ours (`sinklab.model_table`); --csv and --markdown write it; --json prints
+{models, inputs, eps, rows: [{model, revision, input, sink1, paper_sink1, alpha1, first_token_attn, massive_ratio,
+massive_top, slot_sink_logit, seq_len, num_seqs, dtype, seconds}], written, seconds}.
 
 What is measured and how: `sinklab.measure`. User errors are one line on stderr and exit code 2.
 
@@ -52,6 +62,7 @@ import argparse
 import math
 import sys
 import time
+from pathlib import Path
 from typing import Optional, Sequence
 
 import torch
@@ -69,33 +80,45 @@ class _Parser(OneLineParser):
     """`sinklab measure`'s parser: one-line errors, and TARGET may follow --eps's values."""
 
     def parse_args(self, args=None, namespace=None):
-        """--eps takes one or more values; a value after them that is not a number is TARGET (argparse's nargs
-        would swallow it): `--eps 0.3 0.5 RUN` is read as `RUN --eps 0.3 0.5`."""
+        """--eps and --input take one or more values; a value after them that is not one of theirs is TARGET
+        (argparse's nargs would swallow it): `--eps 0.3 0.5 RUN` is read as `RUN --eps 0.3 0.5`."""
         ns = super().parse_args(args, namespace)
-        values = list(ns.eps)
-        eps = []
-        while values and _number(values[0]):
-            eps.append(float(values.pop(0)))
-        if values:
-            if ns.target is not None or len(values) > 1 or not eps:
-                self.error(f"argument --eps: invalid float value: {values[0]!r}")
-            ns.target = values[0]
-        ns.eps = eps
+        ns.eps = self._values(ns, "--eps", list(ns.eps), _number, "invalid float value")
+        ns.eps = [float(e) for e in ns.eps]
+        if ns.input is not None:
+            ns.input = self._values(ns, "--input", list(ns.input), INPUTS.__contains__,
+                                    f"invalid choice (choose from {', '.join(INPUTS)})")
         return ns
+
+    def _values(self, ns, flag: str, values: list, valid, what: str) -> list:
+        taken = []
+        while values and valid(values[0]):
+            taken.append(values.pop(0))
+        if values:
+            if ns.target is not None or ns.hf_model is not None or len(values) > 1 or not taken:
+                self.error(f"argument {flag}: {what}: {values[0]!r}")
+            ns.target = values[0]
+        return taken
 
 
 def build_parser() -> argparse.ArgumentParser:
     ap = _Parser(prog=PROG, description="Attention-sink metric (Sink_k, alpha_k, bias-slot / sink-token scores) "
                                         "and massive-activation statistics of a sinklab checkpoint or a local "
                                         "Hugging Face causal LM.")
-    add_target_args(ap, "its probe set",
-                    "measure a local transformers causal-LM dir instead (LLaMA, Mistral, GPT-2, GPT-NeoX, ...)")
+    add_target_args(ap, "its probe set", "measure transformers causal LMs instead, one or more (LLaMA, Mistral, "
+                    "Qwen, Gemma, OLMo, Phi, GPT-2, GPT-NeoX, OPT, gpt-oss, ...)", many=True)
     src = ap.add_mutually_exclusive_group()
     src.add_argument("--tokens", metavar="FILE.npy", default=None,
                      help="measure exactly these sequences: an integer .npy of shape (N, T)")
-    src.add_argument("--input", choices=INPUTS, default=None,
-                     help="natural: the run's probe set (default for runs); random: uniform token ids; "
-                          "repeat: one random token repeated T times per sequence")
+    src.add_argument("--input", nargs="+", default=None, metavar="|".join(INPUTS),
+                     help="natural: the run's probe set (default for runs; for --hf-model, text through the "
+                          "model's tokenizer, see --text); random: uniform token ids; repeat: one random token "
+                          "repeated T times per sequence; several: the model table")
+    ap.add_argument("--text", nargs="+", metavar="FILE", default=None,
+                    help="--hf-model with --input natural: UTF-8 text files to tokenize (default: the validation "
+                         "plays of sinklab's Shakespeare corpus)")
+    ap.add_argument("--csv", metavar="PATH", default=None, help="write the model table as CSV")
+    ap.add_argument("--markdown", metavar="PATH", default=None, help="write the model table as markdown")
     ap.add_argument("--seq-len", type=int, default=None,
                     help=f"tokens per sequence T (default {DEFAULT_SEQ_LEN}, at most the model context)")
     ap.add_argument("--num-seqs", type=int, default=None, help=f"number of sequences N (default {DEFAULT_NUM_SEQS})")
@@ -130,17 +153,69 @@ def run(args) -> dict:
             raise UserError(f"--eps {e:g} must be a finite threshold >= 0")
     if args.k < 1:
         raise UserError(f"--k {args.k} must be a positive integer")
+    for flag, path, suffix in (("--csv", args.csv, ".csv"), ("--markdown", args.markdown, ".md")):
+        if path is not None and Path(path).suffix.lower() != suffix:
+            raise UserError(f"{flag} {path}: allowed: a {suffix} file name")
+    if args.text and (args.hf_model is None or "natural" not in (args.input or [])):
+        raise UserError("--text goes with --hf-model and --input natural (the text the model's tokenizer reads)")
     device = pick_device(args.device)
+    targets = list(dict.fromkeys(args.hf_model)) if args.hf_model is not None else [args.target]
+    inputs = list(dict.fromkeys(args.input)) if args.input else [None]
     t0 = time.perf_counter()
     with torch.no_grad():
-        measure_target = measure.measure_hf if args.hf_model is not None else measure.measure_checkpoint
-        res = measure_target(args, device)
+        if len(targets) == 1 and len(inputs) == 1 and args.csv is None and args.markdown is None:
+            res = measure_one(args, device, targets[0], inputs[0])
+        else:
+            res = model_table(args, device, targets, inputs)
     res["seconds"] = round(time.perf_counter() - t0, 3)
     return res
 
 
+def measure_one(args, device, target: str, kind: Optional[str], model=None) -> dict:
+    """One target on one input (`sinklab.measure`); `model`: a transformers model already loaded."""
+    one = argparse.Namespace(**{**vars(args), "input": kind})
+    if args.hf_model is None:
+        return measure.measure_checkpoint(one, device)
+    one.hf_model = target
+    return measure.measure_hf(one, device, target, model)
+
+
+def model_table(args, device, targets: list[str], inputs: list) -> dict:
+    """Every target on every input, each model loaded once (`sinklab.model_table`)."""
+    from sinklab import model_table as mt
+
+    if args.tokens is not None and len(targets) > 1:
+        raise UserError("--tokens holds ids of one vocabulary: measure one --hf-model with it, or use --input")
+    records = []
+    for target in targets:
+        t0 = time.perf_counter()
+        model = None
+        if args.hf_model is not None:
+            from sinklab import hf
+
+            model = hf.load_hf_model(target, device, args.dtype, args.revision)
+        for kind in inputs:
+            res = measure_one(args, device, target, kind, model)
+            res["seconds"] = round(time.perf_counter() - t0, 3)
+            t0 = time.perf_counter()
+            records.append(mt.row(res, mt.paper_sink1(target)))
+        del model
+    res = {"models": targets, "inputs": [r["input"] for r in records[:len(inputs)]], "eps": args.eps[0],
+           "rows": records}
+    res["written"] = mt.write(mt.wide(records), args.csv, args.markdown)
+    return res
+
+
+def format_text(res: dict) -> str:
+    if "rows" in res:
+        from sinklab.model_table import format_table
+
+        return format_table(res)
+    return measure.format_tables(res)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    return command_main(PROG, build_parser(), run, measure.format_tables, argv)
+    return command_main(PROG, build_parser(), run, format_text, argv)
 
 
 if __name__ == "__main__":

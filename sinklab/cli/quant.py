@@ -2,7 +2,7 @@
 
     sinklab quant RUN_DIR_OR_CKPT [--schemes w8a8 w4a4 ...] [--weights per-tensor|per-channel] [--json]
     sinklab quant CKPT --data RUN_DIR              (validation and calibration data of another run)
-    sinklab quant --hf-model DIR (--data RUN_DIR | --tokens FILE.npy)
+    sinklab quant --hf-model NAME_OR_DIR (--data RUN_DIR | --tokens FILE.npy) [--revision R] [--dtype D]
     python -m sinklab.quant.cli ...                (the same; the command is sinklab.cli.quant)
 
 Data: a run's validation blocks (its data config in RUN_DIR/.hydra/config.yaml: data.val_num_blocks blocks of
@@ -14,7 +14,7 @@ the same sequences when that is not given. What is quantized and how: `sinklab.q
 
 --json prints one object: target, source ("sinklab" | "hf"), data ("run" | "tokens"), val_batches, val_seqs,
 seq_len, val_targets (scored predictions), calib_batches, momentum, weights ("per-tensor" | "per-channel"),
-quantize_head, layers [quantized layer names], ranges {layer: [lo, hi]}, seconds, and
+quantize_head, dtype (the model's), layers [quantized layer names], ranges {layer: [lo, hi]}, seconds, and
 schemes {"fp32" | scheme: {w_bits, a_bits, loss, ppl, gap (ppl - fp32 ppl), rel_gap (gap / fp32 ppl)}}.
 User errors are one line on stderr and exit code 2.
 """
@@ -125,14 +125,14 @@ def run(args) -> dict:
         raise UserError(f"--momentum {args.momentum:g} must be in [0, 1) (0: the last batch's range only)")
     device = pick_device(args.device)
     t0 = time.perf_counter()
-    target = load_target(args.target, args.hf_model, device)
+    target = load_target(args.target, args.hf_model, device, args.revision, args.dtype)
     meta = target.meta
     val, calib, kind = choose_data(args, meta, target.run_dir)
     val, calib = [b.to(device) for b in val], [b.to(device) for b in calib]
     res = {"target": meta["target"], "source": meta["source"], "data": kind, "val_batches": len(val),
            "val_seqs": sum(b.shape[0] for b in val), "seq_len": int(val[0].shape[1] - 1),
            "calib_batches": len(calib), "momentum": args.momentum, "weights": args.weights,
-           "quantize_head": args.quantize_head}
+           "quantize_head": args.quantize_head, "dtype": meta.get("dtype", "float32")}
     res.update(evaluate(target.model, target.logits_of, val, calib, [SCHEMES[s] for s in dict.fromkeys(args.schemes)],
                         per_channel=args.weights == "per-channel", momentum=args.momentum,
                         quantize_head=args.quantize_head, prefix_len=meta["prefix_len"]))
@@ -150,8 +150,10 @@ def format_table(res: dict) -> str:
                      "gap": r["gap"], "gap %": 100 * r["rel_gap"]})
     table = pd.DataFrame(rows).to_string(index=False, float_format=lambda v: f"{v:.4f}")
     head = "the LM head too; embeddings stay fp32" if res["quantize_head"] else "the LM head and embeddings stay fp32"
+    dtype = "" if res.get("dtype", "float32") == "float32" else \
+        f" in {res['dtype']} (the fp32 row: the unquantized model in {res['dtype']})"
     return "\n".join([
-        f"{res['source']} model {res['target']}",
+        f"{res['source']} model {res['target']}{dtype}",
         f"validation: {res['val_seqs']} sequences x {res['seq_len']} tokens ({res['val_targets']} targets, "
         f"{res['val_batches']} batches, {'the run' if res['data'] == 'run' else '--tokens'}); calibration: "
         f"{res['calib_batches']} batches, running min-max (momentum {res['momentum']:g})",

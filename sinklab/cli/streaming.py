@@ -4,14 +4,15 @@ baselines: dense attention and sliding window with re-computation.
 
     sinklab eval streaming RUN_DIR_OR_CKPT [--first 0,1,4] [--recent 16,32,60] [--n-tokens 10000] [--json]
     sinklab eval streaming CKPT --data RUN_DIR | --tokens FILE.npy      (another run's text, or one text (N,))
-    sinklab eval streaming --hf-model DIR (--data RUN_DIR | --tokens FILE.npy)   (a LLaMA-family transformers model)
+    sinklab eval streaming --hf-model NAME_OR_DIR (--data RUN_DIR | --tokens FILE.npy)   (a transformers RoPE model)
     ... [--baselines dense,recompute | none] [--bucket 256] [--plot FILE.png]
 
 Text: the first --n-tokens tokens (default 10000) of the run's validation split, contiguous (documents joined by the
 separator), with the BOS token first when the run's data uses one (data.bos); or a 1-D token file (all of it unless
 --n-tokens). Positions are re-indexed inside the cache (`sinklab.evals.perplexity`, which says what the paper does
 and what is decided here, e.g. that y counts the token being fed, so x + y <= the context). transformers models use
-their own DynamicCache, evicted and re-rotated after each step (`sinklab.evals.hf_cache`).
+their own DynamicCache, evicted and re-rotated after each step (`sinklab.evals.hf_cache`, which says what is refused:
+learned absolute positions, GPT-2 and OPT).
 
 --json prints one object: target, source ("sinklab" | "hf"), data ("run" | "tokens"), text (where it comes from),
 n_tokens, targets (n_tokens - 1 scored predictions), context, bucket, bucket_ends (the last target position of each
@@ -69,7 +70,8 @@ def build_parser() -> OneLineParser:
                                               "positions re-indexed inside the cache; with dense attention and "
                                               "sliding-window recomputation as baselines.")
     add_target_args(ap, "its validation text",
-                    "evaluate a local transformers LLaMA-family model instead (RoPE, rotate-half)")
+                    "evaluate a transformers RoPE model instead (LLaMA, Mistral, Qwen, Gemma, OLMo, Phi-3, "
+                    "GPT-NeoX, gpt-oss, ...; partial rotary and sliding windows too)")
     ap.add_argument("--data", metavar="RUN_DIR", default=None,
                     help="read the text from this run's validation split (default: TARGET's run dir)")
     ap.add_argument("--tokens", metavar="FILE.npy", default=None, help="evaluate this text instead: ids of shape (N,)")
@@ -145,7 +147,7 @@ def run(args) -> dict:
         raise UserError(f"--n-tokens {args.n_tokens}: allowed: >= 2 (a token and the next one to predict)")
     device = pick_device(args.device)
     t0 = time.perf_counter()
-    target = load_target(args.target, args.hf_model, device)
+    target = load_target(args.target, args.hf_model, device, args.revision, args.dtype)
     model, meta, run_dir = target.model, target.meta, target.run_dir
     hf = meta["source"] == "hf"
     if meta["prefix_len"]:

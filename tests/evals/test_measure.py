@@ -17,7 +17,7 @@ from sinklab.probe_inputs import make_tokens
 from sinklab.metrics import activation_stats, attention_scores, brute_force_alpha, sink_rate
 from sinklab.metrics import massive, norms, outliers, residual_sinks
 from sinklab.model import ModelConfig, Transformer
-from tests.helpers import REPO, natural_run, save_ckpt, tiny_hf
+from tests.helpers import HF_KINDS, MHA_KINDS, REPO, natural_run, save_ckpt, tiny_hf
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "offline",
        "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
@@ -272,9 +272,6 @@ def test_hf_model_without_transformers_says_how_to_install(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------ HF models
-HF_KINDS = ["llama", "mistral", "gpt2", "neox"]
-
-
 def measure_hf_json(capsys, d: Path, *args: str, via_cli: bool = False) -> dict:
     if via_cli:  # as a user runs it
         proc = cli("--hf-model", str(d), "--json", *args)
@@ -286,14 +283,18 @@ def measure_hf_json(capsys, d: Path, *args: str, via_cli: bool = False) -> dict:
 
 
 @pytest.mark.parametrize("kind", HF_KINDS)
-def test_hf_model_json_matches_output_attentions(capsys, tmp_path, kind):
+def test_hf_model_json_matches_output_attentions(capsys, hf_models, kind):
+    """Every architecture: the streamed maps (one layer at a time, from the attention modules' outputs) give the
+    alpha_k and Sink_k of the eager `output_attentions`; gpt-oss's learned sink logits are the slot `sink_logit`,
+    whose attention is 1 - the row's sum."""
     transformers = pytest.importorskip("transformers")
-    d = tiny_hf(kind, tmp_path / kind)
+    d = hf_models[kind]
     res = measure_hf_json(capsys, d, "--input", "random", "--num-seqs", "4", "--seq-len", "24", "--batch-size", "3",
                           via_cli=kind == "llama")
     assert (res["source"], res["num_seqs"], res["seq_len"], res["row_normalised"]) == ("hf", 4, 24, True)
     assert set(SCHEMA) <= set(res) and res["sink_star"] == res["sink"] and "alpha_star" not in res
     assert set(res["norms"]) == set(NORM_KEYS)  # the key statistics as well, for every family here
+    assert res["dtype"] == "float32" and res["model"]["sink_logits"] == (kind == "gpt_oss")
 
     model = transformers.AutoModelForCausalLM.from_pretrained(str(d), attn_implementation="eager").eval()
     tok = make_tokens("random", 4, 24, 128, seed=0)
@@ -306,6 +307,13 @@ def test_hf_model_json_matches_output_attentions(capsys, tmp_path, kind):
     for j in range(4):
         assert res["alpha_mean"][str(j + 1)] == pytest.approx(alpha[..., j].mean().item(), abs=1e-5)
         assert res["sink"][str(j + 1)] == pytest.approx(100.0 * (alpha[..., j] > 0.3).float().mean().item())
+    if kind == "gpt_oss":  # the rows sum to less than one: the rest is on the sink logit
+        assert (maps.sum(-1) < 0.999).all()
+        sink = (1 - maps.sum(-1)).mean(-1)  # (N, L, H): the sink logit's attention, mean over queries
+        np.testing.assert_allclose(res["slot_alpha"]["sink_logit"], sink.mean(0).numpy(), atol=1e-5)
+        assert res["slot"]["sink_logit"] == pytest.approx(100.0 * (sink > 0.3).float().mean().item())
+    else:
+        assert "slot" not in res
     # residual stream of layer 0 (HF's hidden_states[1]; the last entry is after the final norm)
     h = out.hidden_states[1]
     norms = h.norm(dim=-1)
@@ -323,24 +331,18 @@ def test_hf_model_json_matches_output_attentions(capsys, tmp_path, kind):
 @pytest.fixture(scope="module")
 def capture_attention():
     """An attention implementation registered with transformers' AttentionInterface (and the eager mask) that
-    records the (query, key, value) each attention layer computes with, then runs the family's eager attention.
-    This is where the model itself hands over its keys after RoPE: independent of sinklab.hf's recomputation."""
+    records the (query, key, value) each attention layer computes with, then runs the family's own eager attention
+    (`eager_attention_forward` of its modeling module). This is where the model itself hands over its keys after its
+    norms and RoPE: independent of sinklab.hf's recomputation."""
     transformers = pytest.importorskip("transformers")
     from transformers.masking_utils import AttentionMaskInterface, eager_mask
-    from transformers.models.gpt2 import modeling_gpt2
-    from transformers.models.gpt_neox import modeling_gpt_neox
-    from transformers.models.llama import modeling_llama
-    from transformers.models.mistral import modeling_mistral
 
-    eager = {modeling_llama.LlamaAttention: modeling_llama.eager_attention_forward,
-             modeling_mistral.MistralAttention: modeling_mistral.eager_attention_forward,
-             modeling_gpt2.GPT2Attention: modeling_gpt2.eager_attention_forward,
-             modeling_gpt_neox.GPTNeoXAttention: modeling_gpt_neox.eager_attention_forward}
     seen: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
 
     def capture(module, query, key, value, attention_mask, **kwargs):
         seen.append((query, key, value))  # (B, H, T, hd), keys and values (B, H_kv, T, hd)
-        return eager[type(module)](module, query, key, value, attention_mask, **kwargs)
+        return sys.modules[type(module).__module__].eager_attention_forward(module, query, key, value,
+                                                                           attention_mask, **kwargs)
 
     transformers.AttentionInterface.register("sinklab_test_capture", capture)
     AttentionMaskInterface.register("sinklab_test_capture", eager_mask)
@@ -348,11 +350,11 @@ def capture_attention():
 
 
 @pytest.mark.parametrize("kind", HF_KINDS)
-def test_hf_key_value_norms_and_angles(capsys, tmp_path, kind, capture_attention):
+def test_hf_key_value_norms_and_angles(capsys, hf_models, kind, capture_attention):
     """k1 / v1 norm ratios and cos(q_t, k_1) / cos(q_t, k_j) per layer against the queries, keys (after RoPE) and
     values the model attends with, recorded at its attention call, and a pairwise computation of the definitions."""
     transformers = pytest.importorskip("transformers")
-    d = tiny_hf(kind, tmp_path / kind)
+    d = hf_models[kind]
     N, T = 4, 20
     res = measure_hf_json(capsys, d, "--input", "random", "--num-seqs", str(N), "--seq-len", str(T),
                           "--batch-size", "3")
@@ -363,7 +365,7 @@ def test_hf_key_value_norms_and_angles(capsys, tmp_path, kind, capture_attention
     assert len(capture_attention) == 2
     for layer, (q, k, v) in enumerate(capture_attention):
         H, H_kv = q.shape[1], k.shape[1]
-        assert (H, H_kv) == ((4, 2) if kind in ("llama", "mistral") else (4, 4))
+        assert (H, H_kv) == ((4, 4) if kind in MHA_KINDS else (4, 2))
         k_norm = k.transpose(1, 2).reshape(N, T, -1).norm(dim=-1)  # (N, H_kv, T, hd) -> (N, T, H_kv * hd) -> (N, T)
         v_norm = v.transpose(1, 2).reshape(N, T, -1).norm(dim=-1)
         expect = {"k1_norm_ratio": (k_norm[:, 0] / k_norm[:, 1:].mean(-1)).mean().item(),
@@ -374,8 +376,10 @@ def test_hf_key_value_norms_and_angles(capsys, tmp_path, kind, capture_attention
         expect["cos_q_kj"] = torch.stack([cos[:, :, t, 1:t + 1].mean(-1) for t in range(1, T)], -1).mean().item()
         for key, value in expect.items():
             assert res["norms"][key][layer] == pytest.approx(value, rel=1e-4, abs=1e-6), (kind, layer, key)
-    # the statistics are not trivially equal across layers (a wrong layer index would be caught)
-    assert res["norms"]["k1_norm_ratio"][0] != pytest.approx(res["norms"]["k1_norm_ratio"][1], rel=1e-3)
+    # the statistics are not trivially equal across layers (a wrong layer index would be caught); with q_norm /
+    # k_norm (Qwen3, Gemma3, OLMo2) the key norms are ~equal by construction, the angles are not
+    assert any(res["norms"][key][0] != pytest.approx(res["norms"][key][1], rel=1e-3)
+               for key in ("k1_norm_ratio", "cos_q_k1"))
 
 
 def test_hf_tokens_and_repeat(capsys, tmp_path):

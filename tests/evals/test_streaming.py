@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from sinklab.evals import perplexity as pp
-from tests.helpers import readme_cli_lines, run_sinklab, save_ckpt, small_model, token_ids
+from tests.helpers import ABSOLUTE_KINDS, HF_KINDS, readme_cli_lines, run_sinklab, save_ckpt, small_model, token_ids
 
 CASES = [{}, {"n_sink_tokens": 2}, {"attn_bias": "kv", "pos": "alibi"}, {"pos": "learnable"}, {"window": 6}]
 IDS = ["rope", "sink_tokens", "kv_bias_alibi", "learnable", "window"]
@@ -227,3 +227,51 @@ def test_a_prefix_lm_and_a_missing_target_are_refused(capsys, tmp_path):
     assert rc == 2 and "no such checkpoint or run dir" in err and err.count("\n") == 1, err
     rc, _, err = run_sinklab(capsys, "eval", "streaming", str(save_ckpt(small_model(), tmp_path / "c.ckpt")))
     assert rc == 2 and "pass --data RUN_DIR or --tokens FILE.npy" in err and err.count("\n") == 1, err
+
+
+# ------------------------------------------------------------------------------------------------ every RoPE family
+ROPE_CASES = [(k, ("full_attention",)) for k in HF_KINDS if k not in ABSOLUTE_KINDS] + \
+    [(k, ("sliding_attention",)) for k in ("gemma2", "gemma3", "gpt_oss")]
+
+
+@pytest.mark.parametrize("kind,layer_types", ROPE_CASES, ids=[f"{k}-{t[0].split('_')[0]}" for k, t in ROPE_CASES])
+def test_transformers_cache_evicts_exactly_for_every_rope_family(kind, layer_types):
+    """A 1-layer model of each RoPE family (partial rotary, q/k norms, per-layer RoPE bases, YaRN, sliding windows of
+    8 keys < the x + y = 11 kept): the prediction after token t is the full forward's over the first x tokens and the
+    y ending at t, numbered from 0. Without the re-rotation it is not."""
+    from sinklab.evals import hf_cache
+    from tests.helpers.hf_models import build, sharpen
+
+    torch.manual_seed(0)
+    m = build(kind, layer_types)
+    sharpen(kind, m)
+    m.set_attn_implementation("eager")
+    m.eval()
+    tokens = token_ids(B=1, T=30, vocab=128, seed=3)[0]
+    x, y = 3, 8
+    with torch.no_grad():
+        got = pp.stream_nll(hf_cache.HFStream(m, x, y, kind), tokens, chunk=4)
+        want = torch.stack([F.cross_entropy(m(input_ids=(tokens[:t + 1] if t + 1 <= x + y else torch.cat(
+            [tokens[:x], tokens[t + 1 - y:t + 1]]))[None]).logits[0, -1], tokens[t + 1]) for t in range(29)])
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+        unrotated = hf_cache.HFStream(m, x, y, kind)
+        unrotated.inv_freq = [torch.zeros_like(f) for f in unrotated.inv_freq]  # a rotation by 0: keys left in place
+        assert (pp.stream_nll(unrotated, tokens) - want).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("kind", HF_KINDS)
+def test_the_command_on_every_architecture(capsys, hf_models, tmp_path, kind):
+    """RoPE families stream (no eviction: the dense perplexity); absolute positions are refused in one line."""
+    np.save(tmp_path / "t.npy", token_ids(B=1, T=60, vocab=128)[0].numpy())
+    args = ["eval", "streaming", "--hf-model", str(hf_models[kind]), "--tokens", str(tmp_path / "t.npy"),
+            "--first", "0,4", "--recent", "20,60"]
+    if kind in ABSOLUTE_KINDS:
+        rc, out, err = run_sinklab(capsys, *args)
+        assert rc == 2 and "learned absolute positions" in err and err.count("\n") == 1, err
+        return
+    by_name = {s["name"]: s["ppl"] for s in streaming_json(capsys, *args[2:])["settings"]}
+    # 60 tokens through 60 kept keys: nothing evicted, every prediction sees its whole prefix, as dense and recompute
+    assert by_name["x=0 y=60"] == pytest.approx(by_name["dense"], rel=1e-5)
+    assert by_name["x=0 y=60"] == pytest.approx(by_name["recompute 64"], rel=1e-5)
+    if kind != "mistral":  # (its every layer sees 16 keys: what x=4 y=20 evicts it never saw)
+        assert by_name["x=4 y=20"] != pytest.approx(by_name["dense"], rel=1e-4)  # evicted from the 25th token on

@@ -99,33 +99,3 @@ def series(path: Path, key: str) -> dict[int, str]:
             assert step not in out, f"{key} logged twice at step {step} in {path}"
             out[step] = r[key]
     return out
-
-
-def tiny_hf(kind: str, path: Path) -> Path:
-    """A randomly initialised 2-layer model of the family, saved with save_pretrained; layer 0's queries and keys
-    scaled up for sharper, head-dependent maps than the near-uniform random init."""
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    small = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                 max_position_embeddings=64)
-    if kind in ("llama", "mistral"):  # grouped-query attention: 4 query heads share 2 kv heads
-        model = (transformers.LlamaForCausalLM(transformers.LlamaConfig(**small, num_key_value_heads=2))
-                 if kind == "llama" else
-                 transformers.MistralForCausalLM(transformers.MistralConfig(**small, num_key_value_heads=2,
-                                                                            sliding_window=16)))
-        attn = model.model.layers[0].self_attn
-        with torch.no_grad():
-            attn.q_proj.weight.mul_(8.0)
-            attn.k_proj.weight.mul_(8.0)
-    elif kind == "neox":  # RoPE on half of each head (partial rotary)
-        model = transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(**small, rotary_pct=0.5))
-        with torch.no_grad():
-            model.gpt_neox.layers[0].attention.query_key_value.weight.mul_(8.0)
-    else:
-        cfg = transformers.GPT2Config(vocab_size=128, n_embd=32, n_layer=2, n_head=4, n_positions=64,
-                                      bos_token_id=0, eos_token_id=0)
-        model = transformers.GPT2LMHeadModel(cfg)
-        with torch.no_grad():
-            model.transformer.h[0].attn.c_attn.weight[:, :64].mul_(8.0)  # q and k columns of layer 0
-    model.save_pretrained(str(path))
-    return path
