@@ -85,8 +85,8 @@ class NoOpSignature(Metric):
         on_sinks = (state["columns"].scored(a)[..., n_extra:] * sinks[:, :, None, :]).sum(-1)  # (B, H, R)
         sinking = on_sinks >= SINKING
         out = a[..., n_extra:] @ state["v"]  # (B, H, R, T) @ (B, H, T, hd) -> (B, H, R, hd)
-        if n_extra:
-            out = out + a[..., :n_extra] @ state["v_extra"].float()  # the extra keys' values
+        if n_extra and state["v_extra"] is not None:  # the extra keys' values (a learned sink logit has none: 0)
+            out = out + a[..., :n_extra] @ state["v_extra"].float()
         norm = out.norm(dim=-1, dtype=torch.float64)  # (B, H, R)
         for group, mask in (("sink", sinking), ("other", ~sinking)):
             self.sums[f"{group}_norm"][layer] += norm[mask].sum().item()
