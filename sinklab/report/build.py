@@ -4,7 +4,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional, Sequence
 
+from omegaconf import OmegaConf
+
 from sinklab.config.claims import parse_claims
+from sinklab.config.store import CONF_DIR
 from sinklab.errors import UserError
 from sinklab.report.jobs import STALE_MINUTES, load_sweep, select
 from sinklab.report.paper import load_paper_tables
@@ -12,6 +15,20 @@ from sinklab.report.plots import make_plots
 from sinklab.report.stats import CONFIDENCE, setting_differences
 from sinklab.report.table import aggregate, job_table, none_for_missing, write_csv, write_markdown
 from sinklab.report.verdicts import MIN_PAIRS, NOT_REPRODUCED_SHARE, REPRODUCED_SHARE, RULE, claims_table
+
+
+def claims_spec(cfg) -> tuple[str, dict]:
+    """(where they come from, {baseline, claims}) of a sweep: its config's experiment.baseline and .claims; for a
+    sweep that has neither (it started before its preset stated claims), the preset's file
+    conf/experiment/<experiment.name>.yaml as it is now."""
+    spec = {k: select(cfg, f"experiment.{k}") for k in ("baseline", "claims")}
+    name = select(cfg, "experiment.name")
+    path = CONF_DIR / "experiment" / f"{name}.yaml"
+    if any(v is not None for v in spec.values()) or not isinstance(name, str) or not path.is_file():
+        return "the sweep's config", spec
+    preset = OmegaConf.load(path)
+    return f"{path.relative_to(CONF_DIR.parent)} (the sweep's config has none)", \
+        {k: select(preset, f"experiment.{k}") for k in spec}
 
 
 def build_report(sweep_dir, out_dir=None, *, paper_tables: Optional[Path] = None, now: Optional[float] = None,
@@ -31,7 +48,8 @@ def build_report(sweep_dir, out_dir=None, *, paper_tables: Optional[Path] = None
     sweep_dir = Path(sweep_dir)
     out_dir = Path(out_dir) if out_dir is not None else sweep_dir / "report"
     sweep = load_sweep(sweep_dir, now=now, stale_minutes=stale_minutes)
-    preset_baseline, claims = parse_claims({k: select(sweep.cfg, f"experiment.{k}") for k in ("baseline", "claims")})
+    source, spec = claims_spec(sweep.cfg)
+    preset_baseline, claims = parse_claims(spec)
     baseline = baseline or preset_baseline
     tables = load_paper_tables(paper_tables)
     try:
@@ -49,13 +67,14 @@ def build_report(sweep_dir, out_dir=None, *, paper_tables: Optional[Path] = None
     written = {name: write_csv(out_dir / f"report_{name}.csv", df) if df is not None else None
                for name, df in (("aggregate", agg), ("differences", diffs), ("claims", verdicts))}
     plots = make_plots(out_dir, sweep, jobs, claim_rows)
-    md_path = write_markdown(out_dir / "report.md", sweep, jobs, metrics, agg, plots, out_dir, tables, diffs, verdicts)
+    md_path = write_markdown(out_dir / "report.md", sweep, jobs, metrics, agg, plots, out_dir, tables, diffs, verdicts,
+                             source)
     return {"out_dir": out_dir, "md": md_path, "csv": csv_path, "aggregate_csv": written["aggregate"],
             "differences_csv": written["differences"], "claims_csv": written["claims"], "plots": plots,
             "rows": jobs.to_dict("records"), "columns": list(jobs.columns),
             "aggregate": None if agg is None else none_for_missing(agg).to_dict("records"),
             "differences": None if diffs is None else none_for_missing(diffs).to_dict("records"),
-            "claims": claim_rows, "baseline": baseline, "swept": sweep.swept,
+            "claims": claim_rows, "claims_from": source, "baseline": baseline, "swept": sweep.swept,
             "rule": {"text": RULE, "confidence": CONFIDENCE, "interval": "Student's t-interval of the mean",
                      "min_pairs": MIN_PAIRS, "reproduced_share": REPRODUCED_SHARE,
                      "not_reproduced_share": NOT_REPRODUCED_SHARE}}

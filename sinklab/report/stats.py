@@ -15,7 +15,6 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 import pandas as pd
-from scipy import stats
 
 from sinklab.config.claims import settings_text
 from sinklab.report.columns import Metric
@@ -36,6 +35,8 @@ def mean_ci(values: Sequence[float], confidence: float = CONFIDENCE) -> tuple[fl
         return math.nan, math.nan
     if np.ptp(x) == 0:
         return float(x[0]), float(x[0])
+    from scipy import stats  # here: only a sweep with seeds pays for its import
+
     with warnings.catch_warnings():  # a near-constant sample: scipy warns of precision loss, the interval is fine
         warnings.simplefilter("ignore", RuntimeWarning)
         ci = stats.ttest_1samp(x, 0.0).confidence_interval(confidence_level=confidence)

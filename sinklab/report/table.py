@@ -183,8 +183,8 @@ def _differences(diffs: pd.DataFrame, keys: list[str], labels: dict) -> list[str
                 f"{CONFIDENCE:.0%} t-interval)", "", _markdown(pd.DataFrame(rows).map(_md_cell), {})]
 
 
-def _claims(claims: pd.DataFrame) -> list[str]:
-    """report.md's verdict table of the preset's claims, with the rule."""
+def _claims(claims: pd.DataFrame, source: str) -> list[str]:
+    """report.md's verdict table of the preset's claims (stated in ``source``), with the rule."""
     cells = claims.assign(**{c: [fmt(v, m) for v, m in zip(claims[c], claims["metric"])]
                              for c in ("diff_mean", "diff_ci_low", "diff_ci_high")})
     cells[f"{CONFIDENCE:.0%} CI"] = ["[" + lo + ", " + hi + "]" if lo else "" for lo, hi in
@@ -192,13 +192,13 @@ def _claims(claims: pd.DataFrame) -> list[str]:
     cells = cells[["claim", "text", "setting", "baseline", "metric", "direction", "pairs", "diff_mean",
                    f"{CONFIDENCE:.0%} CI", "claimed_sign", "verdict", "reason"]]
     labels = {"diff_mean": "mean paired difference", "claimed_sign": "claimed sign"}
-    return ["", "## Claims", "", f"The rule (experiments/README.md): {RULE}.", "",
+    return ["", "## Claims", "", f"Claims from {source}. The rule (experiments/README.md): {RULE}.", "",
             _markdown(_cells(cells), labels)]
 
 
 def write_markdown(path: Path, sweep: Sweep, jobs: pd.DataFrame, metrics: list[Metric], agg: Optional[pd.DataFrame],
                    plots: list[Path], out_dir: Path, tables: dict, diffs: Optional[pd.DataFrame] = None,
-                   claims: Optional[pd.DataFrame] = None) -> Path:
+                   claims: Optional[pd.DataFrame] = None, claims_from: str = "") -> Path:
     """report.md: what was swept and how it was matched to the paper, the jobs table, mean ± std over seeds, the seed
     statistics, the paired differences from the baseline, the claims' verdicts, plots."""
     exp = experiment_info(sweep.cfg)
@@ -225,7 +225,7 @@ def write_markdown(path: Path, sweep: Sweep, jobs: pd.DataFrame, metrics: list[M
     if diffs is not None:
         lines += _differences(diffs, keys, labels)
     if claims is not None:
-        lines += _claims(claims)
+        lines += _claims(claims, claims_from)
     if plots:
         lines += ["", "## Plots", "", *(f"![{p.stem}]({p.name})" for p in plots)]
     else:

@@ -55,7 +55,8 @@ def make_seed_sweep(root, order_seed=0, claims=CLAIMS):
     for job, (gate, seed, s1) in enumerate(cells):
         cfg = base_config(seed=seed)
         cfg["experiment"] = {"name": "gates", "paper_table": None, "reference": "synthetic",
-                             "baseline": {"model/gate": "none"}, "claims": claims}
+                             "baseline": {"model/gate": "none"}, "claims": claims} if claims else \
+            {"name": "gate_positions", "paper_table": None, "reference": "synthetic"}  # a preset's name, no claims
         d = sweep / str(job)
         write_hydra(d, cfg, [f"model/gate={gate}", f"seed={seed}"])
         write_metrics(d / "metrics.csv", 100, lambda s, v=s1: float(v), lambda s, g=gate: VAL_LOSS[g] + seed / 100)
@@ -234,3 +235,15 @@ def test_the_readme_report_commands(built, capsys):
             assert {c["claim"]: c["verdict"] for c in json.loads(out)["claims"]} == EXPECTED
         else:
             assert "claim g1_removes_sink: reproduced\n" in out and "report_claims.csv" in out
+
+
+def test_a_sweep_started_before_its_preset_stated_claims_gets_the_presets(tmp_path):
+    """No experiment.baseline / claims in the sweep's config: those of conf/experiment/<experiment.name>.yaml."""
+    res = report.build_report(make_seed_sweep(tmp_path, claims=None), tmp_path / "out")
+    got = {c["claim"]: c for c in res["claims"]}
+    assert res["claims_from"] == "conf/experiment/gate_positions.yaml (the sweep's config has none)"
+    assert got["g1_removes_sink"]["verdict"] == "reproduced" and got["g1_removes_sink"]["pairs"] == 5
+    assert got["g1_lower_loss"]["verdict"] == "reproduced" and got["g1_lower_loss"]["diff_mean"] == pytest.approx(-0.1)
+    assert got["g1_lowers_massive"]["reason"] == "metric act/massive_top logged by no job"
+    assert res["baseline"] == {"model/gate": "none"} and "Claims from conf/experiment/gate_positions.yaml" in \
+        res["md"].read_text()
