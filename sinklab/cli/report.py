@@ -1,16 +1,49 @@
-"""`sinklab report SWEEP_DIR [--out DIR]`: read a sweep, write its tables and plots (`sinklab.report`), print where
-they are. Bad input is one line on stderr and exit code 1."""
+"""`sinklab report SWEEP_DIR [--out DIR] [--baseline KEY=VALUE ...] [--json]`: read a sweep, write its tables and plots
+(`sinklab.report`), print where they are, or with --json one JSON object of the numbers (every job's values, the seed
+statistics, the paired differences, the claims' verdicts and the rule). Bad input is one line on stderr and exit
+code 1."""
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
+import yaml
+
+from sinklab.cli.base import finite
 from sinklab.errors import UserError
 from sinklab.report.build import build_report
 from sinklab.report.jobs import STALE_MINUTES
 from sinklab.report.table import status_counts
+
+
+def parse_baseline(items: Sequence[str]) -> Optional[dict]:
+    """['model/gate=none', 'seed=0'] -> {'model/gate': 'none', 'seed': 0} (values read as YAML); None for none."""
+    out = {}
+    for item in items:
+        key, eq, value = item.partition("=")
+        if not eq or not key:
+            raise UserError(f"--baseline {item!r} is not KEY=VALUE; allowed: a swept key and its value, e.g. "
+                            "--baseline model/gate=none")
+        out[key] = yaml.safe_load(value) if value else ""
+    return out or None
+
+
+def as_json(res: dict) -> str:
+    """The numbers of a report as one strict-JSON object (NaN / inf as null)."""
+    keys = ("swept", "baseline", "rule", "rows", "aggregate", "differences", "claims")
+    files = {k: str(res[k]) for k in ("out_dir", "md", "csv", "aggregate_csv", "differences_csv", "claims_csv")
+             if res[k] is not None}
+    out = {"files": files, "plots": [str(p) for p in res["plots"]], **{k: res[k] for k in keys}}
+    return json.dumps(finite(json.loads(json.dumps(out, default=_plain))), allow_nan=False)
+
+
+def _plain(v):
+    """numpy scalars as Python numbers, anything else JSON does not know (a status, a path) as text."""
+    return v.item() if hasattr(v, "item") and callable(v.item) else str(v)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -25,15 +58,28 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     help="logged metrics to add as columns, e.g. act/resid_kurtosis act/massive_top, or a registered "
                          "metric's name for its headline values (entropy: act/attn_entropy; sinklab.metrics.METRICS), "
                          "besides the preset's experiment.report_metrics")
+    ap.add_argument("--baseline", nargs="+", default=[], metavar="KEY=VALUE",
+                    help="the baseline setting each setting is compared with, paired by seed (default: the preset's "
+                         "experiment.baseline), e.g. --baseline optim.weight_decay=0.1")
+    ap.add_argument("--json", action="store_true",
+                    help="print one JSON object of the numbers instead of the list of files")
     args = ap.parse_args(argv)
     try:
-        res = build_report(args.sweep_dir, args.out, paper_tables=args.paper_tables,
-                           stale_minutes=args.stale_minutes, metrics=args.metrics)
+        # with --json stdout carries exactly one object: anything printed while building goes to stderr
+        with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
+            res = build_report(args.sweep_dir, args.out, paper_tables=args.paper_tables,
+                               stale_minutes=args.stale_minutes, metrics=args.metrics,
+                               baseline=parse_baseline(args.baseline))
     except UserError as e:
         print(f"sinklab report: error: {e}", file=sys.stderr)
         return 1
+    if args.json:
+        print(as_json(res))
+        return 0
     print(f"{len(res['rows'])} jobs ({status_counts(r['status'] for r in res['rows'])})")
-    for p in [res["md"], res["csv"], res["aggregate_csv"], *res["plots"]]:
+    for claim in res["claims"]:
+        print(f"claim {claim['claim']}: {claim['verdict']}" + (f" ({claim['reason']})" if claim["reason"] else ""))
+    for p in [res["md"], res["csv"], res["aggregate_csv"], res["differences_csv"], res["claims_csv"], *res["plots"]]:
         if p is not None:
             print(p)
     return 0

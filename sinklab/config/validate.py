@@ -16,6 +16,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from sinklab.errors import UserError
 from sinklab.model.config import ModelConfig
 
+from .claims import parse_claims
 from .messages import unknown_key_message
 from .schema import Check, choice, either, integer, is_int, not_allowed, number, show, string
 from .store import CONF_DIR
@@ -154,9 +155,11 @@ def built(cfg: DictConfig, key: str) -> Any:
 
 
 def _check_experiment(cfg: DictConfig) -> None:
-    """A preset with labelled variants (experiment.variants, picked by experiment.variant, often per scale): the label
-    and the scale must be among its entries."""
+    """A preset's claims (`claims.parse_claims`) are well formed; a preset with labelled variants (experiment.variants,
+    picked by experiment.variant, often per scale): the label and the scale must be among its entries."""
     exp = cfg.get("experiment")
+    if isinstance(exp, DictConfig):  # its baseline and claims (what `sinklab report` tests) are well formed
+        parse_claims(_plain(OmegaConf.masked_copy(exp, [k for k in ("baseline", "claims") if k in exp])))
     variants = exp.get("variants") if isinstance(exp, DictConfig) else None
     if not isinstance(variants, DictConfig):
         return

@@ -4,37 +4,77 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional, Sequence
 
+from omegaconf import OmegaConf
+
+from sinklab.config.claims import parse_claims
+from sinklab.config.store import CONF_DIR
 from sinklab.errors import UserError
-from sinklab.report.jobs import STALE_MINUTES, load_sweep
+from sinklab.report.jobs import STALE_MINUTES, load_sweep, select
 from sinklab.report.paper import load_paper_tables
 from sinklab.report.plots import make_plots
+from sinklab.report.stats import CONFIDENCE, setting_differences
 from sinklab.report.table import aggregate, job_table, none_for_missing, write_csv, write_markdown
+from sinklab.report.verdicts import MIN_PAIRS, NOT_REPRODUCED_SHARE, REPRODUCED_SHARE, RULE, claims_table
+
+
+def claims_spec(cfg) -> tuple[str, dict]:
+    """(where they come from, {baseline, claims}) of a sweep: its config's experiment.baseline and .claims; for a
+    sweep that has neither (it started before its preset stated claims), the preset's file
+    conf/experiment/<experiment.name>.yaml as it is now."""
+    spec = {k: select(cfg, f"experiment.{k}") for k in ("baseline", "claims")}
+    name = select(cfg, "experiment.name")
+    path = CONF_DIR / "experiment" / f"{name}.yaml"
+    if any(v is not None for v in spec.values()) or not isinstance(name, str) or not path.is_file():
+        return "the sweep's config", spec
+    preset = OmegaConf.load(path)
+    return f"{path.relative_to(CONF_DIR.parent)} (the sweep's config has none)", \
+        {k: select(preset, f"experiment.{k}") for k in spec}
 
 
 def build_report(sweep_dir, out_dir=None, *, paper_tables: Optional[Path] = None, now: Optional[float] = None,
-                 stale_minutes: float = STALE_MINUTES, metrics: Sequence[str] = ()) -> dict:
-    """Read every job of a sweep and write report.md, report.csv (and report_aggregate.csv when a setting has
-    several seeds) and the PNG plots into ``out_dir`` (default SWEEP_DIR/report). `metrics`: logged names to add as
-    columns (besides the preset's experiment.report_metrics).
+                 stale_minutes: float = STALE_MINUTES, metrics: Sequence[str] = (),
+                 baseline: Optional[dict] = None) -> dict:
+    """Read every job of a sweep and write report.md, report.csv, and, when a setting has several seeds,
+    report_aggregate.csv (the seed statistics); with a baseline setting (the preset's experiment.baseline, or
+    ``baseline``), report_differences.csv (each setting's difference from it, paired by seed); with the preset's
+    claims, report_claims.csv (their verdicts); and the PNG plots, into ``out_dir`` (default SWEEP_DIR/report).
+    `metrics`: logged names to add as columns (besides the preset's experiment.report_metrics and the metrics its
+    claims name).
 
-    Returns {"out_dir", "md", "csv", "aggregate_csv" (or None), "plots": [paths], "rows": [one dict per job],
-    "columns", "aggregate" (or None, else one dict per setting), "swept": [keys]}; missing values are None.
+    Returns {"out_dir", "md", "csv", "aggregate_csv", "differences_csv", "claims_csv" (each None when not written),
+    "plots": [paths], "rows": [one dict per job], "columns", "aggregate", "differences" (None, else one dict per
+    row), "claims" (one dict per claim, with its pairs), "baseline", "swept", "rule"}; missing values are None.
     """
     sweep_dir = Path(sweep_dir)
     out_dir = Path(out_dir) if out_dir is not None else sweep_dir / "report"
     sweep = load_sweep(sweep_dir, now=now, stale_minutes=stale_minutes)
+    source, spec = claims_spec(sweep.cfg)
+    preset_baseline, claims = parse_claims(spec)
+    baseline = baseline or preset_baseline
     tables = load_paper_tables(paper_tables)
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise UserError(f"--out {out_dir} cannot be made a directory ({e.strerror}); allowed: a directory or a new "
                         "path in a writable one") from e
-    jobs, metrics = job_table(sweep, tables, metrics)
+    logged = {name for j in sweep.jobs for name in j.final}
+    named = [m for c in claims for m in (c.metric, c.against_metric) if m in logged]  # what the claims test
+    jobs, metrics = job_table(sweep, tables, [*metrics, *named])
     agg = aggregate(jobs, sweep.swept, metrics)
+    diffs = setting_differences(jobs, sweep.swept, metrics, baseline) if agg is not None else None
+    verdicts, claim_rows = claims_table(sweep, claims)
     csv_path = write_csv(out_dir / "report.csv", jobs)
-    agg_path = write_csv(out_dir / "report_aggregate.csv", agg) if agg is not None else None
-    plots = make_plots(out_dir, sweep, jobs)
-    md_path = write_markdown(out_dir / "report.md", sweep, jobs, metrics, agg, plots, out_dir, tables)
-    return {"out_dir": out_dir, "md": md_path, "csv": csv_path, "aggregate_csv": agg_path, "plots": plots,
+    written = {name: write_csv(out_dir / f"report_{name}.csv", df) if df is not None else None
+               for name, df in (("aggregate", agg), ("differences", diffs), ("claims", verdicts))}
+    plots = make_plots(out_dir, sweep, jobs, claim_rows)
+    md_path = write_markdown(out_dir / "report.md", sweep, jobs, metrics, agg, plots, out_dir, tables, diffs, verdicts,
+                             source)
+    return {"out_dir": out_dir, "md": md_path, "csv": csv_path, "aggregate_csv": written["aggregate"],
+            "differences_csv": written["differences"], "claims_csv": written["claims"], "plots": plots,
             "rows": jobs.to_dict("records"), "columns": list(jobs.columns),
-            "aggregate": None if agg is None else none_for_missing(agg).to_dict("records"), "swept": sweep.swept}
+            "aggregate": None if agg is None else none_for_missing(agg).to_dict("records"),
+            "differences": None if diffs is None else none_for_missing(diffs).to_dict("records"),
+            "claims": claim_rows, "claims_from": source, "baseline": baseline, "swept": sweep.swept,
+            "rule": {"text": RULE, "confidence": CONFIDENCE, "interval": "Student's t-interval of the mean",
+                     "min_pairs": MIN_PAIRS, "reproduced_share": REPRODUCED_SHARE,
+                     "not_reproduced_share": NOT_REPRODUCED_SHARE}}

@@ -16,6 +16,7 @@ from sinklab.keys import PERCENT
 from sinklab.report.columns import SINK1_METRIC, VAL_LOSS_METRIC, Metric, fmt, short_keys
 from sinklab.report.jobs import Job, Sweep, is_seed_key
 from sinklab.report.paper import experiment_info
+from sinklab.report.stats import CONFIDENCE, describe
 from sinklab.report.table import group_ids
 from sinklab.status import Status
 
@@ -76,22 +77,23 @@ def _set_x_axis(ax, xs: pd.Series, numeric: bool, cats: list[str], key: str) -> 
 
 
 def _mean_line(ax, x: pd.Series, y: pd.Series, metric: Metric, color, label: str, numeric: bool) -> None:
-    """The mean of ``y`` at each ``x``, with ± std bars (kept within the metric's physical range) where some x has
-    several values; a line through the means only when x is numeric."""
-    stats = y.groupby(x).agg(["mean", "std", "count"])
-    seeds = bool((stats["count"] > 1).any())
-    lo, hi = metric.bounds
-    mean, std = stats["mean"], stats["std"].fillna(0.0)
-    yerr = [mean - (mean - std).clip(lower=lo), (mean + std).clip(upper=hi) - mean]
+    """The mean of ``y`` at each ``x``, with its 95% t-interval (kept within the metric's physical range) where some
+    x has several values; a line through the means only when x is numeric."""
+    stats = pd.DataFrame({x_: describe(v, metric.bounds) for x_, v in y.groupby(x)}).T
+    seeds = bool((stats["n"] > 1).any())
+    mean = stats["mean"].astype(float)
+    yerr = [(mean - stats["ci_low"].astype(float)).fillna(0.0), (stats["ci_high"].astype(float) - mean).fillna(0.0)]
     ax.errorbar(stats.index, mean, yerr=yerr if seeds else None, color=color, marker="o", ms=7, capsize=3,
-                lw=1.6 if numeric else 0, label=label or ("ours, mean ± std over seeds" if seeds else "ours"), zorder=3)
+                lw=1.6 if numeric else 0, elinewidth=1.6, zorder=3,
+                label=label or (f"ours: each seed, the mean and its {CONFIDENCE:.0%} CI" if seeds else "ours"))
 
 
 def figure_vs_key(jobs: pd.DataFrame, key: str, swept: list[str], metric: Metric, ylabel: str, paper_col: str,
                   title: str) -> Optional[Figure]:
     """Final ``metric`` against the swept ``key``: one point per job (completed filled, running hollow, preempted a
-    hollow square, failed, killed or stalled a red x), the mean over completed seeds as a line with its std (within
-    the metric's physical range), one series per setting of the other swept keys, and the paper's values as stars.
+    hollow square, failed, killed or stalled a red x), the mean over completed seeds as a line with its 95%
+    t-interval (within the metric's physical range), one series per setting of the other swept keys, and the
+    paper's values as stars.
     None when no job has a value."""
     rows = jobs[jobs[key].notna()]
     y = rows[metric.col].astype(float)
@@ -169,14 +171,40 @@ def figure_over_steps(jobs: list[Job], table: pd.DataFrame, swept: list[str], ti
     return fig
 
 
+def figure_claims(claims: list[dict], title: str) -> Optional[Figure]:
+    """One panel per claim with pairs: each pair's difference (claim minus baseline) a point, their mean with its
+    95% t-interval, 0 as a line, the claimed direction and the verdict in the panel's title. None without pairs."""
+    shown = [c for c in claims if c["pair_values"]]
+    if not shown:
+        return None
+    fig = Figure(figsize=(7.0, 1.0 + 1.25 * len(shown)), dpi=150, layout="constrained")
+    axes = fig.subplots(len(shown), 1, squeeze=False)[:, 0]
+    for ax, c in zip(axes, shown):
+        d = [p["diff"] for p in c["pair_values"]]
+        ax.plot(d, [0.0] * len(d), "o", color="tab:blue", alpha=0.55, ms=6, label="a pair of seeds")
+        if c["diff_ci_low"] is not None and not pd.isna(c["diff_ci_low"]):
+            lo, hi = c["diff_mean"] - c["diff_ci_low"], c["diff_ci_high"] - c["diff_mean"]
+            ax.errorbar([c["diff_mean"]], [0.35], xerr=[[lo], [hi]], fmt="D", color="black", capsize=4,
+                        label=f"mean, {CONFIDENCE:.0%} CI")
+        ax.axvline(0.0, color="tab:red", lw=1.0)
+        ax.set_ylim(-0.5, 0.85)
+        ax.set_yticks([])
+        ax.set_title(f"{c['claim']}: {c['metric']} {c['direction']} ({c['verdict']})", fontsize=9, loc="left")
+    axes[0].legend(loc="upper right", fontsize=7, framealpha=0.85)
+    axes[-1].set_xlabel("paired difference (the claim's setting minus its baseline)")
+    fig.suptitle(title, fontsize=11)
+    return fig
+
+
 def safe_name(key: str) -> str:
     """A swept key as part of a file name."""
     return re.sub(r"[^A-Za-z0-9._-]+", "_", key).strip("_") or "value"
 
 
-def figures(sweep: Sweep, table: pd.DataFrame) -> dict[str, Figure]:
-    """The plots of a sweep by file name: ``<metric>_vs_<key>.png`` for each non-seed swept key, and
-    ``sink1_over_steps.png``; those without data are left out."""
+def figures(sweep: Sweep, table: pd.DataFrame, claims: Sequence[dict] = ()) -> dict[str, Figure]:
+    """The plots of a sweep by file name: ``<metric>_vs_<key>.png`` for each non-seed swept key,
+    ``sink1_over_steps.png`` and ``claims.png`` (the claims' paired differences); those without data are left
+    out."""
     name = experiment_info(sweep.cfg)["name"] or sweep.dir.name
     out: dict[str, Optional[Figure]] = {}
     with matplotlib.rc_context(RC):
@@ -186,10 +214,11 @@ def figures(sweep: Sweep, table: pd.DataFrame) -> dict[str, Figure]:
                     table, key, sweep.swept, metric, ylabel, paper_col, f"{name}: final {what} vs {key}")
         out["sink1_over_steps.png"] = figure_over_steps(sweep.jobs, table, sweep.swept,
                                                         f"{name}: Sink$_1$ during training")
+        out["claims.png"] = figure_claims(list(claims), f"{name}: the claims, paired by seed")
     return {f: fig for f, fig in out.items() if fig is not None}
 
 
-def make_plots(out_dir: Path, sweep: Sweep, table: pd.DataFrame) -> list[Path]:
+def make_plots(out_dir: Path, sweep: Sweep, table: pd.DataFrame, claims: Sequence[dict] = ()) -> list[Path]:
     """Write the plots of ``figures`` as PNGs into ``out_dir``."""
     return [atomic_write(out_dir / f, lambda fh, fig=fig: fig.savefig(fh, format="png"))
-            for f, fig in figures(sweep, table).items()]
+            for f, fig in figures(sweep, table, claims).items()]

@@ -17,6 +17,8 @@ from sinklab.report.columns import Metric, fmt, metric_columns
 from sinklab.report.jobs import Sweep, is_seed_key
 from sinklab.report.paper import PAPER_CITE, PAPER_COLUMNS, PAPER_LABELS, experiment_info, match_paper_row, \
     paper_values
+from sinklab.report.stats import CONFIDENCE, describe
+from sinklab.report.verdicts import RULE
 from sinklab.status import Status
 
 STATUS_ORDER = (Status.COMPLETED, Status.RUNNING, Status.PREEMPTED, Status.FAILED, Status.STALLED, Status.KILLED,
@@ -81,20 +83,21 @@ def group_ids(df: pd.DataFrame, keys: list[str]) -> np.ndarray:
 
 
 def aggregate(df: pd.DataFrame, swept: list[str], metrics: list[Metric]) -> Optional[pd.DataFrame]:
-    """Per setting of the non-seed swept keys: the number of jobs and of completed ones, then the mean and sample
-    std over the completed jobs of each metric (``<col>_mean``, ``<col>_std``), then the paper's values. None when no
-    setting has more than one job."""
+    """Per setting of the non-seed swept keys: the number of jobs and of completed ones, then for each metric over
+    the completed jobs (``<col>_<stat>``, stat in ``stats.STATS``): n, mean, sample std, median, min, max and the 95%
+    t-interval of the mean within the metric's physical range; then the paper's values. None when no setting has
+    more than one job."""
     keys = [k for k in swept if not is_seed_key(k)]
     ids = group_ids(df, keys)
     if np.bincount(ids).max() < 2:
         return None
     done = df["status"].eq(Status.COMPLETED)
-    stats = df[[m.col for m in metrics]].astype(float).where(done, axis=0).groupby(ids).agg(["mean", "std"])
-    stats.columns = [f"{col}_{stat}" for col, stat in stats.columns]
+    values = df[[m.col for m in metrics]].astype(float).where(done, axis=0)
+    stats = pd.DataFrame([{f"{m.col}_{stat}": v for m in metrics for stat, v in
+                           describe(values.loc[ids == g, m.col], m.bounds).items()} for g in range(ids.max() + 1)])
     firsts = df.groupby(ids).head(1).reset_index(drop=True)  # a setting's keys and paper values
     counts = pd.DataFrame({"jobs": np.bincount(ids), "completed": done.groupby(ids).sum().to_numpy()})
-    return pd.concat([firsts[keys], counts, stats.reset_index(drop=True),
-                      firsts[[c for c in df if c.startswith("paper_")]]], axis=1)
+    return pd.concat([firsts[keys], counts, stats, firsts[[c for c in df if c.startswith("paper_")]]], axis=1)
 
 
 # ------------------------------------------------------------------------------------------------- writing
@@ -152,9 +155,52 @@ def _paper_table_line(exp: dict[str, Any], tables: dict) -> list[str]:
             + f"; {PAPER_CITE}. Reference points, not targets at this scale."]
 
 
+def _seed_statistics(agg: pd.DataFrame, keys: list[str], metrics: list[Metric], labels: dict) -> list[str]:
+    """report.md's long table of the seed statistics: one row per setting and metric that has a value."""
+    rows = []
+    for setting in agg.to_dict("records"):
+        for m in metrics:
+            if not setting[f"{m.col}_n"]:
+                continue
+            v = {stat: fmt(setting[f"{m.col}_{stat}"], m.col) for stat in ("mean", "median", "min", "max", "ci_low",
+                                                                         "ci_high")}
+            rows.append({**{k: fmt(setting[k]) for k in keys}, "metric": labels.get(m.col, m.col),
+                         "n": str(setting[f"{m.col}_n"]), "mean": v["mean"],
+                         f"{CONFIDENCE:.0%} CI": f"[{v['ci_low']}, {v['ci_high']}]" if v["ci_low"] else "",
+                         "median": v["median"], "min - max": f"{v['min']} - {v['max']}"})
+    return ["", f"## Seed statistics (completed jobs; {CONFIDENCE:.0%} t-interval of the mean)", "",
+            _markdown(pd.DataFrame(rows).map(_md_cell), {})] if rows else []
+
+
+def _differences(diffs: pd.DataFrame, keys: list[str], labels: dict) -> list[str]:
+    """report.md's table of each setting's difference from the baseline, paired by seed."""
+    rows = [{**{k: fmt(d[k]) for k in keys if k in d}, "metric": labels.get(d["metric"], d["metric"]),
+             "pairs": str(d["pairs"]), "mean difference": fmt(d["diff_mean"], d["metric"]),
+             f"{CONFIDENCE:.0%} CI": f"[{fmt(d['diff_ci_low'], d['metric'])}, {fmt(d['diff_ci_high'], d['metric'])}]"
+             if fmt(d["diff_ci_low"]) else "", "higher / lower": f"{d['higher']} / {d['lower']}"}
+            for d in diffs.to_dict("records")]
+    return ["", f"## Paired differences from the baseline ({diffs['baseline'].iloc[0]}; by seed, "
+                f"{CONFIDENCE:.0%} t-interval)", "", _markdown(pd.DataFrame(rows).map(_md_cell), {})]
+
+
+def _claims(claims: pd.DataFrame, source: str) -> list[str]:
+    """report.md's verdict table of the preset's claims (stated in ``source``), with the rule."""
+    cells = claims.assign(**{c: [fmt(v, m) for v, m in zip(claims[c], claims["metric"])]
+                             for c in ("diff_mean", "diff_ci_low", "diff_ci_high")})
+    cells[f"{CONFIDENCE:.0%} CI"] = ["[" + lo + ", " + hi + "]" if lo else "" for lo, hi in
+                                     zip(cells.pop("diff_ci_low"), cells.pop("diff_ci_high"))]
+    cells = cells[["claim", "text", "setting", "baseline", "metric", "direction", "pairs", "diff_mean",
+                   f"{CONFIDENCE:.0%} CI", "claimed_sign", "verdict", "reason"]]
+    labels = {"diff_mean": "mean paired difference", "claimed_sign": "claimed sign"}
+    return ["", "## Claims", "", f"Claims from {source}. The rule (experiments/README.md): {RULE}.", "",
+            _markdown(_cells(cells), labels)]
+
+
 def write_markdown(path: Path, sweep: Sweep, jobs: pd.DataFrame, metrics: list[Metric], agg: Optional[pd.DataFrame],
-                   plots: list[Path], out_dir: Path, tables: dict) -> Path:
-    """report.md: what was swept and how it was matched to the paper, the jobs table, mean ± std over seeds, plots."""
+                   plots: list[Path], out_dir: Path, tables: dict, diffs: Optional[pd.DataFrame] = None,
+                   claims: Optional[pd.DataFrame] = None, claims_from: str = "") -> Path:
+    """report.md: what was swept and how it was matched to the paper, the jobs table, mean ± std over seeds, the seed
+    statistics, the paired differences from the baseline, the claims' verdicts, plots."""
     exp = experiment_info(sweep.cfg)
     lines = [f"# Sweep report: {exp['name'] or sweep.dir.name}", "", f"- Sweep dir: `{sweep.dir}`",
              f"- Experiment: `{exp['name'] or '-'}`", *_paper_table_line(exp, tables)]
@@ -166,14 +212,20 @@ def write_markdown(path: Path, sweep: Sweep, jobs: pd.DataFrame, metrics: list[M
               "", "Final values are the last logged ones; Sink_k in %, losses in nats.", "", "## Jobs", ""]
     labels = {m.col: m.label for m in metrics} | PAPER_LABELS
     lines.append(_markdown(_cells(jobs.drop(columns="dir")), labels))
+    keys = [k for k in sweep.swept if not is_seed_key(k)]
     if agg is not None:
         cells = _cells(agg)
         for m in metrics:  # "mean ± std"; the mean alone when there is no std, empty when there is no mean
-            mean, std = cells.pop(f"{m.col}_mean"), cells.pop(f"{m.col}_std")
+            mean, std = cells[f"{m.col}_mean"], cells[f"{m.col}_std"]
             cells[m.col] = mean.where(mean.eq("") | std.eq(""), mean + " ± " + std)
-        order = [k for k in sweep.swept if not is_seed_key(k)] + ["jobs", "completed", *(m.col for m in metrics)]
-        cells = cells[order + [c for c in cells if c not in order]]  # then the paper's values
+        order = keys + ["jobs", "completed", *(m.col for m in metrics)]
+        cells = cells[order + [c for c in cells if c.startswith("paper_")]]  # then the paper's values
         lines += ["", "## Mean ± std over seeds (completed jobs)", "", _markdown(cells, labels)]
+        lines += _seed_statistics(agg, keys, metrics, labels)
+    if diffs is not None:
+        lines += _differences(diffs, keys, labels)
+    if claims is not None:
+        lines += _claims(claims, claims_from)
     if plots:
         lines += ["", "## Plots", "", *(f"![{p.stem}]({p.name})" for p in plots)]
     else:

@@ -16,52 +16,9 @@ from omegaconf import OmegaConf
 from sinklab import report
 from sinklab.cli.report import main as report_main
 from tests.helpers import REPO
+from tests.helpers.sweeps import base_config, write_hydra, write_metrics
 
 WDS = [0.0, 0.1, 0.5, 1.0, 2.0]  # jobs 0-3 have dirs; job 4 was not started yet
-
-
-def base_config(wd=0.1, seed=0, lr=4e-4):
-    return {
-        "seed": seed,
-        "experiment": {"name": "weight_decay", "paper_table": "weight_decay",
-                       "paper_match": {"wd": "optim.weight_decay"}},
-        "optim": {"lr": lr, "weight_decay": wd, "betas": [0.9, 0.95], "warmup_steps": 20},
-        "trainer": {"max_steps": 300, "devices": 1, "accelerator": "cpu", "precision": "32-true"},
-        "model": {"pos": "rope", "attn_op": "softmax", "attn_normalize": True, "attn_bias": "none",
-                  "n_sink_tokens": 0, "window": None, "prefix_len": 0, "n_layer": 2, "d_model": 64},
-        "data": {"max_unique_tokens": None, "random_positions": [], "fixed_token": {"position": None}},
-    }
-
-
-def write_hydra(job_dir: Path, cfg: dict, overrides: list[str]) -> None:
-    h = job_dir / ".hydra"
-    h.mkdir(parents=True)
-    OmegaConf.save(OmegaConf.create(cfg), h / "config.yaml")
-    OmegaConf.save(OmegaConf.create(overrides), h / "overrides.yaml")
-    OmegaConf.save(OmegaConf.create({"hydra": {"job": {"name": "train", "override_dirname": ",".join(overrides)},
-                                               "mode": "MULTIRUN"}}), h / "hydra.yaml")
-
-
-def write_metrics(path: Path, steps, sink1, val_loss, extra_cols=None, truncate=False) -> list[dict]:
-    """CSVLogger layout: sorted header, one row per log call, blank cells for metrics not logged in that call
-    (train rows every 10 steps, sink/val rows every 50)."""
-    rows = []
-    for s in range(0, steps + 1, 10):
-        rows.append({"step": s, "epoch": 0, "train/loss": 6.0 - s / 100})
-        if s % 50 == 0 and s > 0:
-            r = {"step": s, "epoch": 0, "val/loss": val_loss(s), "sink/sink1": sink1(s),
-                 "sink/sink2": 0.5, "sink/sink3": 0.25, "sink/sink4": 0.0, "sink/alpha1": sink1(s) / 200}
-            r.update((extra_cols or {}))
-            rows.append(r)
-    keys = sorted(set().union(*rows))
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=keys)
-        w.writeheader()
-        w.writerows(rows)
-    if truncate:  # killed mid-write: the last line lacks its newline and is cut in the middle of a number
-        text = path.read_text()
-        path.write_text(text + "60,0,,,,,,,5.1")
-    return rows
 
 
 def make_sweep(root: Path) -> Path:
@@ -131,7 +88,11 @@ def test_report_table_status_and_paper_values(tmp_path):
     # paper values matched through experiment.paper_match {wd: optim.weight_decay}
     assert [r["paper_sink1"] for r in rows] == ["15.2", "18.18", "41.08", "37.71", "6.13"]
     assert float(rows[1]["paper_loss"]) == 3.73
-    assert res["aggregate"] is None and res["aggregate_csv"] is None  # one seed per setting
+    assert res["aggregate"] is None and res["aggregate_csv"] is None  # one seed per setting: no seed statistics,
+    assert res["differences_csv"] is None and res["claims_csv"] is None and res["claims"] == []  # nor claims
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
+        "report.csv", "report.md", "sink1_over_steps.png", "sink1_vs_optim.weight_decay.png",
+        "val_loss_vs_optim.weight_decay.png"]
 
     md = res["md"].read_text()
     assert str(sweep) in md and "weight_decay" in md
@@ -140,6 +101,7 @@ def test_report_table_status_and_paper_values(tmp_path):
     assert md.count("\n| ") >= 6  # header + 5 jobs
     assert "FloatingPointError: loss is nan at step 63" in md
     assert "18.18" in md
+    assert [line for line in md.splitlines() if line.startswith("## ")] == ["## Jobs", "## Plots"]  # as before
 
     names = sorted(p.name for p in res["plots"])
     assert names == ["sink1_over_steps.png", "sink1_vs_optim.weight_decay.png", "val_loss_vs_optim.weight_decay.png"]
@@ -327,7 +289,7 @@ def test_categorical_sweep_plots(tmp_path):
     assert (tmp_path / "out" / "val_loss_vs_model.pos.png").is_file()
 
 
-def test_real_hydra_multirun_is_read(tmp_path):
+def test_real_hydra_multirun_is_read(tmp_path, capsys):
     """A real Hydra multirun (basic launcher) of a tiny app that leaves the job files of the contract."""
     conf = tmp_path / "conf"
     conf.mkdir()
@@ -355,6 +317,15 @@ def test_real_hydra_multirun_is_read(tmp_path):
     assert got == [(0.0, 0, 0.0, 15.2), (0.0, 1, 1.0, 15.2), (0.5, 0, 50.0, 41.08), (0.5, 1, 51.0, 41.08)]
     assert [a["sink1_mean"] for a in res["aggregate"]] == [0.5, 50.5]
     assert all(math.isclose(a["sink1_std"], math.sqrt(0.5)) for a in res["aggregate"])
+    # the seed statistics and, against a baseline named on the command line, the paired differences
+    low = res["aggregate"][0]  # Sink_1 0 and 1: 0.5 -+ t(0.975, 1) * 0.5 = 0.5 -+ 6.353, within [0, 100]
+    assert (low["sink1_n"], low["sink1_ci_low"]) == (2, 0.0) and low["sink1_ci_high"] == pytest.approx(6.8531024)
+    assert report_main([str(sweep), "--out", str(tmp_path / "out"), "--baseline", "optim.weight_decay=0.0",
+                        "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    diff = next(d for d in out["differences"] if d["metric"] == "sink1")
+    assert (diff["optim.weight_decay"], diff["pairs"], diff["diff_mean"], diff["higher"]) == (0.5, 2, 50.0, 2)
+    assert out["aggregate"][1]["sink1_median"] == 50.5 and out["claims"] == []
 
 
 def test_two_swept_keys_match_the_paper_on_both(tmp_path):

@@ -1,0 +1,249 @@
+"""Seed statistics, paired differences and the verdict rule (sinklab.report.stats, .verdicts) on a synthetic sweep
+with known per-seed values: the numbers against hand-computed ones, the pairing (jobs in shuffled order, a missing
+seed drops its pair) and every verdict case."""
+import json
+import math
+import random
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from sinklab import report
+from sinklab.cli.report import main as report_main
+from sinklab.errors import UserError
+from sinklab.report import verdicts
+from tests.helpers import readme_cli_lines
+from tests.helpers.sweeps import base_config, write_hydra, write_metrics
+
+T975 = {3: 3.182446305284263, 4: 2.7764451051977987}  # Student's t, 97.5% quantile, by degrees of freedom
+SEEDS = range(5)
+# final Sink_1 (%) per gate and seed; headwise has no seed 2, g5 only seeds 0 and 1
+SINK1 = {"none": [30, 20, 25, 35, 10], "elementwise": [0, 0, 1, 0, 2], "headwise": [32, 10, None, 30, 8],
+         "g2_elementwise": [40, 28, 36, 44, 21], "g5_elementwise": [0, 0]}
+VAL_LOSS = {"none": 4.2, "elementwise": 4.1, "headwise": 4.15, "g2_elementwise": 4.18, "g5_elementwise": 4.17}
+X0_PENALTY = [1.0, 2.0, 1.5, 0.5, 3.0]  # streaming x0 - x4 perplexity of the none jobs
+CLAIMS = [
+    {"id": "g1_removes_sink", "text": "G1 removes the sink", "setting": {"model/gate": "elementwise"},
+     "metric": "sink/sink1", "direction": "lower", "requires": {"metric": "sink/sink1", "above": 10}},
+    {"id": "headwise_removes_sink", "setting": {"model/gate": "headwise"}, "metric": "sink/sink1",
+     "direction": "lower"},
+    {"id": "g2_removes_sink", "setting": {"model/gate": "g2_elementwise"}, "metric": "sink/sink1",
+     "direction": "lower"},
+    {"id": "g5_removes_sink", "setting": {"model/gate": "g5_elementwise"}, "metric": "sink/sink1",
+     "direction": "lower"},
+    {"id": "needs_a_big_sink", "setting": {"model/gate": "elementwise"}, "metric": "sink/sink1",
+     "direction": "lower", "requires": {"above": 50}},
+    {"id": "w4a4", "setting": {"model/gate": "elementwise"}, "metric": "quant/w4a4_gap", "direction": "lower"},
+    {"id": "g3_not_run", "setting": {"model/gate": "g3_elementwise"}, "metric": "sink/sink1", "direction": "lower"},
+    {"id": "x0_penalty", "setting": {"model/gate": "none"}, "metric": "streaming/x0_y60_ppl",
+     "against_metric": "streaming/x4_y60_ppl", "direction": "higher"},
+    {"id": "g1_lower_loss_than_headwise", "setting": {"model/gate": "elementwise"},
+     "baseline": {"model/gate": "headwise"}, "metric": "val/loss", "direction": "lower"},
+]
+EXPECTED = {"g1_removes_sink": "reproduced", "headwise_removes_sink": "partly", "g2_removes_sink": "not reproduced",
+            "g5_removes_sink": "not testable", "needs_a_big_sink": "not testable", "w4a4": "not testable",
+            "g3_not_run": "not testable", "x0_penalty": "reproduced", "g1_lower_loss_than_headwise": "reproduced"}
+
+
+def make_seed_sweep(root, order_seed=0, claims=CLAIMS):
+    """One job per (gate, seed) with a value, numbered in a shuffled order; streaming.csv for the none jobs."""
+    sweep = root / "sweep"
+    cells = [(g, s, v) for g, vals in SINK1.items() for s, v in zip(SEEDS, vals) if v is not None]
+    random.Random(order_seed).shuffle(cells)
+    streaming = []
+    for job, (gate, seed, s1) in enumerate(cells):
+        cfg = base_config(seed=seed)
+        cfg["experiment"] = {"name": "gates", "paper_table": None, "reference": "synthetic",
+                             "baseline": {"model/gate": "none"}, "claims": claims} if claims else \
+            {"name": "gate_positions", "paper_table": None, "reference": "synthetic"}  # a preset's name, no claims
+        d = sweep / str(job)
+        write_hydra(d, cfg, [f"model/gate={gate}", f"seed={seed}"])
+        write_metrics(d / "metrics.csv", 100, lambda s, v=s1: float(v), lambda s, g=gate: VAL_LOSS[g] + seed / 100)
+        (d / "status.json").write_text(json.dumps({"status": "completed", "step": 100}))
+        if gate == "none":
+            x4 = 60.0 + seed
+            streaming.append({"job": str(job), "model/gate": gate, "seed": seed, "x0_y60_ppl": x4 + X0_PENALTY[seed],
+                              "x4_y60_ppl": x4, "n_tokens": 1000})
+    pd.DataFrame(streaming).to_csv(sweep / "streaming.csv", index=False)
+    return sweep
+
+
+def t_interval(x, df=None):
+    x = np.asarray(x, dtype=float)
+    half = T975[df or len(x) - 1] * x.std(ddof=1) / math.sqrt(len(x))
+    return x.mean() - half, x.mean() + half
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    root = tmp_path_factory.mktemp("seeds")
+    return make_seed_sweep(root), report.build_report(make_seed_sweep(root / "b"), root / "out")
+
+
+def test_seed_statistics_per_setting(built):
+    _, res = built
+    agg = {a["model/gate"]: a for a in res["aggregate"]}
+    g1 = agg["elementwise"]
+    assert (g1["jobs"], g1["sink1_n"], g1["sink1_median"], g1["sink1_min"], g1["sink1_max"]) == (5, 5, 0.0, 0.0, 2.0)
+    assert g1["sink1_mean"] == pytest.approx(0.6) and g1["sink1_std"] == pytest.approx(math.sqrt(0.8))
+    lo, hi = t_interval([0, 0, 1, 0, 2])  # 0.6 -+ 2.776 * 0.4: [-0.51, 1.71]
+    assert lo < 0 and g1["sink1_ci_low"] == 0.0  # a rate's interval is kept within [0, 100]
+    assert g1["sink1_ci_high"] == pytest.approx(hi) == pytest.approx(1.7105780, abs=1e-6)
+    none = agg["none"]
+    assert none["sink1_mean"] == 24.0 and none["sink1_median"] == 25.0
+    assert (none["sink1_ci_low"], none["sink1_ci_high"]) == pytest.approx(t_interval(SINK1["none"]))
+    assert agg["headwise"]["sink1_n"] == 4 and agg["g5_elementwise"]["sink1_n"] == 2
+    md = res["md"].read_text()
+    assert "## Seed statistics (completed jobs; 95% t-interval of the mean)" in md
+    row = next(line for line in md.splitlines() if line.startswith("| elementwise ") and "| Sink_1 (%) " in line)
+    assert [c.strip() for c in row.strip("|").split("|")] == ["elementwise", "Sink_1 (%)", "5", "0.60", "[0.00, 1.71]",
+                                                             "0.00", "0.00 - 2.00"]
+
+
+def test_paired_differences_from_the_baseline(built):
+    _, res = built
+    diffs = {(d["model/gate"], d["metric"]): d for d in res["differences"]}
+    assert not any(g == "none" for g, _ in diffs)  # the baseline itself has no difference from itself
+    d = diffs["elementwise", "sink1"]
+    paired = np.subtract(SINK1["elementwise"], SINK1["none"])  # -30 -20 -24 -35 -8
+    assert (d["pairs"], d["lower"], d["higher"], d["baseline"]) == (5, 5, 0, "model/gate=none")
+    assert d["diff_mean"] == pytest.approx(-23.4)
+    assert (d["diff_ci_low"], d["diff_ci_high"]) == pytest.approx(t_interval(paired))
+    assert (d["diff_ci_low"], d["diff_ci_high"]) == pytest.approx((-36.2322, -10.5678), abs=1e-3)
+    head = diffs["headwise", "sink1"]  # seed 2 has no headwise job: its pair is dropped
+    assert head["pairs"] == 4 and head["diff_mean"] == pytest.approx(np.mean([2, -10, -5, -2]))
+    assert (head["diff_ci_low"], head["diff_ci_high"]) == pytest.approx(t_interval([2, -10, -5, -2]))
+    assert diffs["g2_elementwise", "val_loss"]["diff_mean"] == pytest.approx(-0.02)
+    assert "## Paired differences from the baseline (model/gate=none; by seed, 95% t-interval)" in res["md"].read_text()
+    assert report_csv(res["differences_csv"])["metric"].tolist()[:2] == ["sink1", "sink2"]
+
+
+def report_csv(path):
+    return pd.read_csv(path, dtype=str, keep_default_na=False)
+
+
+def test_each_verdict_case(built):
+    _, res = built
+    got = {c["claim"]: c for c in res["claims"]}
+    assert {k: c["verdict"] for k, c in got.items()} == EXPECTED
+    g1 = got["g1_removes_sink"]
+    assert (g1["pairs"], g1["claimed_sign"], g1["diff_mean"]) == (5, "5 of 5", pytest.approx(-23.4))
+    assert [p["diff"] for p in sorted(g1["pair_values"], key=lambda p: p["seed"])] == [-30, -20, -24, -35, -8]
+    assert got["headwise_removes_sink"]["claimed_sign"] == "3 of 4"  # 75%: the interval includes 0
+    assert got["headwise_removes_sink"]["reason"] == "the interval includes 0"
+    assert got["g2_removes_sink"]["reason"] == "the interval excludes 0 on the wrong side"
+    assert got["g5_removes_sink"]["reason"] == "2 pair(s) of seeds; at least 3 needed"
+    assert got["needs_a_big_sink"]["reason"] == "precondition fails: baseline mean of sink/sink1 above 50 (it is 24)"
+    assert got["w4a4"]["reason"] == "metric quant/w4a4_gap logged by no job"
+    assert got["g3_not_run"]["reason"] == "setting not run: model/gate=g3_elementwise"
+    x0 = got["x0_penalty"]  # two evaluation columns of the same jobs (streaming.csv), paired
+    assert x0["baseline"] == "the same jobs" and x0["metric"] == "streaming/x0_y60_ppl - streaming/x4_y60_ppl"
+    assert x0["diff_mean"] == pytest.approx(1.6)
+    assert (x0["diff_ci_low"], x0["diff_ci_high"]) == pytest.approx(t_interval(X0_PENALTY))
+    loss = got["g1_lower_loss_than_headwise"]  # the claim's own baseline; seed 2 has no headwise job
+    assert loss["baseline"] == "model/gate=headwise" and loss["pairs"] == 4
+    assert loss["diff_mean"] == pytest.approx(-0.05)
+    table = report_csv(res["claims_csv"])
+    assert table["verdict"].tolist() == list(EXPECTED.values())
+    md = res["md"].read_text()
+    assert "## Claims" in md and verdicts.RULE in md and "| g2_removes_sink " in md
+    assert "claims.png" in {p.name for p in res["plots"]}
+
+
+def test_pairs_hold_a_seed_whatever_the_job_order(built, tmp_path):
+    sweep, res = built
+    other = report.build_report(make_seed_sweep(tmp_path, order_seed=7), tmp_path / "out")
+    for a, b in zip(res["claims"], other["claims"]):
+        assert (a["verdict"], a["pairs"], a["claimed_sign"]) == (b["verdict"], b["pairs"], b["claimed_sign"])
+        if a["diff_mean"] is not None:
+            assert a["diff_mean"] == pytest.approx(b["diff_mean"])
+    jobs = {r["job"]: r for r in other["rows"]}
+    for claim in other["claims"]:
+        for p in claim["pair_values"]:  # each pair: two jobs of the same seed
+            assert jobs[p["job"]]["seed"] == jobs[p["base_job"]]["seed"] == p["seed"]
+
+
+@pytest.mark.parametrize("claim, message", [
+    ({"id": "a", "setting": {"model/gate": "elementwise"}, "metric": "sink/sink1", "direction": "down"},
+     "experiment.claims[0] (a).direction='down' is not allowed; allowed: one of lower, higher"),
+    ({"id": "a", "setting": {"model/gate": "elementwise"}, "metric": "sink/sink1", "direction": "lower",
+      "threshold": 3}, "experiment.claims[0].threshold is not an option of experiment.claims[0]"),
+    ({"id": "a", "setting": {"model/gate": "none"}, "metric": "sink/sink1", "direction": "lower"},
+     "experiment.claims[0] (a).setting {model/gate=none} is its baseline {model/gate=none}; allowed: a setting that"),
+    ({"id": "a", "setting": {"model/gate": "elementwise"}, "direction": "lower"},
+     "experiment.claims[0].metric is missing; required: id, setting, metric, direction"),
+])
+def test_a_malformed_claim_is_one_line_before_any_work(tmp_path, capsys, claim, message):
+    sweep = make_seed_sweep(tmp_path, claims=[claim])
+    assert report_main([str(sweep), "--out", str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("sinklab report: error: ") and message in err and err.count("\n") == 1, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_json_and_a_baseline_from_the_command_line(built, tmp_path, capsys):
+    sweep, _ = built
+    assert report_main([str(sweep), "--out", str(tmp_path / "out"), "--json", "--baseline",
+                        "model/gate=elementwise"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["baseline"] == {"model/gate": "elementwise"} and res["rule"]["min_pairs"] == verdicts.MIN_PAIRS
+    d = next(d for d in res["differences"] if d["model/gate"] == "none" and d["metric"] == "sink1")
+    assert d["diff_mean"] == pytest.approx(23.4) and d["higher"] == 5
+    assert {c["claim"]: c["verdict"] for c in res["claims"]} == EXPECTED  # the claims keep the preset's baseline
+    assert res["files"]["claims_csv"].endswith("report_claims.csv")
+    assert report_main([str(sweep), "--out", str(tmp_path / "out"), "--baseline", "model/gate"]) == 1
+    assert "--baseline 'model/gate' is not KEY=VALUE" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("diffs, sign, want", [
+    ([-1, -2, -3, -1, -2], -1, "reproduced"),
+    ([-2, -2, -3, -2, 0.2], -1, "reproduced"),  # 4 of 5, the interval below 0
+    ([-1, -2, 3, 1, -0.5], -1, "partly"),  # 3 of 5
+    ([-1, 2, 3, 1, -0.5], -1, "not reproduced"),  # 2 of 5
+    ([1, 2, 3, 1, 2], -1, "not reproduced"),
+    ([-1, -2], -1, "not testable"),
+    ([0, 0, 0], 1, "not reproduced"),  # no difference: not the claimed sign
+])
+def test_the_rule(diffs, sign, want):
+    from sinklab.report.stats import mean_ci
+
+    assert verdicts.verdict(diffs, sign, mean_ci(diffs))[0] == want
+
+
+def test_a_malformed_preset_claim_is_refused_when_the_config_is_validated():
+    from sinklab.config import compose, validate_config
+
+    cfg = compose(["experiment=gate_positions", "experiment.claims.0.direction=down"])
+    with pytest.raises(UserError, match=r"^experiment.claims\[0\] \(g1_lower_loss\).direction='down' is not "
+                                        "allowed; allowed: one of lower, higher$"):
+        validate_config(cfg)
+
+
+def test_the_readme_report_commands(built, capsys):
+    """The README's `sinklab report` lines, on the synthetic sweep: the file list with the verdicts, and --json."""
+    from sinklab.cli import main
+
+    sweep, _ = built
+    lines = readme_cli_lines("sinklab report ", {"logs/train/multiruns/2026-11-22_10-00-00": sweep,
+                                                 "logs/train/multiruns/<time>": sweep})
+    assert any("--json" in line for line in lines)
+    for args in lines:
+        assert main(args) == 0, args
+        out = capsys.readouterr().out
+        if "--json" in args:
+            assert {c["claim"]: c["verdict"] for c in json.loads(out)["claims"]} == EXPECTED
+        else:
+            assert "claim g1_removes_sink: reproduced\n" in out and "report_claims.csv" in out
+
+
+def test_a_sweep_started_before_its_preset_stated_claims_gets_the_presets(tmp_path):
+    """No experiment.baseline / claims in the sweep's config: those of conf/experiment/<experiment.name>.yaml."""
+    res = report.build_report(make_seed_sweep(tmp_path, claims=None), tmp_path / "out")
+    got = {c["claim"]: c for c in res["claims"]}
+    assert res["claims_from"] == "conf/experiment/gate_positions.yaml (the sweep's config has none)"
+    assert got["g1_removes_sink"]["verdict"] == "reproduced" and got["g1_removes_sink"]["pairs"] == 5
+    assert got["g1_lower_loss"]["verdict"] == "reproduced" and got["g1_lower_loss"]["diff_mean"] == pytest.approx(-0.1)
+    assert got["g1_lowers_massive"]["reason"] == "metric act/massive_top logged by no job"
+    assert res["baseline"] == {"model/gate": "none"} and "Claims from conf/experiment/gate_positions.yaml" in \
+        res["md"].read_text()
