@@ -61,6 +61,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--baseline", nargs="+", default=[], metavar="KEY=VALUE",
                     help="the baseline setting each setting is compared with, paired by seed (default: the preset's "
                          "experiment.baseline), e.g. --baseline optim.weight_decay=0.1")
+    ap.add_argument("--claims", default=None, metavar="PRESET",
+                    help="judge the claims (and baseline) of this preset (conf/experiment/PRESET.yaml) or yaml file "
+                         "instead of the sweep's own, e.g. sink_uses on an outliers_quant sweep of the same models")
     ap.add_argument("--json", action="store_true",
                     help="print one JSON object of the numbers instead of the list of files")
     args = ap.parse_args(argv)
@@ -69,7 +72,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
             res = build_report(args.sweep_dir, args.out, paper_tables=args.paper_tables,
                                stale_minutes=args.stale_minutes, metrics=args.metrics,
-                               baseline=parse_baseline(args.baseline))
+                               baseline=parse_baseline(args.baseline), claims_from=args.claims)
     except UserError as e:
         print(f"sinklab report: error: {e}", file=sys.stderr)
         return 1

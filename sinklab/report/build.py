@@ -17,13 +17,27 @@ from sinklab.report.table import aggregate, job_table, none_for_missing, write_c
 from sinklab.report.verdicts import MIN_PAIRS, NOT_REPRODUCED_SHARE, REPRODUCED_SHARE, RULE, claims_table
 
 
-def claims_spec(cfg) -> tuple[str, dict]:
+def preset_path(name: str) -> Path:
+    """`--claims NAME` -> conf/experiment/NAME.yaml, or NAME itself when it is a yaml file; else one line."""
+    for path in (Path(name), CONF_DIR / "experiment" / f"{name}.yaml"):
+        if path.suffix == ".yaml" and path.is_file():
+            return path
+    presets = sorted(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml"))
+    raise UserError(f"--claims {name}: no such preset or yaml file (allowed: {', '.join(presets)}, or a path)")
+
+
+def claims_spec(cfg, claims_from: Optional[str] = None) -> tuple[str, dict]:
     """(where they come from, {baseline, claims}) of a sweep: its config's experiment.baseline and .claims; for a
     sweep that has neither (it started before its preset stated claims), the preset's file
-    conf/experiment/<experiment.name>.yaml as it is now."""
+    conf/experiment/<experiment.name>.yaml as it is now; with `claims_from` (a preset name or a yaml file), that
+    file's (another preset's claims judged on this sweep's settings, e.g. a sweep that ran the same models)."""
     spec = {k: select(cfg, f"experiment.{k}") for k in ("baseline", "claims")}
     name = select(cfg, "experiment.name")
     path = CONF_DIR / "experiment" / f"{name}.yaml"
+    if claims_from is not None:
+        path = preset_path(claims_from)
+        preset = OmegaConf.load(path)
+        return f"{path} (--claims)", {k: select(preset, f"experiment.{k}") for k in spec}
     if any(v is not None for v in spec.values()) or not isinstance(name, str) or not path.is_file():
         return "the sweep's config", spec
     preset = OmegaConf.load(path)
@@ -33,13 +47,13 @@ def claims_spec(cfg) -> tuple[str, dict]:
 
 def build_report(sweep_dir, out_dir=None, *, paper_tables: Optional[Path] = None, now: Optional[float] = None,
                  stale_minutes: float = STALE_MINUTES, metrics: Sequence[str] = (),
-                 baseline: Optional[dict] = None) -> dict:
+                 baseline: Optional[dict] = None, claims_from: Optional[str] = None) -> dict:
     """Read every job of a sweep and write report.md, report.csv, and, when a setting has several seeds,
     report_aggregate.csv (the seed statistics); with a baseline setting (the preset's experiment.baseline, or
     ``baseline``), report_differences.csv (each setting's difference from it, paired by seed); with the preset's
     claims, report_claims.csv (their verdicts); and the PNG plots, into ``out_dir`` (default SWEEP_DIR/report).
     `metrics`: logged names to add as columns (besides the preset's experiment.report_metrics and the metrics its
-    claims name).
+    claims name). `claims_from`: judge that preset's (or yaml file's) claims instead of the sweep's own.
 
     Returns {"out_dir", "md", "csv", "aggregate_csv", "differences_csv", "claims_csv" (each None when not written),
     "plots": [paths], "rows": [one dict per job], "columns", "aggregate", "differences" (None, else one dict per
@@ -48,7 +62,7 @@ def build_report(sweep_dir, out_dir=None, *, paper_tables: Optional[Path] = None
     sweep_dir = Path(sweep_dir)
     out_dir = Path(out_dir) if out_dir is not None else sweep_dir / "report"
     sweep = load_sweep(sweep_dir, now=now, stale_minutes=stale_minutes)
-    source, spec = claims_spec(sweep.cfg)
+    source, spec = claims_spec(sweep.cfg, claims_from)
     preset_baseline, claims = parse_claims(spec)
     baseline = baseline or preset_baseline
     tables = load_paper_tables(paper_tables)

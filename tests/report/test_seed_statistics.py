@@ -8,6 +8,7 @@ import random
 import numpy as np
 import pandas as pd
 import pytest
+import yaml
 
 from sinklab import report
 from sinklab.cli.report import main as report_main
@@ -247,3 +248,22 @@ def test_a_sweep_started_before_its_preset_stated_claims_gets_the_presets(tmp_pa
     assert got["g1_lowers_massive"]["reason"] == "metric act/massive_top logged by no job"
     assert res["baseline"] == {"model/gate": "none"} and "Claims from conf/experiment/gate_positions.yaml" in \
         res["md"].read_text()
+
+
+def test_another_presets_claims_judged_on_this_sweep(built, tmp_path, capsys):
+    """--claims PRESET|FILE: that file's baseline and claims replace the sweep's own (e.g. sink_uses' claims on an
+    outliers_quant sweep of the same models); an unknown name is one line listing the presets."""
+    sweep, _ = built
+    own = tmp_path / "mine.yaml"
+    own.write_text(yaml.safe_dump({"experiment": {"baseline": {"model/gate": "none"}, "claims": [
+        {"id": "g2_raises_sink", "setting": {"model/gate": "g2_elementwise"}, "metric": "sink/sink1",
+         "direction": "higher"}]}}))
+    res = report.build_report(sweep, tmp_path / "out", claims_from=str(own))
+    assert [(c["claim"], c["verdict"]) for c in res["claims"]] == [("g2_raises_sink", "reproduced")]
+    assert res["claims_from"] == f"{own} (--claims)"
+    res = report.build_report(sweep, tmp_path / "out2", claims_from="gate_positions")
+    assert {c["claim"] for c in res["claims"]} >= {"g1_removes_sink", "g1_lower_loss"}
+    assert report_main([str(sweep), "--out", str(tmp_path / "out3"), "--claims", "nosuch"]) == 1
+    err = capsys.readouterr().err
+    assert "--claims nosuch: no such preset or yaml file (allowed: " in err and "sink_uses" in err
+    assert err.count("\n") == 1 and not (tmp_path / "out3").exists()
