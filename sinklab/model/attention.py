@@ -20,7 +20,7 @@ from .gates import G1, G2, G3, G4, G5
 from .hooks import HookPoint
 from .masks import Layout
 from .recompute import recomputed_rows
-from .registry import ATTENTION_OPS, ATTN_BIASES, GATES, POSITIONS
+from .registry import ATTENTION_OPS, ATTN_BIASES, GATES, POSITIONS, QK_NORMS
 
 
 class Attention(nn.Module):
@@ -29,7 +29,7 @@ class Attention(nn.Module):
     # unchunked path would, or recomputed in backward (attn_memory=linear)
     row_chunk: int = 256
 
-    def __init__(self, cfg, layer: int = 0):
+    def __init__(self, cfg, layer: int = 0, local: bool = False):
         super().__init__()
         H, Hkv, hd, d = cfg.n_head, cfg.kv_heads, cfg.hd, cfg.d_model
         self.n_head, self.n_kv, self.hd = H, Hkv, hd
@@ -48,6 +48,8 @@ class Attention(nn.Module):
         self.recompute = cfg.memory == "linear"
         self.rotates = POSITIONS.selected(cfg).rotates(cfg, layer)  # False in a NoPE layer (model.nope_every)
         self.layer = layer  # its index in a KV cache
+        self.local = local  # a local layer of model.layer_pattern: it attends through the layout's windowed mask
+        self.qk_norm = QK_NORMS.selected(cfg)(cfg)  # before RoPE (model.qk_norm)
         # q, k, v as the operation sees them (after RoPE, with the bias slot): where measurements record them
         self.hook_q, self.hook_k, self.hook_v = HookPoint(), HookPoint(), HookPoint()
 
@@ -59,8 +61,8 @@ class Attention(nn.Module):
         B, N = x.shape[0], x.shape[1]
         gate = self.gate_proj
         # (B, N, h * hd) -> (B, h, N, hd) views, as einops' "b n (h d) -> b h n d" (no copy)
-        q = gate.at(G4, x, self.q_proj(x).view(B, N, -1, self.hd).transpose(1, 2))
-        k = gate.at(G3, x, self.k_proj(x).view(B, N, -1, self.hd).transpose(1, 2))
+        q = gate.at(G4, x, self.qk_norm.q(self.q_proj(x).view(B, N, -1, self.hd)).transpose(1, 2))
+        k = gate.at(G3, x, self.qk_norm.k(self.k_proj(x).view(B, N, -1, self.hd)).transpose(1, 2))
         v = gate.at(G2, x, self.v_proj(x).view(B, N, -1, self.hd).transpose(1, 2))
         rope = layout.rope if self.rotates else None
         cache = layout.cache
@@ -81,7 +83,11 @@ class Attention(nn.Module):
 
     def probs(self, q: torch.Tensor, k: torch.Tensor, layout: Layout, rows: torch.Tensor) -> torch.Tensor:
         """Explicit attention map for query rows: q (B, H, R, hd), k (B, H, Tk, hd) -> A (B, H, R, Tk)."""
-        return self.op.probs(q, k, layout, rows, self.scale)
+        return self.op.probs(q, k, self.own(layout), rows, self.scale)
+
+    def own(self, layout: Layout) -> Layout:
+        """The layout this layer attends through: the windowed one in a local layer of a pattern."""
+        return layout.windowed if self.local else layout
 
     def explicit(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Layout) -> torch.Tensor:
         """Query rows in chunks: memory O(B * H * row_chunk * Tk), linear in the sequence length (in training too
@@ -101,7 +107,7 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, layout: Layout) -> torch.Tensor:
         """x (B, N, d) -> (B, N, d), the output after o_proj (and a G5 gate)."""
         q, k, v = self.qkv(x, layout)
-        o = self.op.fused(q, k, v, layout, self.scale, self.backend) if self.use_fused else None
+        o = self.op.fused(q, k, v, self.own(layout), self.scale, self.backend) if self.use_fused else None
         if o is None:
             o = self.explicit(q, k, v, layout)
         o = self.gate_proj.at(G1, x, self.attn_bias.output(self.op.output(o)))

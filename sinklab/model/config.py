@@ -17,6 +17,7 @@ from typing import Any, Optional
 from sinklab.errors import word
 
 from . import components  # noqa: F401  (registers every component)
+from .layer_pattern import layer_config, layer_ops
 from .registry import (ATTENTION_OPS, ATTN_BACKENDS, ATTN_BIASES, FAMILIES, POSITIONS, ConfigError, Registry,
                        check_positive_int)
 
@@ -47,6 +48,7 @@ class BaseModelConfig:
     attn_op: str = "softmax"
     attn_bias: str = "none"
     gate: str = "none"
+    qk_norm: str = "none"
     norm_eps: float = 1e-5
     softmax_scale: float = 1.0  # alpha in op(alpha * q.k / sqrt(d_h))
     n_sink_tokens: int = 0  # learned embeddings prepended to every sequence, never predicted
@@ -103,8 +105,13 @@ class ModelConfigMethods:
 
     @property
     def row_normalised(self) -> bool:
-        """Whether attention rows sum to one (else the metric also reports Sink* on the renormalised map)."""
-        return ATTENTION_OPS.selected(self).row_normalised(self)
+        """Whether attention rows sum to one in every layer (else the metric also reports Sink* on the renormalised
+        map)."""
+        return all(ATTENTION_OPS.selected(c).row_normalised(c) for c in self.layer_configs())
+
+    def layer_configs(self) -> list["ModelConfig"]:
+        """The config of each layer's attention (`layer_pattern.layer_config`: all `self` without a pattern)."""
+        return [layer_config(self, layer) for layer in range(self.n_layer)]
 
     @property
     def n_slots(self) -> int:
@@ -133,7 +140,8 @@ class ModelConfigMethods:
 
     @property
     def can_fuse(self) -> bool:
-        return ATTENTION_OPS.selected(self).fusable(self)
+        """Whether some layer's op has a fused path under this config."""
+        return any(ATTENTION_OPS.selected(c).fusable(c) for c in self.layer_configs())
 
     def llama_mismatches(self) -> list[str]:
         """What LLaMA cannot represent, as 'model.key=value (LLaMA needs ...)'; empty when exportable."""
@@ -222,7 +230,8 @@ class ModelConfigMethods:
             if value == f.default:
                 continue
             registry = owners[0].registry
-            if registry.get(getattr(self, registry.key)) not in owners:
+            in_use = layer_ops(self) if registry is ATTENTION_OPS else {getattr(self, registry.key)}
+            if not {registry.get(name) for name in in_use} & set(owners):
                 names = ", ".join(dict.fromkeys(c.name for c in owners))
                 raise ConfigError(f"model.{key}={word(value)} applies to model.{registry.key}={names} only, got "
                                   f"{registry.key}={getattr(self, registry.key)}; set {key}={word(f.default)}")

@@ -92,6 +92,8 @@ class Layout:
     cache: Optional[Any] = None  # the KV cache (cache.KVCache) the layers read and extend, or None
     bias_params: tuple = ()  # the parameters logit_bias reads (a learned relative table): they take its gradient
     memo: dict = field(default_factory=dict, repr=False)  # what a backend builds once per forward for every layer
+    # the local layers' layout under model.layer_pattern: the same positions, cache and RoPE, the window's mask
+    windowed: Optional["Layout"] = field(default=None, repr=False)
 
     @property
     def n_key_pos(self) -> int:

@@ -50,6 +50,11 @@ class Component:
         """Refuse impossible settings of this component (the chosen one only) with one ConfigError line."""
 
     @classmethod
+    def contract_needs(cls, case: dict) -> dict:
+        """Other model keys a contract-test case of this component needs to build (e.g. a window for local layers)."""
+        return {}
+
+    @classmethod
     def llama_knob_mismatches(cls, cfg: Any) -> list[str]:
         """'model.knob=value (LLaMA needs ...)' for each knob of `llama_knobs` away from the value LLaMA needs."""
         return [f"model.{key}={word(getattr(cfg, key))} (LLaMA needs {word(need)})"
@@ -124,7 +129,8 @@ NORM_POSITIONS: Registry = Registry("norm_position", "block layout", llama="pre"
 FFNS: Registry = Registry("ffn", "feed-forward network", llama="swiglu", group="ffn")
 GATES: Registry = Registry("gate", "attention-output gate", llama="none", group="gate")
 ATTN_BIASES: Registry = Registry("attn_bias", "attention bias", llama="none", group="bias")
+QK_NORMS: Registry = Registry("qk_norm", "query/key norm", llama="none", group="qk_norm")
 
-FAMILIES: tuple[Registry, ...] = (POSITIONS, NORMS, NORM_POSITIONS, FFNS, ATTENTION_OPS, ATTN_BIASES, GATES)
+FAMILIES: tuple[Registry, ...] = (POSITIONS, NORMS, NORM_POSITIONS, FFNS, ATTENTION_OPS, ATTN_BIASES, GATES, QK_NORMS)
 # how attention runs, not what it computes (an execution choice, like model.compile): not an architecture family
 ATTN_BACKENDS: Registry = Registry("attn_backend", "attention backend", llama="sdpa", group="backend")

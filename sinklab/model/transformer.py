@@ -2,6 +2,7 @@
 optionally clamped to +-model.residual_clip after each block."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Optional
 
 import torch
@@ -10,13 +11,14 @@ from torch import nn
 from .attention import Attention
 from .cache import KVCache
 from .hooks import HookPoint
+from .layer_pattern import LayerPattern, is_local, layer_config
 from .legacy import upgrade_state_dict
 from .masks import Layout, MaskMod, and_masks, compose_mask
-from .registry import FFNS, NORM_POSITIONS, NORMS, POSITIONS, Component
+from .registry import FFNS, NORM_POSITIONS, NORMS, POSITIONS
 
 
 @NORM_POSITIONS.register("pre")
-class Block(Component, nn.Module):
+class Block(LayerPattern, nn.Module):
     """x = x + attn(norm(x)); x = x + ffn(norm(x)); the model ends with a final norm."""
 
     final_norm = True
@@ -24,7 +26,8 @@ class Block(Component, nn.Module):
     def __init__(self, cfg: Any, layer: int = 0):
         super().__init__()
         self.norm1 = NORMS.selected(cfg).build(cfg)
-        self.attn = Attention(cfg, layer)
+        # its layer's attention (model.layer_pattern: its op; a local layer the layout's window mask)
+        self.attn = Attention(layer_config(cfg, layer), layer, local=is_local(cfg, layer))
         self.norm2 = NORMS.selected(cfg).build(cfg)
         self.ffn = FFNS.selected(cfg).build(cfg)
         self.clip = cfg.residual_clip
@@ -66,8 +69,12 @@ class Transformer(nn.Module):
         self.blocks = nn.ModuleList(block(cfg, layer) for layer in range(cfg.n_layer))
         self.norm = NORMS.selected(cfg).build(cfg) if block.final_norm else nn.Identity()
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
-        self.mask_mod = compose_mask(cfg.n_sink_tokens, cfg.prefix_len, cfg.window)
-        self.plain_causal = cfg.prefix_len == 0 and cfg.window is None  # mask_mod is `causal` (fused is_causal)
+        # with a layer pattern, model.window is the local layers' (Layout.windowed), the others see every key
+        window = cfg.window if cfg.layer_pattern is None else None
+        self.mask_mod = compose_mask(cfg.n_sink_tokens, cfg.prefix_len, window)
+        self.plain_causal = cfg.prefix_len == 0 and window is None  # mask_mod is `causal` (fused is_causal)
+        self.local_mask_mod = compose_mask(cfg.n_sink_tokens, cfg.prefix_len, cfg.window) if window != cfg.window \
+            else None
         self.register_load_state_dict_pre_hook(upgrade_state_dict)
         self.reset_parameters()
 
@@ -110,11 +117,15 @@ class Transformer(nn.Module):
         n_pos = T + (self.cfg.n_sink_tokens if start == 0 else 0)
         rope = self.pos.rotary(start + n_pos, start)
         mask_mod = self.mask_mod if extra_mask is None else and_masks(self.mask_mod, extra_mask)
-        return Layout(n_pos=n_pos, n_sink=self.cfg.n_sink_tokens, n_slots=self.cfg.n_slots,
-                      mask_mod=mask_mod, plain_causal=self.plain_causal and extra_mask is None,
-                      logit_bias=self.pos.logit_bias, rope=rope, device=device, start=start,
-                      rope_keys=self.pos.rotary(start + n_pos) if start and not cache.stores_rotated else None,
-                      cache=cache, bias_params=tuple(self.pos.parameters()) if self.pos.logit_bias else ())
+        layout = Layout(n_pos=n_pos, n_sink=self.cfg.n_sink_tokens, n_slots=self.cfg.n_slots,
+                        mask_mod=mask_mod, plain_causal=self.plain_causal and extra_mask is None,
+                        logit_bias=self.pos.logit_bias, rope=rope, device=device, start=start,
+                        rope_keys=self.pos.rotary(start + n_pos) if start and not cache.stores_rotated else None,
+                        cache=cache, bias_params=tuple(self.pos.parameters()) if self.pos.logit_bias else ())
+        if self.local_mask_mod is not None:  # the local layers' layout: the same sequence under the window
+            local = self.local_mask_mod if extra_mask is None else and_masks(self.local_mask_mod, extra_mask)
+            layout.windowed = dataclasses.replace(layout, mask_mod=local, plain_causal=False, memo={})
+        return layout
 
     def embed(self, idx: torch.Tensor, start: int = 0) -> torch.Tensor:
         """idx (B, T) -> x (B, S + T, d) with the learned sink tokens prepended (at start 0: a KV cache that holds

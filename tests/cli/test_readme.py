@@ -75,23 +75,24 @@ def test_every_readme_training_command_composes_and_validates(command):
 
 
 def readme_switch_groups() -> list[str]:
-    """`model/<group>=<a>,<b>` entries of the README's switch table: each option as `model/<group>=<option>`."""
+    """`model/<group>=<a>,<b>` entries of the README's switch table: each option as `model/<group>=<option>`, with
+    the `model.key=value` overrides written beside it in the same backticks (`model/layers=gemma3 model.n_layer=6`)."""
     import re
 
     found = []
     for line in README.read_text().splitlines():
         if line.startswith("|"):
-            for group, options in re.findall(r"`model/(\w+)=([\w,]+)`", line):
-                found += [f"model/{group}={o}" for o in options.split(",")]
+            for group, options, extra in re.findall(r"`model/(\w+)=([\w,]+)((?: model\.\w+=\w+)*)`", line):
+                found += [f"model/{group}={o}{extra}" for o in options.split(",")]
     return found
 
 
 @pytest.mark.parametrize("override", readme_switch_groups())
 def test_every_readme_switch_group_option_composes(override):
     """The table's config-group column names real files, and each file's keys reach the composed model config."""
-    cfg = compose([override])
+    cfg = compose(override.split())
     validate_config(cfg)
-    group, option = override.removeprefix("model/").split("=")
+    group, option = override.split()[0].removeprefix("model/").split("=")
     node = OmegaConf.load(README.parent / "conf" / "model" / group / f"{option}.yaml")
     assert len(node), override
     for key, value in node.items():

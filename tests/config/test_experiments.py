@@ -42,12 +42,12 @@ TABLES = load_paper_tables()
 # one preset per ablation of Gu et al. (ICLR 2025), plus sink_free beyond the paper and the presets of other papers'
 # claims (issue 15: residual sinks, Qwen's gate positions, outliers and quantization; issue 16: what sinks are for),
 # which name their source in experiment.reference instead of a paper_tables.yaml table; no_bos maps where a sink on
-# an arbitrary first token begins (issue 17)
+# an arbitrary first token begins (issue 17); issue 27's QK-norm and per-layer patterns
 REQUIRED = {"learning_rate", "batch_size", "weight_decay", "data_amount", "fixed_token_position", "random_tokens",
             "prefix_lm", "window", "positional_encoding", "post_norm", "ffn", "heads", "biases", "bias_head_sharing",
             "fixed_value_bias", "attention_operation", "softmax_scale", "sigmoid_no_norm_lr_wd", "sink_free",
             "residual_sinks", "gate_positions", "outliers_quant", "sink_uses", "no_bos",
-            "value_gates", "diff_attention", "muon"}
+            "value_gates", "diff_attention", "muon", "qk_norm", "layer_patterns"}
 CONTEXT = {"cpu": 64, "paper": 2048}
 SECTIONS = ("model", "data", "optim", "trainer")
 # keeps one job to seconds: one step, validation and sink measurement on a few blocks
