@@ -43,8 +43,9 @@ def dtype_kwargs(transformers, dtype: torch.dtype) -> dict:
 
 
 def load_hf_model(path: Union[str, Path], device: Union[str, torch.device] = "cpu",
-                  dtype: torch.dtype = torch.float32) -> nn.Module:
-    """A local causal-LM dir -> the model in eval mode with the eager attention kernel (maps available)."""
+                  dtype: torch.dtype = torch.float32, revision: Optional[str] = None) -> nn.Module:
+    """A local causal-LM dir -> the model in eval mode with the eager attention kernel (maps available); `revision`
+    goes to from_pretrained."""
     transformers = require_transformers()
     p = Path(path)
     if not p.is_dir():  # never let transformers read a missing path as a hub repo id
@@ -57,7 +58,8 @@ def load_hf_model(path: Union[str, Path], device: Union[str, torch.device] = "cp
     hf_logging.set_verbosity_error()
     try:
         model = transformers.AutoModelForCausalLM.from_pretrained(
-            str(p), attn_implementation="eager", local_files_only=True, **dtype_kwargs(transformers, dtype))
+            str(p), attn_implementation="eager", local_files_only=True, revision=revision,
+            **dtype_kwargs(transformers, dtype))
     except Exception as err:  # unknown architecture, missing weights, ...
         first = (str(err).strip().splitlines() or [""])[0][:200]
         raise UserError(f"--hf-model {path}: transformers cannot load it as a causal LM "
