@@ -76,6 +76,11 @@ class KeptCheckpoint(ModelCheckpoint):
         self.keep = keep_config(keep)
         self._kept_step = -1  # the last step kept (micro-batches of one step under gradient accumulation)
 
+    @property
+    def state_key(self) -> str:
+        """ModelCheckpoint's: a run checkpointed before this class existed resumes with its checkpoint state."""
+        return ModelCheckpoint.__qualname__ + super().state_key[len(type(self).__qualname__):]
+
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         super().on_train_start(trainer, pl_module)
         self._kept_step = trainer.global_step  # a resumed run: the resumed step was kept (or not) by the first run

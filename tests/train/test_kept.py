@@ -73,6 +73,8 @@ def test_kept_checkpoints_beside_last_and_a_resume(corpus, tmp_path):
         read_training_checkpoint(kept[-1][2])
     last = read_checkpoint(out / "checkpoints" / "last.ckpt")
     assert (last["global_step"], last[TOKENS_SEEN]) == (4, 4 * PER_STEP) and "optimizer_states" in last
+    # ModelCheckpoint's state key: runs checkpointed before the kept schedule existed resume with their state
+    assert any(key.startswith("ModelCheckpoint{") for key in last["callbacks"])
     first_at_6 = load_model(kept[-1][2]).state_dict()
     assert not all(torch.equal(v, first_at_6[k]) for k, v in load_model(kept[-2][2]).state_dict().items())
 
