@@ -1,6 +1,7 @@
 """Loading sinklab checkpoints safely: no code from the file is run (weights_only), clear errors otherwise."""
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Union
 
@@ -9,6 +10,10 @@ import torch
 from sinklab.errors import UserError
 from sinklab.model import ModelConfig, Transformer
 from sinklab.plugins import load_plugins
+
+KEPT_DIR = "kept"  # <checkpoint dir>/kept/: the checkpoints of callbacks.checkpoint.keep
+TOKENS_SEEN = "sinklab_tokens_seen"  # a checkpoint's key: training tokens seen up to its global_step
+_KEPT_NAME = re.compile(r"^step(\d+)-tokens(\d+)\.ckpt$")
 
 
 def find_checkpoint(path: Union[str, Path]) -> Path:
@@ -22,6 +27,21 @@ def find_checkpoint(path: Union[str, Path]) -> Path:
     if not p.is_file():
         raise UserError(f"checkpoint {p} does not exist")
     return p
+
+
+def kept_name(step: int, tokens: int) -> str:
+    """The file name of a kept checkpoint: step0000400-tokens409600.ckpt."""
+    return f"step{step:07d}-tokens{tokens}.ckpt"
+
+
+def kept_checkpoints(run_dir: Union[str, Path]) -> list[tuple[int, int, Path]]:
+    """(step, tokens seen, path) of a run dir's kept checkpoints (checkpoints/kept/), by step."""
+    found = []
+    for path in (Path(run_dir) / "checkpoints" / KEPT_DIR).glob("*.ckpt"):
+        m = _KEPT_NAME.match(path.name)
+        if m:
+            found.append((int(m[1]), int(m[2]), path))
+    return sorted(found)
 
 
 def read_checkpoint(path: Union[str, Path], mmap: bool = False) -> dict:

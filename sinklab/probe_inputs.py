@@ -2,6 +2,7 @@
 (held-out natural text, read through the run's data config)."""
 from __future__ import annotations
 
+import math
 from itertools import islice
 from pathlib import Path
 from typing import Callable, Optional
@@ -134,6 +135,19 @@ def probe_tokens(run_dir: Path, num_seqs: Optional[int], seq_len: Optional[int])
 def positive(name: str, value: Optional[int]) -> None:
     if value is not None and value < 1:
         raise UserError(f"{name} {value} must be a positive integer")
+
+
+def check_measure_args(args, *counts: tuple[str, Optional[int]]) -> None:
+    """The options of a measurement (`sinklab measure`, `sinklab trajectory`): --seq-len, --num-seqs, --batch-size
+    and `counts` positive, every --eps a finite threshold >= 0, --k >= 1; one-line errors."""
+    for name, value in (("--seq-len", args.seq_len), ("--num-seqs", args.num_seqs),
+                        ("--batch-size", args.batch_size), *counts):
+        positive(name, value)
+    for e in args.eps:
+        if not math.isfinite(e) or e < 0:
+            raise UserError(f"--eps {e:g} must be a finite threshold >= 0")
+    if args.k < 1:
+        raise UserError(f"--k {args.k} must be a positive integer")
 
 
 def choose_tokens(args, vocab_size: int, context: Optional[int], run_dir: Optional[Path]) -> tuple[torch.Tensor, str]:

@@ -48,11 +48,14 @@ def small_run(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def trained_run(tmp_path_factory) -> Path:
-    """A real short default run, shared by the sampling and streaming tests: `sinklab-train` with FAST for 120 steps
-    (Shakespeare, 1024 BPE with a BOS token at position 1, a 2-layer d 64 model of context 64, RoPE; ~20 s). At 40
-    steps greedy decoding repeats one token, which would hide a decoding bug."""
+    """A real short default run, shared by the sampling, streaming and trajectory tests: `sinklab-train` with FAST for
+    120 steps (Shakespeare, 1024 BPE with a BOS token at position 1, a 2-layer d 64 model of context 64, RoPE; ~20
+    s), the sink measured every 20 steps, checkpoints kept at steps 16, 29, 51, 90 (scale=quick's log-spaced
+    schedule at 1024 tokens per step) and every 40. At 40 steps greedy decoding repeats one token, which would hide
+    a decoding bug."""
     out = tmp_path_factory.mktemp("trained") / "run"
-    train(out, "trainer.max_steps=120")  # a subprocess: Hydra writes the run dir's .hydra/config.yaml they read
+    # a subprocess: Hydra writes the run dir's .hydra/config.yaml they read
+    train(out, "trainer.max_steps=120", "callbacks.checkpoint.keep.every_n_steps=40")
     return out
 
 

@@ -59,7 +59,6 @@ Non-finite values (a norm ratio with T = 1) are null.
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import time
 from pathlib import Path
@@ -71,7 +70,7 @@ from sinklab import measure
 from sinklab.cli.base import (OneLineParser, add_device_json_args, add_target_args, check_one_target, command_main,
                               pick_device)
 from sinklab.errors import UserError
-from sinklab.probe_inputs import DEFAULT_NUM_SEQS, DEFAULT_SEQ_LEN, INPUTS, positive
+from sinklab.probe_inputs import DEFAULT_NUM_SEQS, DEFAULT_SEQ_LEN, INPUTS, check_measure_args
 
 PROG = "sinklab measure"
 
@@ -145,14 +144,7 @@ def _number(text: str) -> bool:
 # ----------------------------------------------------------------------------------------------------- main
 def run(args) -> dict:
     check_one_target(args)
-    for name, value in (("--seq-len", args.seq_len), ("--num-seqs", args.num_seqs),
-                        ("--batch-size", args.batch_size)):
-        positive(name, value)
-    for e in args.eps:
-        if not math.isfinite(e) or e < 0:
-            raise UserError(f"--eps {e:g} must be a finite threshold >= 0")
-    if args.k < 1:
-        raise UserError(f"--k {args.k} must be a positive integer")
+    check_measure_args(args)
     for flag, path, suffix in (("--csv", args.csv, ".csv"), ("--markdown", args.markdown, ".md")):
         if path is not None and Path(path).suffix.lower() != suffix:
             raise UserError(f"{flag} {path}: allowed: a {suffix} file name")

@@ -139,6 +139,15 @@ def _typed_nodes(node: Any, key: str = "") -> Iterator[tuple[str, DictConfig]]:
             yield from _typed_nodes(child, f"{key}.{name}" if key else str(name))
 
 
+def _check_schema_keys(node: DictConfig, key: str) -> None:
+    """No key outside the node's schema, nor outside the schemas of its typed children (callbacks.checkpoint.keep)."""
+    names = [spec.name for spec in dataclasses.fields(_schema_of(node)) if not spec.name.startswith("_")]
+    _check_keys(node, key, names)
+    for name, child in node.items_ex(resolve=False):
+        if isinstance(child, DictConfig) and _schema_of(child) is not None:
+            _check_schema_keys(child, f"{key}.{name}")
+
+
 def built(cfg: DictConfig, key: str) -> Any:
     """The dataclass instance of a structured-config node (its `__post_init__` checks the values), or the node as
     plain types when it has no schema. An interpolation that does not resolve is one line naming the key."""
@@ -195,8 +204,7 @@ def validate_config(cfg: DictConfig) -> ModelConfig:
     # `+key=value` into a typed node), and its rules (`built` runs the dataclass's __post_init__)
     objects = {}
     for key, node in _typed_nodes(cfg):
-        _check_keys(node, key, [spec.name for spec in dataclasses.fields(_schema_of(node))
-                                if not spec.name.startswith("_")])
+        _check_schema_keys(node, key)
         objects[key] = built(cfg, key)
     mcfg = objects["model"] if isinstance(objects.get("model"), ModelConfig) else built(cfg, "model")
     # option names: Hydra refuses unknown keys on the command line; these catch them in preset files too

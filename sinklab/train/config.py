@@ -7,7 +7,8 @@ first. A value is refused in one line naming the key: a wrong type when the conf
 `validate_config` turns the node into its dataclass.
 """
 import signal
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any, List, Optional
 
 from lightning.pytorch import Trainer
@@ -55,12 +56,48 @@ TrainerConfig = with_arguments_of(Trainer.__init__, TrainerSettings, "TrainerCon
 
 
 @dataclass
+class LogTokensConfig(Schema):
+    """callbacks.checkpoint.keep.log_tokens: keep the model when the tokens seen first reach start * 10^(j /
+    per_decade), j = 0, 1, 2, ...: `per_decade` checkpoints per decade of tokens, evenly spaced on a log axis."""
+
+    KEY = "callbacks.checkpoint.keep.log_tokens"
+    start: Optional[float] = rule(None, number(gt=0, optional=True), "(tokens seen at the first one; null: off)")
+    per_decade: int = rule(4, integer(1))
+
+
+@dataclass
+class KeepConfig(Schema):
+    """callbacks.checkpoint.keep: a schedule of checkpoints kept beside last.ckpt (never overwritten, never resumed
+    from by ckpt_path=auto), as <dirpath>/kept/step<step>-tokens<tokens seen>.ckpt, for `sinklab trajectory`: every
+    `every_n_steps` steps and/or log-spaced in tokens seen (`log_tokens.start`); both set: the union; neither (the
+    schema's default): none. `weights_only`: the model's weights and hyper-parameters without the optimizer state
+    (a third of the size; enough to measure or load the model, not to resume training from)."""
+
+    KEY = "callbacks.checkpoint.keep"
+    every_n_steps: Optional[int] = rule(None, integer(1, optional=True))
+    log_tokens: Optional[LogTokensConfig] = field(default_factory=LogTokensConfig)  # off while start is null
+    weights_only: bool = rule(True, boolean)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.log_tokens, Mapping):  # from Python or a plain config
+            self.log_tokens = LogTokensConfig(**self.log_tokens)
+        super().__post_init__()
+
+    @property
+    def log_start(self) -> Optional[float]:
+        """Tokens seen at the first log-spaced checkpoint, None when that schedule is off."""
+        return self.log_tokens.start if self.log_tokens is not None else None
+
+
+@dataclass
 class CheckpointSettings(Schema):
-    """callbacks.checkpoint: lightning.pytorch.callbacks.ModelCheckpoint; `checkpoints/last.ckpt` every
-    `every_n_train_steps` steps (what a resume starts from), no top-k."""
+    """callbacks.checkpoint: sinklab.train.kept.KeptCheckpoint, Lightning's ModelCheckpoint with a kept schedule;
+    `checkpoints/last.ckpt` every `every_n_train_steps` steps (what a resume starts from), no top-k, and the
+    checkpoints of `keep` (null: none)."""
 
     KEY = "callbacks.checkpoint"
-    _target_: str = "lightning.pytorch.callbacks.ModelCheckpoint"
+    _target_: str = "sinklab.train.kept.KeptCheckpoint"
+    keep: Optional[KeepConfig] = field(default_factory=KeepConfig)  # keeps nothing while both schedules are off
     filename: Optional[str] = "step{step:07d}"
     auto_insert_metric_name: bool = False
     save_last: Any = True

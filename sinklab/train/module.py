@@ -13,11 +13,13 @@ import torch
 import torch.nn.functional as F
 
 from sinklab import plugins
+from sinklab.checkpoint import TOKENS_SEEN
 from sinklab.errors import UserError
 from sinklab.lm import IGNORE, next_token_targets
 from sinklab.model import ModelConfig, Transformer
 from sinklab.model.compile import (CompileFallbackWarning, backward_compiled_with_forward, compile_errors,
                                    compile_model, first_lines)
+from sinklab.train.kept import tokens_seen
 
 log = logging.getLogger("sinklab")
 
@@ -162,6 +164,8 @@ class LitLM(L.LightningModule):
                 f"the weights after step {self.global_step} are not finite ({bad}); training stopped without "
                 f"saving them, the last good checkpoint is kept{self._last_checkpoint_note()}")
         checkpoint["sinklab_rng"] = rng_states()
+        if self._trainer is not None:  # what `sinklab trajectory` puts the checkpoint at
+            checkpoint[TOKENS_SEEN] = tokens_seen(self.trainer)
         if plugins.LOADED:  # the modules of the user's components: loading the checkpoint imports them
             checkpoint["sinklab_plugins"] = list(plugins.LOADED)
 

@@ -29,6 +29,21 @@ def train(out: Path, *overrides: str, check: bool = True, warnings: str = "ignor
     return proc
 
 
+def train_here(args: list[str]) -> int:
+    """`sinklab-train ARGS` in this process (the console script's `sinklab.train.entry.main`); its exit code."""
+    from sinklab.train.entry import main
+
+    old = sys.argv
+    sys.argv = ["sinklab-train", *args]
+    try:
+        main()
+        return 0
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    finally:
+        sys.argv = old
+
+
 def natural_run(base: Path, name: str = "run") -> tuple[Path, object]:
     """A training-run dir whose .hydra/config.yaml has a data section (a small local corpus, BPE of 300)."""
     from hydra.utils import instantiate

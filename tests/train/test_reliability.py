@@ -25,22 +25,13 @@ import torch
 from sinklab.checkpoint import read_checkpoint
 from sinklab.config import compose, validate_config
 from sinklab.errors import UserError
-from sinklab.train.entry import main
-from tests.helpers import REPO, data_args, rows, series, small
+from tests.helpers import REPO, data_args, rows, series, small, train_here
 
 
 
 def run(args: list[str], capsys=None) -> int:
     """`sinklab-train ARGS` in this process; returns the exit code (0 when main returns)."""
-    old = sys.argv
-    sys.argv = ["sinklab-train", *args]
-    try:
-        main()
-        return 0
-    except SystemExit as e:
-        return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    finally:
-        sys.argv = old
+    return train_here(args)
 
 
 def run_cli(args: list[str], extra_env: Optional[dict] = None, **kw) -> subprocess.Popen:
