@@ -105,3 +105,20 @@ def test_dtype_bfloat16_measures_close_to_float32(offline_cache, capsys):
     assert (f32["dtype"], bf16["dtype"]) == ("float32", "bfloat16")
     np.testing.assert_allclose(a16, a32, atol=2e-2)  # bf16 keeps ~3 significant digits of each map entry
     assert np.abs(a16 - a32).max() > 0  # it did run in bfloat16
+
+
+def test_a_trajectory_over_hub_revisions(offline_cache, capsys, tmp_path):
+    """`sinklab trajectory --hf-model ID --revision R1 R2`: one row per revision, read from the cache offline, its
+    step parsed from the name, and each row's numbers those `sinklab measure` gives that revision."""
+    import pandas as pd
+
+    csv, plot = tmp_path / "t.csv", tmp_path / "t.png"
+    rc, out, err = run_sinklab(capsys, "trajectory", "--hf-model", REPO_ID, "--revision", "step1000", "main",
+                               "--input", "random", "--num-seqs", "3", "--seq-len", "16", "--metrics", "sink/alpha1",
+                               "--csv", str(csv), "--plot", str(plot))
+    assert rc == 0, err
+    rows = pd.read_csv(csv).set_index("checkpoint")
+    assert set(rows.index) == {"step1000", "main"} and rows.loc["step1000", "step"] == 1000 and plot.is_file()
+    for rev in ("step1000", "main"):
+        res, alpha = alpha_of(capsys, "--hf-model", REPO_ID, "--revision", rev)
+        assert rows.loc[rev, "sink/alpha1"] == pytest.approx(alpha.mean(), rel=1e-5)  # alpha_1 (L, H)
