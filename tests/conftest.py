@@ -8,9 +8,14 @@ os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+if os.environ.get("PYTEST_XDIST_WORKER"):  # `pytest -n N`: N workers share the cores, one thread each (and the
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # trainings they start in subprocesses)
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 from sinklab.contracts.components import flex_on_cpu as contract_flex_on_cpu  # noqa: E402
 from sinklab.model import ModelConfig, Transformer  # noqa: E402

@@ -10,8 +10,8 @@ from sinklab.report.paper import values_match
 
 PRESETS = sorted(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml"))
 # the presets of other papers' claims state them (issue 28)
-WITH_CLAIMS = {"gate_positions", "outliers_quant", "residual_sinks", "sink_uses", "value_gates", "diff_attention", "muon",
-               "qk_norm", "layer_patterns"}
+WITH_CLAIMS = {"gate_positions", "outliers_quant", "residual_sinks", "sink_uses", "value_gates", "diff_attention",
+               "muon", "qk_norm", "layer_patterns"}
 
 
 def preset(name):
