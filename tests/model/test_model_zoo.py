@@ -488,6 +488,7 @@ def test_every_size_preset_builds_and_trains_one_step(size):
 
 @pytest.mark.parametrize("name", GROUP_FILES)
 def test_every_switch_preset_builds_and_trains_one_step(name):
-    n_layer = max(2, compose(name).get("nope_every") or 0)  # pos/rope_nope2: its NoPE layer is the 2nd
+    model = compose(name)  # pos/rope_nope2: its NoPE layer is the 2nd; model/layers: the pattern's letters
+    n_layer = max(2, model.get("nope_every") or 0, len(model.get("layer_pattern") or ""))
     cfg = ModelConfig.from_dict(compose(name, n_layer=n_layer))
     forward_backward(cfg, T=20)  # longer than mask/prefix's 8 tokens; mask/window's 16 hides the first tokens
