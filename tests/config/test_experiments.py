@@ -366,7 +366,7 @@ for argv in json.loads(sys.argv[1]):
 """
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def fast_sweeps(tmp_path_factory):
     """One single-job multirun per preset; {name: (sweep dir, the job's overrides)}."""
     root = tmp_path_factory.mktemp("sweeps")
@@ -383,7 +383,6 @@ def fast_sweeps(tmp_path_factory):
     return out
 
 
-@pytest.mark.xdist_group("fast_sweeps")  # one worker trains every preset once (pytest -n: --dist loadgroup)
 @pytest.mark.parametrize("name", PRESETS)
 def test_preset_trains_one_step_and_reports_the_papers_numbers(name, fast_sweeps):
     sweep_dir, job = fast_sweeps[name]
