@@ -59,7 +59,6 @@ def trained_run(tmp_path_factory) -> Path:
     schedule at 1024 tokens per step) and every 40. At 40 steps greedy decoding repeats one token, which would hide
     a decoding bug."""
     out = tmp_path_factory.mktemp("trained") / "run"
-    # a subprocess: Hydra writes the run dir's .hydra/config.yaml they read
     train(out, "trainer.max_steps=120", "callbacks.checkpoint.keep.every_n_steps=40")
     return out
 

@@ -36,6 +36,9 @@ SCHEMA: dict[str, tuple[Check, bool]] = {
     "logger.wandb.name": (string(optional=True), False),
     "logger.wandb.group": (string(optional=True), False),
 }
+# the top level of conf/train.yaml: its keys and config groups (`+foo=1` would otherwise pass unread); hydra is Hydra's
+ROOT_KEYS = ("callbacks", "ckpt_path", "compile_backend", "data", "experiment", "hydra", "local", "logger", "model",
+             "optim", "paths", "peak_flops", "scale", "seed", "tags", "task_name", "trainer")
 
 
 def _select(cfg: DictConfig, key: str) -> Any:
@@ -191,6 +194,9 @@ def validate_config(cfg: DictConfig) -> ModelConfig:
     if not isinstance(model_node, DictConfig):
         raise UserError(f"model={show(_plain(model_node))} is not a model config; choose a preset: model=tiny, "
                         "model=14m, model=60m or model=1b")
+    unknown = [str(k) for k in cfg.keys() if str(k) not in ROOT_KEYS]
+    if unknown:
+        raise UserError(unknown_key_message(unknown[0], ROOT_KEYS))
     _check_experiment(cfg)
     # the hydra node (present in configs composed with return_hydra_config) is Hydra's: its sweep dir
     # interpolates hydra.job.num, which is only set inside a job, so it is not searched

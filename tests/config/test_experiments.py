@@ -6,7 +6,8 @@ one another; each job finds its row of the paper's table the way `sinklab report
 every row of that table; the scale presets hold the reference setup and the per-scale tables keep the paper's ratios.
 
 Fast, real training: one job per preset (the first job of its sweep whose model/data/optim/trainer config differs
-from the scale's defaults) runs one step as a real multirun (`-m experiment=NAME`, the sweep restricted through
+from the scale's defaults; in the default suite the presets of TRAINED, whose jobs change every key any preset's job
+changes, all presets with -m slow) runs one step as a real multirun (`-m experiment=NAME`, the sweep restricted through
 `hydra.sweeper.params`) in a temporary sweep dir, then `sinklab report` reads it back with the paper's numbers.
 To share one Python start-up (torch + Lightning imports, ~8 s) the presets run one after the other in ONE
 subprocess, each through `sinklab.train.entry.main` with the argv `sinklab-train` would get.
@@ -366,12 +367,44 @@ for argv in json.loads(sys.argv[1]):
 """
 
 
+# The default suite trains one step of these presets; together their one-step jobs change every config key that
+# any preset's one-step job changes (test_the_trained_presets_cover_every_changed_key). The other presets train
+# with the slow tests (this test, and every job of every preset below).
+TRAINED = ("batch_size", "biases", "data_amount", "ffn", "fixed_token_position", "fixed_value_bias",
+           "gate_positions", "heads", "layer_patterns", "learning_rate", "positional_encoding", "post_norm",
+           "prefix_lm", "qk_norm", "random_tokens", "sigmoid_no_norm_lr_wd", "softmax_scale", "window")
+
+
+def _leaves(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        out.update(_leaves(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
+def changed_keys(name: str) -> set[str]:
+    """The config keys (model/data/optim/trainer leaves) whose value the preset's one-step job changes."""
+    default, job = _leaves(sections(composed("scale=cpu"))), _leaves(sections(job_config(name, "cpu", fast_job(name))))
+    return {k for k in set(default) | set(job) if default.get(k, _ABSENT) != job.get(k, _ABSENT)}
+
+
+def test_the_trained_presets_cover_every_changed_key():
+    assert set(TRAINED) <= set(PRESETS)
+    covered = set().union(*(changed_keys(n) for n in TRAINED))
+    for name in PRESETS:
+        missing = sorted(changed_keys(name) - covered)
+        assert not missing, f"{name}'s one-step job changes {missing}, which no preset of TRAINED does: add {name}"
+
+
 @pytest.fixture(scope="session")
-def fast_sweeps(tmp_path_factory):
-    """One single-job multirun per preset; {name: (sweep dir, the job's overrides)}."""
+def fast_sweeps(request, tmp_path_factory):
+    """One single-job multirun per preset this session selected (TRAINED; all with -m slow); {name: (sweep dir,
+    the job's overrides)}."""
+    selected = {item.callspec.params["name"] for item in request.session.items
+                if getattr(item, "originalname", None) == "test_preset_trains_one_step_and_reports_the_papers_numbers"}
     root = tmp_path_factory.mktemp("sweeps")
     runs, out = [], {}
-    for name in PRESETS:
+    for name in sorted(selected):
         job = fast_job(name)
         sweep_dir = root / name
         runs.append(["-m", f"experiment={name}", restrict(job), f"hydra.sweep.dir={sweep_dir}", *FAST])
@@ -383,7 +416,7 @@ def fast_sweeps(tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("name", PRESETS)
+@pytest.mark.parametrize("name", [pytest.param(n, marks=() if n in TRAINED else pytest.mark.slow) for n in PRESETS])
 def test_preset_trains_one_step_and_reports_the_papers_numbers(name, fast_sweeps):
     sweep_dir, job = fast_sweeps[name]
     assert (sweep_dir / "multirun.yaml").is_file(), f"no multirun for {name}; see {sweep_dir.parent}/driver.log"

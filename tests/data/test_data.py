@@ -8,8 +8,6 @@ import io
 import json
 import os
 import tarfile
-from pathlib import Path
-from types import SimpleNamespace
 
 import lightning as L
 import numpy as np
@@ -29,22 +27,14 @@ from sinklab.data.shakespeare import PLAY_ALIASES, play_key, read_shakespeare_ar
 from sinklab.data.split import assign_splits
 from sinklab.data.tokenizer import load_tokenizer, padded_vocab_size, tokenizer_fingerprint, train_bpe
 from sinklab.errors import UserError
-from tests.helpers import REPO, fake_text
+from tests.helpers import REPO, bpe_corpus, fake_text
 
 CONF_DATA = REPO / "conf" / "data"
 
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
-    root = tmp_path_factory.mktemp("data")
-    files = []
-    for i in range(12):
-        path = root / f"doc{i:02d}.txt"
-        path.write_text(fake_text(i, 1500), encoding="utf-8")
-        files.append(str(path))
-    tok = train_bpe([Path(f).read_text() for f in files], 512)
-    tok.save(str(root / "tok.json"))
-    return SimpleNamespace(root=root, files=files, tok=str(root / "tok.json"), cache=str(root / "cache"))
+    return bpe_corpus(tmp_path_factory.mktemp("data"), 12, 0, 512, name="doc{i:02d}.txt")
 
 
 def make_dm(env, **kw) -> LMDataModule:

@@ -4,8 +4,6 @@ They must change training blocks exactly as specified and leave validation block
 """
 
 import logging
-from pathlib import Path
-from types import SimpleNamespace
 
 import lightning as L
 import numpy as np
@@ -13,22 +11,13 @@ import pytest
 import torch
 
 from sinklab.data import LMDataModule
-from sinklab.data.tokenizer import train_bpe
 from sinklab.errors import UserError
-from tests.helpers import fake_text
+from tests.helpers import bpe_corpus
 
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
-    root = tmp_path_factory.mktemp("controls")
-    files = []
-    for i in range(10):
-        path = root / f"doc{i}.txt"
-        path.write_text(fake_text(1000 + i, 1500))
-        files.append(str(path))
-    tok = train_bpe([Path(f).read_text() for f in files], 300)
-    tok.save(str(root / "tok.json"))
-    return SimpleNamespace(files=files, tok=str(root / "tok.json"), cache=str(root / "cache"))
+    return bpe_corpus(tmp_path_factory.mktemp("controls"), 10, 1000, 300)
 
 
 def make_dm(env, **kw) -> LMDataModule:

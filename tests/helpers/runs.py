@@ -1,5 +1,6 @@
-"""Training runs for tests: the FAST recipe, `sinklab-train` in a subprocess (as a user runs it, for what only a
-process shows: exit codes, signals, warnings), small local corpora and run dirs, and reading metrics.csv."""
+"""Training runs for tests: the FAST recipe, `sinklab-train` in this process or in a subprocess (as a user runs it,
+for what only a process shows: exit codes, signals, warnings), small local corpora and run dirs, and reading
+metrics.csv."""
 import csv
 import os
 import subprocess
@@ -8,8 +9,6 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
-import pytest
-import torch
 
 from .text import VERSE
 
@@ -19,14 +18,31 @@ FAST = ["model.n_layer=2", "model.d_model=64", "model.d_ff=128", "data.batch_siz
         "callbacks.checkpoint.every_n_train_steps=20", "optim.warmup_steps=5", "trainer.enable_progress_bar=false"]
 
 
-def train(out: Path, *overrides: str, check: bool = True, warnings: str = "ignore") -> subprocess.CompletedProcess:
-    """`sinklab-train paths.output_dir=OUT` with FAST and `overrides`, in a subprocess as a user runs it."""
-    cmd = [sys.executable, "-m", "sinklab.train.entry", f"paths.output_dir={out}", *FAST, *overrides]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "PYTHONWARNINGS": warnings})
-    if check and proc.returncode != 0:
-        raise AssertionError(f"training failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    return proc
+def train(out: Path, *overrides: str, check: bool = True, warnings: str = "ignore",
+          process: bool = False) -> SimpleNamespace:
+    """`sinklab-train paths.output_dir=OUT` with FAST and `overrides`: in this process (the console script's entry,
+    its stdout and stderr captured), or with `process=True` in a subprocess as a user runs it, for what only a
+    process shows (the warnings a user sees: `warnings` is the PYTHONWARNINGS filter). Returns (returncode, stdout,
+    stderr)."""
+    args = [f"paths.output_dir={out}", *FAST, *overrides]
+    if process:
+        proc = subprocess.run([sys.executable, "-m", "sinklab.train.entry", *args], capture_output=True, text=True,
+                              timeout=600, env={**os.environ, "PYTHONWARNINGS": warnings})
+        result = SimpleNamespace(returncode=proc.returncode, stdout=proc.stdout, stderr=proc.stderr)
+    else:
+        import contextlib
+        import io
+        import warnings as _warnings
+
+        stdout, stderr = io.StringIO(), io.StringIO()
+        with _warnings.catch_warnings(), contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+            _warnings.simplefilter(warnings)
+            code = train_here(args)
+        result = SimpleNamespace(returncode=code, stdout=stdout.getvalue(), stderr=stderr.getvalue())
+    if check and result.returncode != 0:
+        raise AssertionError(f"training failed ({result.returncode}):\n{result.stdout[-3000:]}\n"
+                             f"{result.stderr[-3000:]}")
+    return result
 
 
 def train_here(args: list[str]) -> int:

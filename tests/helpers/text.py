@@ -18,3 +18,22 @@ def fake_text(seed: int, n_words: int) -> str:
             lines.append(" ".join(line).capitalize() + ".")
             line = []
     return "\n".join(lines) + "\n"
+
+
+def bpe_corpus(root, n_docs: int, first_seed: int, vocab: int, name: str = "doc{i}.txt"):
+    """A local corpus for the data tests: `n_docs` files of fake_text (seeds first_seed + i, 1,500 words each, named
+    by `name`) and a BPE tokenizer of `vocab` trained on them. Returns (root, files, tok, cache) as a namespace."""
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from sinklab.data.tokenizer import train_bpe
+
+    root = Path(root)
+    files = []
+    for i in range(n_docs):
+        path = root / name.format(i=i)
+        path.write_text(fake_text(first_seed + i, 1500), encoding="utf-8")
+        files.append(str(path))
+    tok = train_bpe([Path(f).read_text(encoding="utf-8") for f in files], vocab)
+    tok.save(str(root / "tok.json"))
+    return SimpleNamespace(root=root, files=files, tok=str(root / "tok.json"), cache=str(root / "cache"))

@@ -165,7 +165,7 @@ def test_an_external_op_and_metric_train_from_the_command_line(user_package, tmp
     out = tmp_path / "run"
     # the op through the entry point, its yaml option (scaled_alpha 4.0) overridden by the knob, the metric by plugins=
     train(out, "plugins=labext.metrics", "model/attn=scaled_sharp", "model.scaled_alpha=2.5",
-          "trainer.max_steps=20")
+          "trainer.max_steps=20", process=True)
     config = OmegaConf.load(out / ".hydra" / "config.yaml")
     assert config.model.attn_op == "scaled_sigmoid" and config.model.scaled_alpha == 2.5
     logged = pd.read_csv(out / "metrics.csv")

@@ -4,9 +4,6 @@ same probe set, and a run without a gate logs none."""
 import csv
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,7 +15,7 @@ from sinklab.cli.measure import main
 from sinklab.metrics import activation_stats, flatten_activation_stats, gate_stats, record_gates
 from sinklab.metrics.gates import GATE_KEYS
 from sinklab.probe_inputs import probe_tokens
-from tests.helpers import small_model, token_ids
+from tests.helpers import small_model, token_ids, train_here
 
 STEPS = 4
 TINY = ["model.n_layer=2", "model.d_model=64", "model.d_ff=128", "data.batch_size=8", f"trainer.max_steps={STEPS}",
@@ -27,9 +24,8 @@ TINY = ["model.n_layer=2", "model.d_model=64", "model.d_ff=128", "data.batch_siz
 
 
 def train(out: Path, *overrides: str) -> Path:
-    proc = subprocess.run([sys.executable, "-m", "sinklab.train.entry", f"paths.output_dir={out}", *TINY, *overrides],
-                          capture_output=True, text=True, timeout=600, env={**os.environ, "WANDB_MODE": "offline"})
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    """`sinklab-train` in this process."""
+    assert train_here([f"paths.output_dir={out}", *TINY, *overrides]) == 0
     return out
 
 

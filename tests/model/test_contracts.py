@@ -7,7 +7,9 @@ chunked sink metric equals the brute-force one, it trains a step, and a file of 
 The checks live in sinklab/contracts/components.py, where `sinklab check-component` runs them on a user's module.
 
 The default suite runs every component with every value of each of its knobs (tests.helpers.covering); the full
-product of the knobs (`component_cases`) runs with the `slow` tests."""
+product of the knobs (`component_cases`) runs with the `slow` tests, as does the product of components and masks
+in the KV-cache decoding of the flex and linear forms (the default suite meets every component and every mask).
+"""
 from functools import lru_cache
 
 import pytest
@@ -26,13 +28,27 @@ WITH_MASKS = contract.arguments(CASES, "mask")
 NEW_PATH_CASES = contract.arguments(CASES, "masked")
 
 
-def cases(items=CASES) -> list:
-    """pytest params of `items` (cases, or (case, mask) pairs), those outside CORE marked slow."""
+def one_mask_each(pairs: list[tuple]) -> list[tuple]:
+    """Of (case, mask) pairs: each CORE case with one of its masks, the least used so far, so that every mask is
+    met too (every value of both knobs, not their product)."""
+    used: dict[str, int] = {}
+    chosen = []
+    for case in [c for i, (c, _) in enumerate(pairs) if c in CORE and all(c != d for d, _ in pairs[:i])]:
+        mask = min((m for c, m in pairs if c == case), key=lambda m: used.get(m, 0))
+        used[mask] = used.get(mask, 0) + 1
+        chosen.append((case, mask))
+    return chosen
+
+
+def cases(items=CASES, core=None) -> list:
+    """pytest params of `items` (cases, or (case, mask) pairs), those outside CORE (or outside `core`, a list of
+    pairs) marked slow."""
     out = []
     for item in items:
         case, args, name = (item[0], item, f"{case_id(item[0])}-{item[1]}") if isinstance(item, tuple) else \
             (item, (item,), case_id(item))
-        out.append(pytest.param(*args, id=name, marks=() if case in CORE else pytest.mark.slow))
+        fast = case in CORE if core is None else any(item[0] == c and item[1] == m for c, m in core)
+        out.append(pytest.param(*args, id=name, marks=() if fast else pytest.mark.slow))
     return out
 
 
@@ -56,10 +72,12 @@ def test_decoding_with_a_kv_cache_gives_the_full_forward_logits(case, mask):
     contract.kv_cache_decoding(case, mask)
 
 
-@pytest.mark.parametrize("case,mask", cases(NEW_PATH_CASES))
+@pytest.mark.parametrize("case,mask", cases(NEW_PATH_CASES, core=one_mask_each(NEW_PATH_CASES)))
 def test_flex_and_linear_forms_decode_with_a_kv_cache(case, mask, flex_on_cpu):
     """FlexAttention and kernel attention's causal linear form see a KV cache's earlier keys and the bias slots
-    (for the operations, positions and biases, which meet the cache's key layout)."""
+    (for the operations, positions and biases, which meet the cache's key layout). The default suite decodes each
+    component with one mask, every mask met (one_mask_each: a flex kernel is compiled per mask, ~0.4 s a case);
+    the product of components and masks runs with the slow tests."""
     contract.flex_and_linear_decode(case, mask, flex_on_cpu)
 
 

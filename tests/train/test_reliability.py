@@ -105,6 +105,9 @@ BAD_OVERRIDES = [
     ("data.block_size=128", "data.block_size=128 exceeds the model context model.block_size=64; allowed: 1..64"),
     ("trainer.val_check_interval=0.5", "trainer.val_check_interval=0.5 is not allowed; allowed: an integer >= 1"),
     ("+trainer.max_stepz=3", "trainer.max_stepz is not an option of trainer (did you mean trainer.max_steps?)"),
+    ("+seeds=1", "seeds is not an option (did you mean seed?); allowed: callbacks, ckpt_path, compile_backend, data, "
+                 "experiment, hydra, local, logger, model, optim, paths, peak_flops, scale, seed, tags, task_name, "
+                 "trainer"),
     ("trainer.bogus=1", "trainer.bogus is not an option of trainer; allowed: accelerator, "),
     ("trainer.max_steps=abc", "trainer.max_steps='abc' is not allowed; allowed: an integer >= 1 (the train loader is "
                               "endless, so training is bounded by steps)"),

@@ -180,7 +180,8 @@ def test_compile_failure_in_a_real_run_trains_as_eager(run, tmp_path):
     """sinklab-train model.compile=true compile_backend=tvm: compilation fails at the first forward; the run warns
     once, finishes, and its losses and weights equal the eager run's."""
     out, _ = run
-    proc = train(tmp_path, "trainer.max_steps=60", "model.compile=true", "compile_backend=tvm", warnings="default")
+    proc = train(tmp_path, "trainer.max_steps=60", "model.compile=true", "compile_backend=tvm", warnings="default",
+                 process=True)  # the warning as a user sees it
     warned = proc.stderr.count("model.compile=true: torch.compile failed (BackendCompilerFailed")
     assert warned == 1, proc.stderr[-3000:]
     assert "done: 60 steps" in proc.stdout
@@ -217,13 +218,6 @@ def test_unknown_compile_backend_is_refused_before_training():
     with pytest.raises(UserError, match=r"^compile_backend='indcutor' is not allowed; allowed: one of .*\binductor\b"):
         validate_config(compose(["model.compile=true", "compile_backend=indcutor"]))
     validate_config(compose(["compile_backend=indcutor"]))  # not used without model.compile=true
-
-
-def test_bad_override_is_one_clear_line(tmp_path):
-    proc = train(tmp_path / "bad", "model.window=1000", check=False)
-    assert proc.returncode != 0
-    assert "model.window=1000 exceeds the context" in proc.stderr
-    assert "Traceback" not in proc.stderr
 
 
 def test_wandb_offline_without_key_and_one_run_per_job(tmp_path):
