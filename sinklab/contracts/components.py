@@ -275,6 +275,21 @@ def option_selects(registry: Any, name: str, option: Optional[str] = None) -> No
 
 # name -> (check, its cases, inside flex_on_cpu): cases "case" (one run per case), "mask" (per case and mask, every
 # mask for the families that meet them), "masked" (the same, for those families only)
+def quantizes(case: dict) -> None:
+    """`sinklab quant` can quantize it: every linear layer is called as a module in the forward (its forward
+    pre-hook sees its input: calibration records a range), and W4A4 fake quantization gives finite logits."""
+    from sinklab.quant.fake import SCHEMES, calibrate, fake_quantized, quantizable_layers
+
+    m = small_model(**case)
+    layers = quantizable_layers(m)
+    batch = token_ids(B=2, T=25)
+    ranges = calibrate(m, layers, [batch])
+    missing = sorted(set(layers) - set(ranges))
+    assert not missing, f"linear layers never called as modules (computed with their .weight?): {missing}"
+    with torch.no_grad(), fake_quantized(layers, SCHEMES["w4a4"], ranges):
+        assert torch.isfinite(m(batch[:, :-1])).all(), "W4A4 logits are not finite"
+
+
 CHECKS: dict[str, tuple[Callable, str, bool]] = {
     "fused, chunked and explicit paths agree": (paths_agree, "mask", False),
     "flex and memory-linear paths equal the explicit maps": (flex_and_linear_equal_explicit, "mask", True),
@@ -284,6 +299,7 @@ CHECKS: dict[str, tuple[Callable, str, bool]] = {
     "rows sum to one where claimed": (rows_sum_to_one_where_claimed, "case", False),
     "chunked sink metric equals brute force": (chunked_sink_metric_equals_brute_force, "case", False),
     "trains a step": (trains_a_step, "case", False),
+    "quantizes": (quantizes, "case", False),
 }
 
 

@@ -198,6 +198,10 @@ class ValueStateGate(Component, nn.Linear):
             self.values = t
         elif position is G1:
             values, self.values = self.values, None
-            v = values.transpose(1, 2).flatten(2)  # (B, n_kv_head, N, hd) -> (B, N, n_kv_head * hd)
-            return t * G1.arrange(self.gate_act(F.linear(v, self.weight)), self.heads, self.per_head)
+            return self(values.transpose(1, 2).flatten(2), t)  # (B, n_kv_head, N, hd) -> (B, N, n_kv_head * hd)
         return t
+
+    def forward(self, v: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """v (B, N, n_kv_head * hd) the value states, t the heads' output at G1. Called as a module, so that hooks
+        on the linear layer (quantization's calibration) see its input."""
+        return t * G1.arrange(self.gate_act(F.linear(v, self.weight)), self.heads, self.per_head)

@@ -3,7 +3,8 @@ operation, positional encoding, norm, FFN, gate or attention bias is tested here
 chunked and explicit paths agree (forward and gradients), and so do FlexAttention (model.attn_backend=flex) and the
 memory-linear training paths (model.attn_memory=linear), decoding with a KV cache gives the full forward's logits,
 it is causal, its rows sum to one where it says so, the
-chunked sink metric equals the brute-force one, it trains a step, and a file of its config group selects it.
+chunked sink metric equals the brute-force one, it trains a step, `sinklab quant` can quantize it (every
+linear layer called as a module, so calibration sees its input), and a file of its config group selects it.
 The checks live in sinklab/contracts/components.py, where `sinklab check-component` runs them on a user's module.
 
 The default suite runs every component with every value of each of its knobs (tests.helpers.covering); the full
@@ -99,6 +100,11 @@ def test_chunked_sink_metric_equals_brute_force(case):
 @pytest.mark.parametrize("case", cases())
 def test_trains_a_step(case):
     contract.trains_a_step(case)
+
+
+@pytest.mark.parametrize("case", cases())
+def test_quantizes(case):
+    contract.quantizes(case)
 
 
 @lru_cache(maxsize=None)
