@@ -281,7 +281,20 @@ def load_sweep(sweep_dir: Path, now: Optional[float] = None, stale_minutes: floa
                         "promising any")
     cfg = mr if mr is not None else next((j.cfg for j in jobs if j.cfg is not None), None)
     read_evaluations(sweep_dir, jobs)
+    fill_normalised_star(jobs)
     return Sweep(sweep_dir, jobs, swept, cfg)
+
+
+def fill_normalised_star(jobs: list[Job]) -> None:
+    """In a sweep where some jobs log Sink*_k (the renormalised map's, logged only where rows do not sum to one:
+    sigmoid, differential attention, ...), a job that logs Sink_k but no Sink* has rows that sum to one, where
+    renormalising changes nothing: its Sink*_k is its Sink_k, so the two kinds of operation compare on one column."""
+    if not any(k.endswith("_star") for j in jobs for k in j.final if k.startswith("sink/")):
+        return
+    for job in jobs:
+        if not any(k.endswith("_star") for k in job.final if k.startswith("sink/")):
+            job.final.update({f"{k}_star": v for k, v in list(job.final.items())
+                              if k.startswith("sink/sink") and k[len("sink/sink"):].isdigit()})
 
 
 def read_evaluations(sweep_dir: Path, jobs: list[Job]) -> None:

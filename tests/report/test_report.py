@@ -289,6 +289,29 @@ def test_categorical_sweep_plots(tmp_path):
     assert (tmp_path / "out" / "val_loss_vs_model.pos.png").is_file()
 
 
+def test_sink_star_of_a_normalised_op_is_its_sink_where_another_job_logs_sink_star(tmp_path):
+    """Sink* is logged only where rows do not sum to one (here a sigmoid job); a softmax job of the same sweep gets
+    Sink*_k = Sink_k (renormalising its rows changes nothing), so the two compare on one column; a sweep of
+    normalised ops only gets no Sink* column."""
+    def sweep_of(ops):
+        sweep = tmp_path / "-".join(ops)
+        sweep.mkdir()
+        for i, op in enumerate(ops):
+            cfg = base_config()
+            cfg["model"]["attn_op"] = op
+            write_hydra(sweep / str(i), cfg, [f"model.attn_op={op}"])
+            star = {"sink/sink1_star": 40.0 + i, "sink/sink1_star@0.3": 40.0 + i} if op == "sigmoid" else None
+            write_metrics(sweep / str(i) / "metrics.csv", 100, lambda s, i=i: 10.0 + i, lambda s: 4.0,
+                          extra_cols=star)
+            (sweep / str(i) / "status.json").write_text(json.dumps({"status": "completed", "step": 100}))
+        return sweep
+
+    rows = report.build_report(sweep_of(["softmax", "sigmoid"]), tmp_path / "out1")["rows"]
+    assert [(r["sink1"], r["sink1_star"]) for r in rows] == [(10.0, 10.0), (11.0, 41.0)]
+    rows = report.build_report(sweep_of(["softmax", "relu"]), tmp_path / "out2")["rows"]
+    assert all(r.get("sink1_star") is None for r in rows)
+
+
 def test_real_hydra_multirun_is_read(tmp_path, capsys):
     """A real Hydra multirun (basic launcher) of a tiny app that leaves the job files of the contract."""
     conf = tmp_path / "conf"
