@@ -29,7 +29,7 @@ import torch
 
 from sinklab.keys import ACT_PREFIX
 
-from .base import METRICS, NON_NEGATIVE, PERCENT, Context, Metric
+from .base import METRICS, NON_NEGATIVE, PERCENT, Context, Metric, per_layer
 from .sink import renormalise
 
 MIN_QUERIES = 16
@@ -116,8 +116,8 @@ class SecondarySinks(Metric):
     @staticmethod
     def flatten(result: dict[str, Any]) -> dict[str, float]:
         out = {ACT_PREFIX + key: float(result[key]) for key in ("secondary_sink_heads", "sink_positions")}
-        for key, values in result["by_layer"].items():
-            out.update({f"{ACT_PREFIX}layer{i}/{key}": float(v) for i, v in enumerate(values)})
+        for key in result["by_layer"]:
+            out.update({ACT_PREFIX + k: v for k, v in per_layer(result["by_layer"], key).items()})
         for end in ("first", "last"):
             if result[f"{end}_layer"] is not None:
                 out[f"{ACT_PREFIX}secondary_sink_{end}_layer"] = float(result[f"{end}_layer"])

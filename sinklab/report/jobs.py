@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import logging
 import math
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +22,7 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 
 from sinklab.errors import UserError
+from sinklab.keys import SINK_PREFIX
 from sinklab.report.columns import ANY, bounds
 from sinklab.status import Status, read_status
 
@@ -289,12 +291,15 @@ def fill_normalised_star(jobs: list[Job]) -> None:
     """In a sweep where some jobs log Sink*_k (the renormalised map's, logged only where rows do not sum to one:
     sigmoid, differential attention, ...), a job that logs Sink_k but no Sink* has rows that sum to one, where
     renormalising changes nothing: its Sink*_k is its Sink_k, so the two kinds of operation compare on one column."""
-    if not any(k.endswith("_star") for j in jobs for k in j.final if k.startswith("sink/")):
+    def logs_star(job: Job) -> bool:
+        return any(k.startswith(SINK_PREFIX) and k.endswith("_star") for k in job.final)
+
+    if not any(logs_star(j) for j in jobs):
         return
+    sink_k = re.compile(rf"{re.escape(SINK_PREFIX)}sink\d+")
     for job in jobs:
-        if not any(k.endswith("_star") for k in job.final if k.startswith("sink/")):
-            job.final.update({f"{k}_star": v for k, v in list(job.final.items())
-                              if k.startswith("sink/sink") and k[len("sink/sink"):].isdigit()})
+        if not logs_star(job):
+            job.final.update({f"{k}_star": v for k, v in list(job.final.items()) if sink_k.fullmatch(k)})
 
 
 def read_evaluations(sweep_dir: Path, jobs: list[Job]) -> None:

@@ -24,7 +24,7 @@ import pandas as pd
 from sinklab.config.claims import Claim, settings_text
 from sinklab.report.columns import bounds
 from sinklab.report.jobs import Sweep, is_seed_key
-from sinklab.report.stats import CONFIDENCE, describe, matches, pairs
+from sinklab.report.stats import CONFIDENCE, describe, difference_bounds, matches, pairs
 from sinklab.status import Status
 
 MIN_PAIRS = 3  # fewer paired seeds: not testable
@@ -71,9 +71,9 @@ def _key_values(sweep: Sweep, keys: Sequence[str]) -> pd.DataFrame:
 
 def _quantity_bounds(claim: Claim) -> tuple[float, float]:
     """The range of a paired difference of the claim's quantity (twice as wide for metric - against_metric)."""
-    lo, hi = bounds(claim.metric)
-    width = (hi - lo) * (1 if claim.against_metric is None or claim.within else 2)
-    return -width, width
+    lo, hi = difference_bounds(bounds(claim.metric))
+    factor = 1 if claim.against_metric is None or claim.within else 2
+    return factor * lo, factor * hi
 
 
 def evaluate(sweep: Sweep, claim: Claim) -> dict[str, Any]:

@@ -48,7 +48,7 @@ def cases(items=CASES, core=None) -> list:
     for item in items:
         case, args, name = (item[0], item, f"{case_id(item[0])}-{item[1]}") if isinstance(item, tuple) else \
             (item, (item,), case_id(item))
-        fast = case in CORE if core is None else any(item[0] == c and item[1] == m for c, m in core)
+        fast = case in CORE if core is None else item in core
         out.append(pytest.param(*args, id=name, marks=() if fast else pytest.mark.slow))
     return out
 
