@@ -12,32 +12,35 @@ import shlex
 
 import pytest
 import yaml
-from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import DictConfig, OmegaConf
 
 from sinklab.config import compose, validate_config
-from tests.helpers import README, readme_commands
+from tests.helpers import README, configs, readme_commands
+from tests.helpers.configs import composed, sweep_jobs
 
 GPU_KEYS = {"trainer.accelerator": "cpu", "trainer.strategy": "auto", "trainer.devices": 1,
             "trainer.precision": "32-true"}
 
 
-def jobs_of(command: str) -> list[list[str]]:
-    """The override list of each job the command would run (one for a single run, the sweep's for -m)."""
+def split_command(command: str) -> tuple[tuple[str, ...], list[str], bool]:
+    """(the overrides every job shares, all the command's overrides, whether it is a multirun)."""
     args = shlex.split(command)[1:]
     multirun = "-m" in args or "--multirun" in args
     args = [a for a in args if a not in ("-m", "--multirun")]
+    parsed = OverridesParser.create().parse_overrides(args)
+    return tuple(o.input_line for o in parsed if not o.is_sweep_override()), args, multirun
+
+
+def jobs_of(command: str) -> list[list[str]]:
+    """The override list of each job the command would run (one for a single run, the sweep's for -m)."""
+    base, args, multirun = split_command(command)
     if not multirun:
         return [args]
     # the sweep comes from the command line and from an experiment preset's hydra.sweeper.params
-    parsed = OverridesParser.create().parse_overrides(args)
-    cfg = compose([o.input_line for o in parsed if not o.is_sweep_override()], return_hydra_config=True)
-    node = cfg.hydra.sweeper.params
+    node = composed(*base, hydra=True).hydra.sweeper.params
     params = OmegaConf.to_container(node, resolve=False) if node is not None else {}
-    lines = [f"{k}={v}" for k, v in params.items()] + args
-    batches = BasicSweeper.split_arguments(OverridesParser.create().parse_overrides(lines), None)
-    return [list(job) for batch in batches for job in batch]
+    return sweep_jobs([f"{k}={v}" for k, v in params.items()] + args)
 
 
 def test_the_readme_shows_the_commands_users_rely_on():
@@ -52,14 +55,15 @@ def test_the_readme_shows_the_commands_users_rely_on():
 def validated_jobs(command: str) -> list[tuple[list[str], DictConfig]]:
     """(overrides, composed config) of each job of the command, each config passed through validate_config (a
     paper-scale job's values are validated, not this machine's devices)."""
-    jobs = jobs_of(command)
+    jobs, (base, _, _) = jobs_of(command), split_command(command)
     assert jobs, command
     out, first = [], {}
     for job in jobs:
-        # jobs that differ only in seed= compose alike but for `seed`: composed once (Hydra's compose is the cost)
+        # jobs that differ only in seed= compose alike but for `seed`: composed once (Hydra's compose is the cost);
+        # a job that only sets values is the command's composed base with Hydra's override stage (tests/helpers)
         rest = tuple(o for o in job if not o.startswith("seed="))
         if rest not in first:
-            first[rest] = compose(job)
+            first[rest] = configs.job_config(base, job)
         cfg = copy.deepcopy(first[rest])
         for o in job:
             if o.startswith("seed="):
@@ -98,14 +102,17 @@ def readme_switch_groups() -> list[str]:
 
 @pytest.mark.parametrize("override", readme_switch_groups())
 def test_every_readme_switch_group_option_composes(override):
-    """The table's config-group column names real files, and each file's keys reach the composed model config."""
-    cfg = compose(override.split())
-    validate_config(cfg)
-    group, option = override.split()[0].removeprefix("model/").split("=")
-    node = OmegaConf.load(README.parent / "conf" / "model" / group / f"{option}.yaml")
-    assert len(node), override
-    for key, value in node.items():
-        assert cfg.model[key] == value, (override, key)
+    """The table's config-group column names real files (tests/model/test_model_zoo.py composes each file, checks
+    that its keys reach the model config and trains a step); an option written with model keys beside it composes
+    with them into a config the training entry accepts."""
+    choice, *extra = override.split()
+    group, option = choice.removeprefix("model/").split("=")
+    assert (README.parent / "conf" / "model" / group / f"{option}.yaml").is_file(), override
+    if extra:
+        cfg = compose(override.split())
+        validate_config(cfg)
+        for key, value in (o.split("=") for o in extra):
+            assert str(OmegaConf.select(cfg, key)) == value, (override, key)
 
 
 def test_readme_switch_table_covers_every_model_group():

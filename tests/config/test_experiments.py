@@ -1,9 +1,11 @@
 """Experiment presets (conf/experiment/) at both scales (conf/scale/).
 
-Fast, in-process: every preset composes at scale=cpu and scale=paper; its sweep (hydra.sweeper.params) expands into
-jobs that each compose, pass the training entry's validation (model, optim, trainer, data controls) and differ from
-one another; each job finds its row of the paper's table the way `sinklab report` looks it up, and the sweep covers
-every row of that table; the scale presets hold the reference setup and the per-scale tables keep the paper's ratios.
+Fast, in-process: every preset composes at scale=cpu and scale=paper; its claims name settings its sweep runs; its
+sweep (hydra.sweeper.params) expands into jobs that each compose (a job that only sets values: the preset's composed
+config with Hydra's value-override stage, tests/helpers/configs.py), pass the training entry's validation (model,
+optim, trainer, data controls) and differ from one another; each job finds its row of the paper's table the way
+`sinklab report` looks it up, and the sweep covers every row of that table; the scale presets hold the reference
+setup and the per-scale tables keep the paper's ratios.
 
 Fast, real training: one job per preset (the first job of its sweep whose model/data/optim/trainer config differs
 from the scale's defaults; in the default suite the presets of TRAINED, whose jobs change every key any preset's job
@@ -26,16 +28,18 @@ import sys
 from pathlib import Path
 
 import pytest
-from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from sinklab.config import CONF_DIR, compose, validate_config
+from sinklab.config import CONF_DIR, validate_config
 from sinklab.data.controls import BlockControls
+from sinklab.config.claims import parse_claims
 from sinklab.errors import UserError
 from sinklab.report import build_report, load_paper_tables, match_paper_row
-from tests.helpers import REPO
+from sinklab.report.paper import values_match
+from tests.helpers import REPO, configs
+from tests.helpers.configs import composed, sweep_jobs
 
 PRESETS = sorted(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml"))
 SCALES = ("cpu", "paper")
@@ -61,26 +65,24 @@ ENV = {**os.environ, "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1", "HF_DATASET
 
 
 # ------------------------------------------------------------------------------------------------------ helpers
-@functools.lru_cache(maxsize=None)
-def composed(*overrides: str, hydra: bool = False):
-    """The composed config (cached: tests only read it)."""
-    return compose(list(overrides), return_hydra_config=hydra)
-
-
 def sweep_params(name: str, scale: str) -> dict[str, str]:
     cfg = composed(f"experiment={name}", f"scale={scale}", hydra=True)
     return OmegaConf.to_container(cfg.hydra.sweeper.params, resolve=False) or {}
 
 
-def sweep_jobs(params: dict[str, str]) -> list[list[str]]:
-    """The override list of every job, in job order, as Hydra's BasicSweeper expands it."""
-    lines = [f"{k}={v}" for k, v in params.items()]
-    batches = BasicSweeper.split_arguments(OverridesParser.create().parse_overrides(lines), None)
-    return [list(job) for batch in batches for job in batch]
+def preset_jobs(name: str, scale: str) -> list[list[str]]:
+    """The override list of every job of the preset's sweep, in job order."""
+    return sweep_jobs([f"{k}={v}" for k, v in sweep_params(name, scale).items()])
+
+
+@functools.lru_cache(maxsize=None)
+def _job_config(name: str, scale: str, job: tuple[str, ...]):
+    return configs.job_config((f"experiment={name}", f"scale={scale}"), job)
 
 
 def job_config(name: str, scale: str, job: list[str]):
-    return composed(f"experiment={name}", f"scale={scale}", *job)
+    """The job's config (cached: tests only read it)."""
+    return _job_config(name, scale, tuple(job))
 
 
 _ABSENT = object()
@@ -114,7 +116,7 @@ def sections(cfg) -> dict:
 def fast_job(name: str) -> list[str]:
     """The first job of the preset's CPU sweep whose model/data/optim/trainer differ from scale=cpu's defaults."""
     default = sections(composed("scale=cpu"))
-    jobs = sweep_jobs(sweep_params(name, "cpu"))
+    jobs = preset_jobs(name, "cpu")
     return next((j for j in jobs if sections(job_config(name, "cpu", j)) != default), jobs[0])
 
 
@@ -151,6 +153,28 @@ def check_job_dir(job_dir: Path, name: str) -> dict:
 
 
 # ------------------------------------------------------------------------------------------- composition (fast)
+def test_a_job_that_sets_values_composes_as_hydra_composes_it():
+    """The tests compose a value-only job as the preset's composed base plus Hydra's value-override stage
+    (tests/helpers/configs.py): for one job of each kind of value the presets sweep, at both scales, the config equals
+    Hydra's full composition (values, interpolations unresolved, struct flag); a job that selects a config group is
+    composed in full."""
+    kinds = {}
+    for name in PRESETS:
+        for job in preset_jobs(name, "cpu"):
+            kind = tuple(sorted(o.partition("=")[0] for o in job))
+            if configs.value_overrides((f"experiment={name}", "scale=cpu"), job) is not None:
+                kinds.setdefault(kind, (name, job))
+    assert {("experiment.variant",), ("model.prefix_len",), ("data.random_positions",)} <= set(kinds), kinds
+    for name, job in kinds.values():
+        for scale in SCALES:
+            base = (f"experiment={name}", f"scale={scale}")
+            fast, full = configs.job_config(base, job), configs.job_config(base, job, full=True)
+            assert OmegaConf.to_container(fast) == OmegaConf.to_container(full), (name, scale, job)
+            assert sections(fast) == sections(full) and OmegaConf.is_struct(fast) == OmegaConf.is_struct(full)
+    assert configs.value_overrides(("experiment=ffn",), ["model/ffn=relu"]) is None
+    assert configs.value_overrides(("experiment=muon",), ["optim=adamw", "experiment.variant=lr_x0.5"]) is None
+
+
 @pytest.mark.parametrize("scale", ("quick", *SCALES))
 def test_each_scale_saves_its_last_step(scale):
     """The checkpoint cadence divides max_steps, so checkpoints/last.ckpt (what `sinklab measure / quant / eval`
@@ -176,7 +200,7 @@ def test_preset_sweep_composes_validates_and_covers_the_paper_table(name, scale)
     assert base.hydra.sweeper._target_.endswith("BasicSweeper")
     params = sweep_params(name, scale)
     assert params and all("${" not in str(v) for v in params.values())  # literal values: the report reads them
-    jobs = sweep_jobs(params)
+    jobs = preset_jobs(name, scale)
     assert len(jobs) >= 2
 
     seen_configs, matched, tables_used = [], {}, set()
@@ -216,6 +240,33 @@ def test_preset_sweep_composes_validates_and_covers_the_paper_table(name, scale)
             assert not missing, f"paper rows no job of the sweep matches: {missing}"
 
 
+# the presets of other papers' claims state them (issue 28)
+WITH_CLAIMS = {"gate_positions", "outliers_quant", "residual_sinks", "sink_uses", "value_gates", "diff_attention",
+               "muon", "qk_norm", "layer_patterns"}
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_claims_name_settings_of_the_preset_sweep(name):
+    """A preset's claims (sinklab.config.claims) are well formed and name only settings its sweep runs, at both
+    scales."""
+    parser = OverridesParser.create()
+    for scale in SCALES:
+        cfg = composed(f"experiment={name}", f"scale={scale}", hydra=True)
+        exp = OmegaConf.to_container(OmegaConf.masked_copy(cfg.experiment, [k for k in ("baseline", "claims")
+                                                                             if k in cfg.experiment]))
+        values = {k: list(parser.parse_override(f"{k}={v}").sweep_iterator())
+                  for k, v in sweep_params(name, scale).items()}
+        baseline, claims = parse_claims(exp)
+        assert bool(claims) == (name in WITH_CLAIMS)
+        for claim in claims:
+            assert claim.text, claim.id
+            for setting in (claim.treated, claim.partner):
+                for key, value in setting.items():
+                    assert key in values, f"{name}: claim {claim.id} names {key}, which the preset does not sweep"
+                    assert any(values_match(value, v) for v in values[key]), \
+                        f"{name}: claim {claim.id}: {key}={value} is not one of the sweep's values {values[key]}"
+
+
 def test_paper_scale_is_the_reference_setup():
     cfg = composed("scale=paper", hydra=True)
     m, d, t, o = cfg.model, cfg.data, cfg.trainer, cfg.optim
@@ -248,7 +299,7 @@ def test_cpu_scale_is_the_laptop_recipe():
 
 
 def _variant(name: str, scale: str, variant: str):
-    cfg = composed(f"experiment={name}", f"scale={scale}", f"experiment.variant={variant}")
+    cfg = job_config(name, scale, [f"experiment.variant={variant}"])
     assert cfg.experiment.variant == variant
     return cfg
 
@@ -263,8 +314,8 @@ def test_per_scale_tables_keep_the_papers_ratios(name):
     scale's defaults, and their paper-default variant reproduces each scale's defaults (fails when scale/cpu.yaml
     changes its lr, steps or batch without the presets' cpu columns)."""
     base = {s: composed(f"scale={s}") for s in SCALES}
-    variants = [job[0].partition("=")[2] for job in sweep_jobs(sweep_params(name, "cpu"))]
-    assert variants == [job[0].partition("=")[2] for job in sweep_jobs(sweep_params(name, "paper"))]
+    variants = [job[0].partition("=")[2] for job in preset_jobs(name, "cpu")]
+    assert variants == [job[0].partition("=")[2] for job in preset_jobs(name, "paper")]
     for v in variants:
         cfg = {s: _variant(name, s, v) for s in SCALES}
 
@@ -336,7 +387,7 @@ def test_no_bos_variants_move_one_axis_at_fixed_tokens_per_step():
         base = composed(f"scale={scale}")
         tokens = _global_batch(base) * base.data.block_size
         centre = _variant("no_bos", scale, "ctx_long" if scale == "paper" else "ctx_mid")
-        variants = [job[0].partition("=")[2] for job in sweep_jobs(sweep_params("no_bos", scale))]
+        variants = [job[0].partition("=")[2] for job in preset_jobs("no_bos", scale)]
         assert len(variants) == 10
         for v in variants:
             cfg = _variant("no_bos", scale, v)
@@ -489,7 +540,7 @@ def test_every_job_of_the_preset_trains_one_step(name, tmp_path):
     proc = subprocess.run([*cmd, "-m", f"experiment={name}", f"hydra.sweep.dir={tmp_path}", *FAST],
                           capture_output=True, text=True, timeout=1800, env=ENV, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    jobs = sweep_jobs(sweep_params(name, "cpu"))
+    jobs = preset_jobs(name, "cpu")
     dirs = sorted((p for p in tmp_path.iterdir() if p.is_dir() and p.name.isdigit()), key=lambda p: int(p.name))
     assert [p.name for p in dirs] == [str(i) for i in range(len(jobs))]
     for job, job_dir in zip(jobs, dirs):

@@ -15,11 +15,9 @@ With one torch thread the two training runs take ~10 s each (sigmoid run alone: 
 default 2 threads on the shared 2-core machine they took 31 s + 126 s, and 14 min in all at load ~7.
 """
 import csv
-import os
 import time
 from pathlib import Path
 
-import pytest
 import torch
 
 from sinklab.config import compose

@@ -4,27 +4,25 @@ chunked and explicit paths agree (forward and gradients), and so do FlexAttentio
 memory-linear training paths (model.attn_memory=linear), decoding with a KV cache gives the full forward's logits,
 it is causal, its rows sum to one where it says so, the
 chunked sink metric equals the brute-force one, it trains a step, `sinklab quant` can quantize it (every
-linear layer called as a module, so calibration sees its input), and a file of its config group selects it.
+linear layer called as a module, so calibration sees its input), and a file of its config group selects it
+(tests/model/test_model_zoo.py, which composes every switch file once).
 The checks live in sinklab/contracts/components.py, where `sinklab check-component` runs them on a user's module.
 
 The default suite runs every component with every value of each of its knobs (tests.helpers.covering); the full
 product of the knobs (`component_cases`) runs with the `slow` tests, as does the product of components and masks
 in the KV-cache decoding of the flex and linear forms (the default suite meets every component and every mask).
 """
-from functools import lru_cache
 
 import pytest
-from omegaconf import OmegaConf
 
 from sinklab.contracts import components as contract
 from sinklab.model import FAMILIES
-from tests.helpers import REPO, case_id, component_cases, covering
+from tests.helpers import case_id, component_cases, covering
 
 CASES = component_cases()
 # the default suite: every registered component and every value of each of its knobs (covering); the rest of the
 # knobs' full product (gate position x activation x sharing, ...) is marked slow
 CORE = covering(CASES)
-CONF = REPO / "conf" / "model"
 WITH_MASKS = contract.arguments(CASES, "mask")
 NEW_PATH_CASES = contract.arguments(CASES, "masked")
 
@@ -105,21 +103,6 @@ def test_trains_a_step(case):
 @pytest.mark.parametrize("case", cases())
 def test_quantizes(case):
     contract.quantizes(case)
-
-
-@lru_cache(maxsize=None)
-def composed(group: str, option: str) -> dict:
-    from sinklab.config import compose
-
-    return OmegaConf.to_container(compose([f"model/{group}={option}"]).model, resolve=True)
-
-
-@pytest.mark.parametrize("registry", FAMILIES, ids=lambda r: r.key)
-def test_a_config_file_selects_every_component(registry):
-    files = sorted(p.stem for p in (CONF / registry.group).glob("*.yaml"))
-    selected = {composed(registry.group, f)[registry.key] for f in files}
-    assert set(registry.names()) <= selected, f"no conf/model/{registry.group}/*.yaml selects " \
-                                              f"{sorted(set(registry.names()) - selected)}"
 
 
 def test_every_contract_check_runs_here():

@@ -5,10 +5,11 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from sinklab.config import validate_config
 from sinklab.metrics import attention_maps
-from sinklab.model import PRESETS, ModelConfig, Transformer
+from sinklab.model import FAMILIES, PRESETS, ModelConfig, Transformer
 from sinklab.model.positional import Rotary, alibi_slopes
-from tests.helpers import REPO, explicit_logits, layer_records
+from tests.helpers import REPO, configs, explicit_logits, layer_records
 
 V = 97
 
@@ -456,13 +457,16 @@ def test_switch_files_only_set_model_keys():
         assert (CONF / f"{name}.yaml").read_text().startswith("# @package model"), name
 
 
-def compose(name: str, **overrides) -> dict:
-    """The model node as `sinklab-train model=<size>` or `model/<group>=<option>` composes it (Hydra)."""
-    from sinklab.config import compose as hydra_compose
+def choice(name: str) -> str:
+    """`model=<size>` or `model/<group>=<option>` for a size or a switch file (`pos/rope`)."""
+    return "model/{}={}".format(*name.split("/")) if "/" in name else f"model={name}"
 
-    choice = "model/{}={}".format(*name.split("/")) if "/" in name else f"model={name}"
+
+def compose(name: str, **overrides) -> dict:
+    """The model node as `sinklab-train model=<size>` or `model/<group>=<option>` composes it (Hydra; the choice is
+    composed once per process, the vocabulary and `overrides` set by Hydra's value-override stage: tests/helpers)."""
     extra = [f"model.{k}={v}" for k, v in {"vocab_size": V, **overrides}.items()]
-    return OmegaConf.to_container(hydra_compose([choice, *extra]).model, resolve=True)
+    return OmegaConf.to_container(configs.job_config((choice(name),), extra).model, resolve=True)
 
 
 def forward_backward(cfg: ModelConfig, T: int) -> None:
@@ -488,7 +492,25 @@ def test_every_size_preset_builds_and_trains_one_step(size):
 
 @pytest.mark.parametrize("name", GROUP_FILES)
 def test_every_switch_preset_builds_and_trains_one_step(name):
+    """Each switch file composes into a config the training entry accepts, every key it writes reaches the composed
+    model node, and the model it selects trains a step."""
+    full = configs.composed(choice(name))
+    for key, value in OmegaConf.load(CONF / f"{name}.yaml").items():
+        assert full.model[key] == value, (name, key)
+    depth = len(full.model.get("layer_pattern") or "")  # a pattern longer than the default depth: as deep as it
+    validate_config(configs.job_config((choice(name),), [f"model.n_layer={depth}"]) if depth > full.model.n_layer
+                    else full)
     model = compose(name)  # pos/rope_nope2: its NoPE layer is the 2nd; model/layers: the pattern's letters
     n_layer = max(2, model.get("nope_every") or 0, len(model.get("layer_pattern") or ""))
     cfg = ModelConfig.from_dict({**model, "n_layer": n_layer})  # no model yaml interpolates n_layer
     forward_backward(cfg, T=20)  # longer than mask/prefix's 8 tokens; mask/window's 16 hides the first tokens
+
+
+@pytest.mark.parametrize("registry", FAMILIES, ids=lambda r: r.key)
+def test_a_config_file_selects_every_component(registry):
+    """Every registered component of a family (sinklab.model.FAMILIES) has a conf/model/<group>/ file that selects
+    it in the composed model config."""
+    files = sorted(p.stem for p in (CONF / registry.group).glob("*.yaml"))
+    selected = {configs.composed(f"model/{registry.group}={f}").model[registry.key] for f in files}
+    assert set(registry.names()) <= selected, f"no conf/model/{registry.group}/*.yaml selects " \
+                                              f"{sorted(set(registry.names()) - selected)}"
