@@ -495,7 +495,9 @@ def test_every_switch_preset_builds_and_trains_one_step(name):
     """Each switch file composes into a config the training entry accepts, every key it writes reaches the composed
     model node, and the model it selects trains a step."""
     full = configs.composed(choice(name))
-    for key, value in OmegaConf.load(CONF / f"{name}.yaml").items():
+    node = OmegaConf.load(CONF / f"{name}.yaml")
+    assert len(node), f"conf/model/{name}.yaml sets nothing"
+    for key, value in node.items():
         assert full.model[key] == value, (name, key)
     depth = len(full.model.get("layer_pattern") or "")  # a pattern longer than the default depth: as deep as it
     validate_config(configs.job_config((choice(name),), [f"model.n_layer={depth}"]) if depth > full.model.n_layer
