@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import sys
 from pathlib import Path
-from typing import Optional, Union
+from typing import Iterator, Optional, Union
 
 import torch
 from einops import rearrange
@@ -232,9 +232,10 @@ class HFTarget:
         for m in metrics:
             m.ctx.row_normalised = self.row_normalised
 
-    def hooks(self, names: set, on_layer) -> list:
-        """Hooks that fill one dict per layer with `names` (and "map" when "maps" is asked for) and call
-        on_layer(layer, dict) when the decoder layer has run; the handles, to remove."""
+    @contextlib.contextmanager
+    def hooks(self, names: set, on_layer) -> Iterator[None]:
+        """Inside, forward hooks fill one dict per layer with `names` (and "map" when "maps" is asked for) and call
+        on_layer(layer, dict) when the decoder layer has run (as `SinklabTarget.hooks`)."""
         current: dict = {}
         handles = []
 
@@ -267,7 +268,11 @@ class HFTarget:
             if attn is not None and names & {"q", "k", "v"}:
                 handles.append(attn.register_forward_pre_hook(qkv, with_kwargs=True))
             handles.append(layer.register_forward_hook(hidden(i)))
-        return handles
+        try:
+            yield
+        finally:
+            for h in handles:
+                h.remove()
 
     def with_sink_column(self, m: torch.Tensor) -> torch.Tensor:
         """(B, H, T, T) -> (B, H, T, 1 + T): the sink logit's share (1 - the row's sum) first, for gpt-oss."""
@@ -299,9 +304,5 @@ class HFTarget:
         if not self.layers:
             raise UserError(f"--hf-model: no list of {self.n_layer} decoder layers found in the model; this "
                             "architecture is not supported")
-        handles = self.hooks(names, on_layer)
-        try:
+        with self.hooks(names, on_layer):
             self.model(input_ids=idx, attention_mask=torch.ones_like(idx), use_cache=False)
-        finally:
-            for h in handles:
-                h.remove()

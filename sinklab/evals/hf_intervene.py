@@ -9,17 +9,21 @@ is; this module does them on a model that is not sinklab's, through transformers
   inside `masked_attention` and back to eager after.
 - Activations set (zero, mean): a forward hook on the decoder layer that rewrites its output hidden states.
 - The residual stream per layer and the Sink_1 / alpha_1 of the probe set: `sinklab.hf.HFTarget`.
+
+`HFSubject` is the `sinklab.evals.intervene.Subject` that does them.
 """
 from __future__ import annotations
 
 import contextlib
 import sys
-from typing import Iterator, Optional
+from typing import Iterator
 
 import torch
 from torch import nn
 
 from sinklab.errors import UserError
+from sinklab.evals.intervene import Subject
+from sinklab.lm import mean_nll
 
 MASKED = "sinklab_masked"
 _current: dict = {}  # the mask function of the open `masked_attention`, read by the registered attention
@@ -87,27 +91,26 @@ def set_layer_output(model: nn.Module, layer: int, position: int, channels: list
         handle.remove()
 
 
-def residuals(model: nn.Module, batch: torch.Tensor) -> list[torch.Tensor]:
-    """Each decoder layer's output hidden states (B, T, d) of one batch, float32."""
-    from sinklab.hf import HFTarget
+class HFSubject(Subject):
+    """A transformers causal LM under intervention (no learned sink tokens, every position scored)."""
 
-    target, layers = HFTarget(model), {}
-    handles = target.hooks({"h"}, lambda i, rec: layers.__setitem__(i, rec["h"]))
-    try:
-        model(input_ids=batch, use_cache=False)
-    finally:
-        for h in handles:
-            h.remove()
-    return [layers[i] for i in sorted(layers)]
+    def target(self):
+        from sinklab.hf import HFTarget
 
+        return HFTarget(self.model)
 
-def sink_summary(model: nn.Module, probe: torch.Tensor, mask_fn: Optional[object] = None) -> dict:
-    """`sinklab.metrics.summarise` of the sink metric (k = 1) of the probe set, under `mask_fn` if given."""
-    from sinklab.hf import HFTarget
-    from sinklab.metrics import METRICS, measure_all, summarise
+    def set_output(self, layer, position, channels, values):
+        return set_layer_output(self.model, layer, position, channels, values)
 
-    target = HFTarget(model)
-    metrics = METRICS.build(target.context(k=1), ["sink"])
-    with masked_attention(model, mask_fn):
-        measure_all(target, probe, metrics, batch_size=32)
-    return summarise(metrics[0].scores(), slot_names=target.context().slot_names)
+    def nll(self, val, mask):
+        with masked_attention(self.model, mask):
+            return mean_nll(lambda x: self.model(input_ids=x, use_cache=False).logits, val)
+
+    def sink_summary(self, probe, mask):
+        from sinklab.metrics import METRICS, measure_all, summarise
+
+        target = self.target()
+        metrics = METRICS.build(target.context(k=1), ["sink"])
+        with masked_attention(self.model, mask):
+            measure_all(target, probe, metrics, batch_size=32)
+        return summarise(metrics[0].scores(), slot_names=target.context().slot_names)

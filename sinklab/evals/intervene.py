@@ -1,8 +1,9 @@
 """The interventions of `sinklab eval intervene` (the command, and what each intervention is: `sinklab.cli.intervene`):
 the probe set's massive activations, the mask functions that drop a key, the hook that sets activations, and the
 validation perplexity and Sink_1 of the model unchanged and under each. Interventions are passed to the model
-(forward's `extra_mask`, forward hooks), never set on it. A transformers model (no `cfg`) gets the same through
-`sinklab.evals.hf_intervene`: its attention function with the key masked, a hook on the decoder layer's output.
+(forward's `extra_mask`, forward hooks), never set on it. What the evaluation asks of a model is a `Subject`:
+`SinklabSubject` here, `HFSubject` (sinklab.evals.hf_intervene) for a transformers model (its attention function with
+the key masked, a hook on the decoder layer's output); `subject(model)` picks one.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch
 
 from sinklab.errors import UserError
 from sinklab.lm import mean_nll, perplexity
+from sinklab.metrics.base import Metric
 from sinklab.model.masks import MaskMod
 
 INTERVENTIONS = ("zero", "mean", "mask_first", "mask_random")
@@ -67,27 +69,83 @@ def set_activations(model, layer: int, position: int, channels: list[int], value
         handle.remove()
 
 
-def is_hf(model) -> bool:
-    """A transformers model (sinklab's Transformer has its config as `cfg`)."""
-    return not hasattr(model, "cfg")
+# ----------------------------------------------------------------------------------------------- the model evaluated
+class LayerOutputs(Metric):
+    """Records each layer's residual stream (B, T, d) of the real tokens of one batch, float32 (a recorder for
+    `Subject.residuals`, not a registered metric)."""
+
+    records = frozenset({"h"})
+
+    def __init__(self):
+        super().__init__(ctx=None)
+        self.layers: dict[int, torch.Tensor] = {}
+
+    def update(self, layer: int, rec: dict[str, torch.Tensor]) -> None:
+        self.layers[layer] = rec["h"].float()
 
 
-def n_sink_tokens(model) -> int:
-    return 0 if is_hf(model) else model.cfg.n_sink_tokens
+class Subject:
+    """A model under intervention: what `find_massive` and `evaluate` ask of it."""
+
+    n_sink_tokens = 0  # learned sink tokens before the real ones
+    prefix_len = 0  # leading positions a prefix-LM does not score
+
+    def __init__(self, model):
+        self.model = model
+
+    def target(self):
+        """The model as a measurement target (`sinklab.metrics.record.SinklabTarget`, `sinklab.hf.HFTarget`)."""
+        raise NotImplementedError
+
+    def residuals(self, batch: torch.Tensor) -> list[torch.Tensor]:
+        """Each layer's residual stream (B, T, d) of the real tokens of one batch, float32."""
+        rec = LayerOutputs()
+        self.target().run(batch, [rec])
+        return [rec.layers[i] for i in sorted(rec.layers)]
+
+    def set_output(self, layer: int, position: int, channels: list[int],
+                   values: torch.Tensor) -> contextlib.AbstractContextManager:
+        """A context inside which layer `layer`'s output has h[:, position, channels] = values."""
+        raise NotImplementedError
+
+    def nll(self, val: list[torch.Tensor], mask: Optional[MaskMod]) -> tuple[float, int]:
+        """`sinklab.lm.mean_nll` of the validation blocks (B, T + 1) with the keys `mask` drops masked out."""
+        raise NotImplementedError
+
+    def sink_summary(self, probe: torch.Tensor, mask: Optional[MaskMod]) -> dict:
+        """`sinklab.metrics.summarise` of the sink metric (k = 1) of the probe set, under `mask`."""
+        raise NotImplementedError
 
 
-def residuals(model, batch: torch.Tensor) -> list[torch.Tensor]:
-    """Each layer's residual stream (B, T, d) of the real tokens of one batch, float32."""
-    if is_hf(model):
-        from sinklab.evals.hf_intervene import residuals as hf_residuals
+class SinklabSubject(Subject):
+    def __init__(self, model):
+        super().__init__(model)
+        self.n_sink_tokens, self.prefix_len = model.cfg.n_sink_tokens, model.cfg.prefix_len
 
-        return hf_residuals(model, batch)
-    from sinklab.metrics import SinklabTarget
+    def target(self):
+        from sinklab.metrics import SinklabTarget
 
-    layers: dict[int, torch.Tensor] = {}
-    with SinklabTarget(model).hooks({"h"}, lambda i, rec: layers.__setitem__(i, rec["h"].float())):
-        model(batch)
-    return [layers[i] for i in sorted(layers)]
+        return SinklabTarget(self.model)
+
+    def set_output(self, layer, position, channels, values):
+        return set_activations(self.model, layer, position, channels, values)
+
+    def nll(self, val, mask):
+        return mean_nll(lambda x: self.model(x, extra_mask=mask), val, self.prefix_len)
+
+    def sink_summary(self, probe, mask):
+        from sinklab.metrics import attention_scores, summarise
+
+        return summarise(attention_scores(self.model, probe, k=1, extra_mask=mask))
+
+
+def subject(model) -> Subject:
+    """HFSubject for a transformers model (sinklab's Transformer has its config as `cfg`), else SinklabSubject."""
+    if hasattr(model, "cfg"):
+        return SinklabSubject(model)
+    from sinklab.evals.hf_intervene import HFSubject
+
+    return HFSubject(model)
 
 
 @torch.no_grad()
@@ -95,8 +153,9 @@ def find_massive(model, tokens: torch.Tensor, n_channels: int, batch_size: int =
     """The massive activations of the probe set (see the module docstring): layer, token (1-indexed), channels, their
     mean |h| and mean signed value, and the top mean |h| over the median |h| of that layer."""
     abs_sum, signed_sum, medians = None, None, None
+    subj = subject(model)
     for start in range(0, tokens.shape[0], batch_size):
-        h = torch.stack(residuals(model, tokens[start:start + batch_size]), 1)  # (B, L, T, d) of the real tokens
+        h = torch.stack(subj.residuals(tokens[start:start + batch_size]), 1)  # (B, L, T, d) of the real tokens
         a, sg = h.abs().sum(0), h.sum(0)  # (L, T, d)
         med = h.abs().flatten(2).median(-1).values.sum(0)  # (L,)
         abs_sum = a if abs_sum is None else abs_sum + a
@@ -116,19 +175,15 @@ def find_massive(model, tokens: torch.Tensor, n_channels: int, batch_size: int =
             "ratio": float(top[layer] / median[layer].clamp(min=1e-12))}
 
 
-def intervention(name: str, model, massive: dict, n_pos: int, seed: int, device) -> Intervention:
-    S = n_sink_tokens(model)
+def intervention(name: str, subj: Subject, massive: dict, n_pos: int, seed: int, device) -> Intervention:
+    S = subj.n_sink_tokens
     if name == "none":
         return Intervention()
     if name in ("zero", "mean"):
         values = torch.tensor(massive["mean_values"]) if name == "mean" else torch.zeros(len(massive["channels"]))
         position = S + massive["token"] - 1  # the token's sequence position, learned sink tokens first
-        if is_hf(model):
-            from sinklab.evals.hf_intervene import set_layer_output as setter
-        else:
-            setter = set_activations
-        return Intervention(hooks=lambda: setter(model, massive["layer"], position, massive["channels"],
-                                                 values.to(device)))
+        return Intervention(hooks=lambda: subj.set_output(massive["layer"], position, massive["channels"],
+                                                          values.to(device)))
     if name == "mask_first":
         return Intervention(mask=drop_first_key(S))
     return Intervention(mask=drop_random_key(S, n_pos, seed, device))
@@ -139,24 +194,14 @@ def evaluate(model, val: list[torch.Tensor], probe: torch.Tensor, names: Sequenc
              seed: int) -> tuple[dict, int]:
     """{name: row} for the unchanged model and each intervention, and the number of scored validation targets
     (`sinklab.lm.mean_nll` of the validation blocks (B, T + 1), Sink_1 of the probe set)."""
-    from sinklab.metrics import attention_scores, summarise
-
     rows, count = {}, 0
-    hf = is_hf(model)
-    prefix_len = 0 if hf else model.cfg.prefix_len
-    n_pos = n_sink_tokens(model) + max(val[0].shape[1] - 1, probe.shape[1])
+    subj = subject(model)
+    n_pos = subj.n_sink_tokens + max(val[0].shape[1] - 1, probe.shape[1])
     for name in ("none", *names):
-        iv = intervention(name, model, massive, n_pos, seed, probe.device)
+        iv = intervention(name, subj, massive, n_pos, seed, probe.device)
         with iv.hooks(), torch.no_grad():
-            if hf:
-                from sinklab.evals.hf_intervene import masked_attention, sink_summary
-
-                with masked_attention(model, iv.mask):
-                    loss, count = mean_nll(lambda x: model(input_ids=x, use_cache=False).logits, val)
-                summary = sink_summary(model, probe, iv.mask)
-            else:
-                loss, count = mean_nll(lambda x: model(x, extra_mask=iv.mask), val, prefix_len)
-                summary = summarise(attention_scores(model, probe, k=1, extra_mask=iv.mask))
+            loss, count = subj.nll(val, iv.mask)
+            summary = subj.sink_summary(probe, iv.mask)
         rows[name] = {"loss": loss, "ppl": perplexity(loss), "sink1": summary["sink1"], "alpha1": summary["alpha1"]}
         if "sink1_star" in summary:
             rows[name]["sink1_star"] = summary["sink1_star"]

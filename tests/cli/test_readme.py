@@ -1,8 +1,8 @@
 """Keep the README true: every `sinklab-train` command line in README.md composes and passes the training entry's
 validation, job by job for sweeps (`-m`), without training. The commands that really train (the default run, the
 resume pair, `sinklab measure` / `report` / `export-hf`, the local-SLURM sweep) are run by tests/train/test_train.py,
-tests/evals/test_measure.py, tests/report/test_report.py, tests/model/test_export_hf.py, tests/train/test_slurm.py and .ci/run; this file
-checks the rest as a user would type them.
+tests/evals/test_measure.py, tests/report/test_report.py, tests/model/test_export_hf.py, tests/train/test_slurm.py
+and .ci/run; this file checks the rest as a user would type them.
 """
 from __future__ import annotations
 

@@ -137,7 +137,7 @@ def test_hf_interventions_on_every_architecture(capsys, hf_models, tmp_path, kin
     command's table on --tokens."""
     import transformers
 
-    from sinklab.evals.hf_intervene import masked_attention, residuals, set_layer_output
+    from sinklab.evals.hf_intervene import HFSubject, masked_attention, set_layer_output
     from sinklab.hf import load_hf_model
 
     model = load_hf_model(hf_models[kind])
@@ -153,7 +153,7 @@ def test_hf_interventions_on_every_architecture(capsys, hf_models, tmp_path, kin
     torch.testing.assert_close(again, plain.logits, atol=0, rtol=0)
     assert model.config._attn_implementation == "eager"
     with torch.no_grad(), set_layer_output(model, 0, 3, [1, 2], torch.tensor([0.0, 5.0])):
-        h = residuals(model, idx)[0]
+        h = HFSubject(model).residuals(idx)[0]
     assert (h[:, 3, 1] == 0).all() and (h[:, 3, 2] == 5).all()
     assert isinstance(model, transformers.PreTrainedModel)
 

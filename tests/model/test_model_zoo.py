@@ -86,7 +86,8 @@ def test_v_bias_shared_adds_one_vector_to_every_head(make_model, shared):
     x = torch.randn(1, 6, 32, generator=torch.Generator().manual_seed(0))
     layout = m.layout(6, x.device)
     with torch.no_grad():
-        attn.attn_bias.v_out_bias.copy_(torch.randn(attn.attn_bias.v_out_bias.shape, generator=torch.Generator().manual_seed(1)))
+        bias = attn.attn_bias.v_out_bias
+        bias.copy_(torch.randn(bias.shape, generator=torch.Generator().manual_seed(1)))
         out = attn(x, layout)
         per_head = attn.attn_bias.v_out_bias.expand(4, 8).clone()  # (H, hd): the bias each head's output receives
         attn.attn_bias.v_out_bias.zero_()
