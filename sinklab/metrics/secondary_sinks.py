@@ -30,7 +30,7 @@ import torch
 from sinklab.keys import ACT_PREFIX
 
 from .base import METRICS, NON_NEGATIVE, PERCENT, Context, Metric, per_layer
-from .sink import renormalise
+from .sink import renormalise, seen_column_sums
 
 MIN_QUERIES = 16
 
@@ -53,10 +53,8 @@ class ColumnMeans:
         return maps if self.ctx.row_normalised is True else renormalise(maps)
 
     def add(self, rows: torch.Tensor, maps: torch.Tensor) -> None:
-        a = self.scored(maps)[..., self.ctx.n_extra:]  # (B, H, R, T): the real keys
-        T = a.shape[-1]
-        sees = rows[:, None] >= torch.arange(T, device=a.device)[None, :]  # (R, T): query i counts for k <= i
-        s = (a * sees).sum(2).double()  # (B, H, T): at most a chunk of rows summed in the map's precision
+        T = maps.shape[-1] - self.ctx.n_extra  # every real key; a chunk of rows is summed in the map's precision
+        s = seen_column_sums(self.scored(maps), rows, self.ctx.n_extra, T).double()  # (B, H, T)
         self.sums = s if self.sums is None else self.sums + s
 
     def alpha(self) -> torch.Tensor:

@@ -48,6 +48,14 @@ def column_scores(maps: torch.Tensor, n_extra: int, k: int) -> tuple[torch.Tenso
     return alpha, extra
 
 
+def seen_column_sums(maps: torch.Tensor, rows: torch.Tensor, n_extra: int, K: int) -> torch.Tensor:
+    """A chunk of query rows' share of alpha_1..K's numerators: maps (B, H, R, n_extra + T) whose rows are the real
+    query positions `rows` (R,) (0-based) -> (B, H, K), the sums over the rows i >= k of key column k (real tokens
+    k = 1..K), in the maps' dtype."""
+    sees = rows[:, None] >= torch.arange(K, device=maps.device)[None, :]  # (R, K): query i counts for k <= i
+    return (maps[..., n_extra:n_extra + K] * sees).sum(2)
+
+
 def renormalise(a: torch.Tensor) -> torch.Tensor:
     """|A| / sum_j |A| row by row (equals A / sum A for non-negative maps)."""
     a = a.abs()
@@ -108,11 +116,8 @@ class SinkMetric(Metric):
             self.acc = {"layer": layer, "T": T, "alpha": zeros, "slot": zeros_x,
                         "alpha_star": zeros.clone(), "slot_star": zeros_x.clone()}
         a = maps.double()
-        cols = n_extra + torch.arange(K, device=a.device)  # key columns of real tokens 1..K
-        # only queries i >= k count for token k: row r (0-based real index) contributes to k-1 <= r
-        sees = rows[:, None] >= torch.arange(K, device=a.device)[None, :]  # (R, K)
         for m, name in ((a, ""),) + (((renormalise(a), "_star"),) if self.star else ()):
-            self.acc["alpha" + name] += (m[..., cols] * sees).sum(2)
+            self.acc["alpha" + name] += seen_column_sums(m, rows, n_extra, K)
             self.acc["slot" + name] += m[..., :n_extra].sum(2)
 
     def _close_layer(self) -> None:
