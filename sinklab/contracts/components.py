@@ -273,8 +273,6 @@ def option_selects(registry: Any, name: str, option: Optional[str] = None) -> No
     assert got == name, f"model/{registry.group}={option or name} selects model.{registry.key}={got}"
 
 
-# name -> (check, its cases, inside flex_on_cpu): cases "case" (one run per case), "mask" (per case and mask, every
-# mask for the families that meet them), "masked" (the same, for those families only)
 def quantizes(case: dict) -> None:
     """`sinklab quant` can quantize it: every linear layer is called as a module in the forward (its forward
     pre-hook sees its input: calibration records a range), and W4A4 fake quantization gives finite logits."""
@@ -290,6 +288,8 @@ def quantizes(case: dict) -> None:
         assert torch.isfinite(m(batch[:, :-1])).all(), "W4A4 logits are not finite"
 
 
+# name -> (check, its cases, inside flex_on_cpu): cases "case" (one run per case), "mask" (per case and mask, every
+# mask for the families that meet them), "masked" (the same, for those families only)
 CHECKS: dict[str, tuple[Callable, str, bool]] = {
     "fused, chunked and explicit paths agree": (paths_agree, "mask", False),
     "flex and memory-linear paths equal the explicit maps": (flex_and_linear_equal_explicit, "mask", True),

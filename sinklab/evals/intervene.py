@@ -88,7 +88,6 @@ class Subject:
     """A model under intervention: what `find_massive` and `evaluate` ask of it."""
 
     n_sink_tokens = 0  # learned sink tokens before the real ones
-    prefix_len = 0  # leading positions a prefix-LM does not score
 
     def __init__(self, model):
         self.model = model
@@ -120,7 +119,7 @@ class Subject:
 class SinklabSubject(Subject):
     def __init__(self, model):
         super().__init__(model)
-        self.n_sink_tokens, self.prefix_len = model.cfg.n_sink_tokens, model.cfg.prefix_len
+        self.n_sink_tokens = model.cfg.n_sink_tokens
 
     def target(self):
         from sinklab.metrics import SinklabTarget
@@ -131,7 +130,7 @@ class SinklabSubject(Subject):
         return set_activations(self.model, layer, position, channels, values)
 
     def nll(self, val, mask):
-        return mean_nll(lambda x: self.model(x, extra_mask=mask), val, self.prefix_len)
+        return mean_nll(lambda x: self.model(x, extra_mask=mask), val, self.model.cfg.prefix_len)
 
     def sink_summary(self, probe, mask):
         from sinklab.metrics import attention_scores, summarise
