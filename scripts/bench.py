@@ -13,7 +13,7 @@ peak resident memory of whole `sinklab-train` runs at T = 2048 x 1 against T = 2
 Prints one line per figure (`name: value  (details)`); see docs/performance.md for measured figures and method.
 `--set` takes Hydra overrides of the composed config (an attention path: `--set model/attn=sink_logit
 model.attn_backend=flex`); `--data random --vocab 50432` times the paper's shape (its padded GPT-NeoX vocabulary) on
-random tokens, with no corpus. On a GPU, MFU is also given against the datasheet's dense bf16 peak (sinklab.perf).
+random tokens, with no corpus. On a GPU, MFU is also given against the datasheet's dense bf16 peak (sinklab.train.throughput).
 Timings are wall clock; on a shared machine read the ratios (each taken within one round of alternating runs in
 the same process), not the absolute tokens/s. Not part of the unit tests.
 """
@@ -42,7 +42,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
-from sinklab.perf import datasheet_peak, matmul_probe  # noqa: E402  (shared with training's peak_flops=auto)
+from sinklab.train.throughput import datasheet_peak, matmul_probe  # noqa: E402  (shared with training's peak_flops=auto)
 
 # sequences per step: 2048 tokens in every config (tiny: the data default of 32 blocks), so that a CPU step takes
 # seconds, not minutes; --batch 32 gives the data default for 14m / 60m too
@@ -463,7 +463,7 @@ def main(argv=None) -> int:
     sheet = datasheet_peak(device, dtype)
     if sheet is not None:
         emit("MFU sinklab (datasheet)", f"{100 * fpt * tokens / med(ts) / sheet:.1f}% of {sheet / 1e12:.1f} TFLOP/s",
-             f"{dev_name}'s dense 16-bit datasheet peak (sinklab.perf.DATASHEET_16BIT); reference "
+             f"{dev_name}'s dense 16-bit datasheet peak (sinklab.train.throughput.DATASHEET_16BIT); reference "
              f"{100 * fpt * tokens / med(tr) / sheet:.1f}%")
     if meter is not None:
         meter.report({i: t / ts[i] for i, t in cb_t.items()}, med(ts))

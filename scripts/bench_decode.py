@@ -9,11 +9,11 @@ Model: the CPU recipe's width and depth (scale=cpu: 4 layers of 8 heads, d 128, 
 weights (the work does not depend on their values), with block_size 1024 for the decoding figure (so that 512 new
 tokens stay inside the context and the cache never evicts) and the recipe's 64 for the streaming one.
 
-decode: `sinklab.evals.sample.generate` from a 1-token prompt, greedy, `--new-tokens` tokens: cached (one forward of
+decode: `sinklab.evals.sampling.generate` from a 1-token prompt, greedy, `--new-tokens` tokens: cached (one forward of
 one token per step) and recomputed (a forward over the whole prefix per step, the LM head on the last position
 only, as nanoGPT's generate). Rounds alternate the two (ABBA) in the same process; the ratio is the median of the
 per-round ratios (recompute time / cached time), printed with its min and max. The issue's goal is >= 5x.
-stream: `sinklab.evals.perplexity` over `--stream-tokens` random ids, one setting per line: x=4 y=60 (the recipe's
+stream: `sinklab.evals.streaming_ppl` over `--stream-tokens` random ids, one setting per line: x=4 y=60 (the recipe's
 whole context), dense (no eviction) and the recompute baseline (context 64, 32 windows per forward).
 Prints one line per figure (`name: value  (details)`); see docs/performance.md. Not part of the unit tests.
 """
@@ -30,8 +30,8 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from sinklab.evals import perplexity as pp  # noqa: E402
-from sinklab.evals.sample import generate  # noqa: E402
+from sinklab.evals import streaming_ppl as pp  # noqa: E402
+from sinklab.evals.sampling import generate  # noqa: E402
 from sinklab.model import ModelConfig, Transformer  # noqa: E402
 
 RECIPE = dict(vocab_size=1024, n_layer=4, n_head=8, d_model=128, d_ff=352)  # scale=cpu's model (conf/scale/cpu.yaml)

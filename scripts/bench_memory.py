@@ -8,7 +8,7 @@ For each operation, two paths of the same model (same weights, same tokens, batc
             in backward, kernel attention in its causal linear form;
   flex      model.attn_backend=flex (softmax variants only), where FlexAttention has a backward on the device.
 One step is forward, cross-entropy, backward (the optimizer is the same for both and left out). Memory: the step's
-peak tensor bytes above what was allocated before it (`sinklab.perf.peak_memory`: torch.profiler's allocation events
+peak tensor bytes above what was allocated before it (`sinklab.train.throughput.peak_memory`: torch.profiler's allocation events
 on the CPU, the allocator's peak on CUDA), after a warm-up step has allocated the gradients. The growth exponent is
 the least-squares slope of log(peak) on log(T), over every T and over the last doubling. Speed: steps of the two
 paths alternate (`--memory-rounds` rounds at each T of --memory-speed-T); the figure is the median of the per-round
@@ -85,7 +85,7 @@ def slope(Ts: list[int], peaks: list[float]) -> float:
 def run(emit, timer, Ts: list[int], speed_Ts: list[int], rounds: int, device: torch.device, ops: list[str]) -> None:
     """Prints the figures through `emit(name, value, detail)`; `timer(fn)` times one call (bench.Timer)."""
     from sinklab.model import backends
-    from sinklab.perf import peak_memory
+    from sinklab.train.throughput import peak_memory
 
     t_start = time.perf_counter()
     flex_ok = backends.flex_attention is not None and backends.flex_trains_on(device.type)

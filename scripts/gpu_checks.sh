@@ -61,7 +61,7 @@ for s in "$@"; do
         trainer.limit_val_batches=16 callbacks.sink.every_n_steps="${PAPER_SINK_EVERY:-10}" \
         callbacks.checkpoint.every_n_train_steps=50 trainer.enable_progress_bar=false "paths.output_dir=$run" \
         ${PAPER_ARGS:-}
-      step paper_measure 120 $PY -m sinklab.cli measure "$run" --device cuda --json
+      step paper_measure 120 $PY -m sinklab measure "$run" --device cuda --json
       cp "$run/metrics.csv" "$OUT/paper_metrics.csv" 2>/dev/null ;;
     *)
       echo "error: unknown step $s; allowed: cuda-tests, suite, bench-NAME, paper" >&2; exit 2 ;;

@@ -9,7 +9,7 @@ from sinklab.errors import UserError  # noqa: E402
 def load_model(path):
     """A sinklab checkpoint (.ckpt) or a run dir (its checkpoints/last.ckpt) -> the Transformer in eval mode.
     Its call on a (batch, T) LongTensor of token ids returns logits (batch, T, vocab)."""
-    from sinklab.checkpoint import load_model as _load
+    from sinklab.runs.checkpoints import load_model as _load
 
     return _load(path)
 

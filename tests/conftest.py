@@ -17,7 +17,7 @@ import torch  # noqa: E402
 if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
-from sinklab.contracts.components import flex_on_cpu as contract_flex_on_cpu  # noqa: E402
+from sinklab.contracts.component_checks import flex_on_cpu as contract_flex_on_cpu  # noqa: E402
 from sinklab.model import ModelConfig, Transformer  # noqa: E402
 from tests.helpers import HF_KINDS, natural_run, save_ckpt, small_model, tiny_hf, train, write_corpus  # noqa: E402
 
@@ -29,7 +29,7 @@ def make_model():
 
 @pytest.fixture
 def flex_on_cpu():
-    """FlexAttention with gradients on the CPU (sinklab.contracts.components.flex_on_cpu, shared with `sinklab
+    """FlexAttention with gradients on the CPU (sinklab.contracts.component_checks.flex_on_cpu, shared with `sinklab
     check-component`); yields the list of its calls."""
     with contract_flex_on_cpu() as calls:
         yield calls

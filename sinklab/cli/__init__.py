@@ -2,7 +2,7 @@
 prepare corpora.
 
 One module per command, each on the shared base `sinklab.cli.base` (parser, errors, device, TARGET / --hf-model,
-JSON) and the library below it (`sinklab.lm` loads and scores a model); no command imports another
+JSON) and the library below it (`sinklab.model.lm_loss` loads and scores a model); no command imports another
 (tests/cli/test_layering.py). `sinklab prepare` is `sinklab.data.prepare`, the data layer's own command line (also
 `scripts/prepare_data.py`).
 """

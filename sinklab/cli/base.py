@@ -12,12 +12,15 @@ import importlib
 import json
 import math
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 from sinklab.errors import UserError
 
 if TYPE_CHECKING:  # torch is imported when a device is picked: `sinklab --help` and `sinklab report` need none
     import torch
+
+    from sinklab.targets import TargetSpec
 
 DEVICE_HELP = "auto (cuda if available), cpu, cuda, cuda:1, ..."
 JSON_HELP = "print one JSON object (see the module docstring)"
@@ -53,7 +56,7 @@ def pick_device(name: str) -> torch.device:
 def add_target_args(parser: argparse.ArgumentParser, uses: str, hf_help: str, many: bool = False) -> None:
     """TARGET (a checkpoint or run dir, of which the command `uses` ...) or --hf-model NAME_OR_DIR (`many`: one or
     more), with --revision and --dtype (`add_hf_args`): one of the two (`check_one_target`);
-    `sinklab.lm.load_target` loads it."""
+    `sinklab.model.lm_loss.load_target` loads it."""
     parser.add_argument("target", nargs="?", default=None,
                         help=f"a sinklab .ckpt or a run dir (uses its checkpoints/last.ckpt and {uses})")
     parser.add_argument("--hf-model", metavar="NAME_OR_DIR", nargs="+" if many else None, default=None,
@@ -63,8 +66,8 @@ def add_target_args(parser: argparse.ArgumentParser, uses: str, hf_help: str, ma
 
 
 def add_hf_args(parser: argparse.ArgumentParser) -> None:
-    """--revision and --dtype of a --hf-model (`sinklab.hf.load_hf_model`)."""
-    from sinklab.hub import DTYPES
+    """--revision and --dtype of a --hf-model (`sinklab.targets.transformers_lm.load_hf_model`)."""
+    from sinklab.targets.hub_models import DTYPES
 
     parser.add_argument("--revision", default=None,
                         help="with a hub id: its branch, tag or commit (default main; e.g. step1000 of Pythia)")
@@ -82,6 +85,33 @@ def check_one_target(args) -> None:
             if value != default:
                 raise UserError(f"{flag} {value}: applies to --hf-model only (a sinklab checkpoint is measured in "
                                 "float32 as it was saved)")
+
+
+def target_spec(args, device) -> "TargetSpec":
+    """TARGET or --hf-model (one model name; `check_one_target` has run), --revision, --dtype and the device, as the
+    `sinklab.targets.TargetSpec` that `load_target` takes."""
+    from sinklab.targets import TargetSpec
+
+    if args.hf_model is not None:
+        name = args.hf_model[0] if isinstance(args.hf_model, list) else args.hf_model
+        return TargetSpec(str(name), "hf", args.revision, args.dtype, device)
+    return TargetSpec(str(args.target), "sinklab", args.revision, args.dtype, device)
+
+
+def data_run_dir(args, run_dir: Optional[Path],
+                 hint: str = "pass --data RUN_DIR or --tokens FILE.npy") -> tuple[Path, str]:
+    """The run dir whose data a command reads, and the flag to name in its errors: --data RUN_DIR, else TARGET's own
+    run dir (one-line errors when --data is no run dir or there is none, ending with `hint`)."""
+    if args.data is not None:
+        data = Path(args.data)
+        if not (data / ".hydra" / "config.yaml").is_file():
+            raise UserError(f"--data {args.data}: not a run dir (it has no .hydra/config.yaml)")
+        return data, "--data"
+    if run_dir is None:
+        where = "an HF model has no run config" if getattr(args, "hf_model", None) else \
+            f"{args.target} has no run config (.hydra/config.yaml)"
+        raise UserError(f"choose the data: {where}; {hint}")
+    return run_dir, "TARGET"
 
 
 def finite(obj: Any) -> Any:

@@ -1,7 +1,6 @@
 """`sinklab eval SUBCOMMAND`: evaluations of a checkpoint, a run dir or a transformers model."""
 from __future__ import annotations
 
-import sys
 from typing import Optional, Sequence
 
 from sinklab.cli.base import dispatch
@@ -15,7 +14,3 @@ SUBCOMMANDS = {
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     return dispatch("sinklab eval", SUBCOMMANDS, "`sinklab eval SUBCOMMAND --help` for its options", argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

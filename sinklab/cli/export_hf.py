@@ -1,5 +1,5 @@
 """`sinklab export-hf CKPT_OR_RUN_DIR OUT_DIR`: a sinklab checkpoint as a Hugging Face `LlamaForCausalLM` directory
-(`sinklab.export_hf`, whose docstring says what is exported and checked). A config LLaMA cannot represent and other
+(`sinklab.export.llama`, whose docstring says what is exported and checked). A config LLaMA cannot represent and other
 bad input are one line on stderr and exit code 2; an export whose logits disagree with the checkpoint's, exit code 1.
 """
 from __future__ import annotations
@@ -9,7 +9,7 @@ from typing import Optional, Sequence
 
 from sinklab.cli.base import OneLineParser
 from sinklab.errors import UserError
-from sinklab.export_hf import DTYPES, ParityError, export
+from sinklab.export.llama import DTYPES, ParityError, export
 
 PROG = "sinklab export-hf"
 
@@ -35,7 +35,3 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"{PROG}: error: {err}", file=sys.stderr)
         return 1
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

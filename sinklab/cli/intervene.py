@@ -12,7 +12,7 @@ unchanged and under each of:
 
 A transformers model has no run: --data RUN_DIR takes that run's validation blocks and probe set (a model exported
 from it with `sinklab export-hf`, or one with the same tokenizer), --tokens FILE.npy (N, T) sequences that are the
-validation set and, their first 100, the probe set. Its interventions: `sinklab.evals.hf_intervene`.
+validation set and, their first 100, the probe set. Its interventions: `sinklab.targets.transformers_masking`.
 
 The massive activations: on the run's probe set, mean |h| of every (token position, channel) of each layer's
 residual stream (the block output, real tokens); the layer is the first whose largest mean entry reaches half the
@@ -36,22 +36,21 @@ Validation: the run's validation blocks, with the BOS token at position 1 if its
 token (1-indexed), channels, values (mean |h|), mean_values (signed), ratio (top mean |h| / median |h|)}, seconds,
 and rows {name: {ppl, loss, dppl (ppl - the unchanged model's), sink1, alpha1, sink1_star (operations without row
 normalisation)}}. User errors are one line on stderr and exit code 2. The interventions and their evaluation:
-`sinklab.evals.intervene`.
+`sinklab.evals.interventions`.
 """
 from __future__ import annotations
 
-import sys
 import time
 from pathlib import Path
 from typing import Optional, Sequence
 
 from sinklab.cli.base import (OneLineParser, add_device_json_args, add_target_args, check_one_target, command_main,
-                              pick_device)
+                              data_run_dir, pick_device, target_spec)
 from sinklab.errors import UserError
-from sinklab.evals.intervene import INTERVENTIONS, evaluate, find_massive
-from sinklab.lm import load_target
-from sinklab.probe_inputs import (DEFAULT_NUM_SEQS, data_run_dir, load_tokens, positive, probe_tokens, read_run_data,
-                                  val_blocks)
+from sinklab.evals.interventions import INTERVENTIONS, evaluate, find_massive
+from sinklab.analysis.probe_inputs import DEFAULT_NUM_SEQS, load_tokens, positive
+from sinklab.runs.run_data import probe_tokens, read_run_data, val_blocks
+from sinklab.targets import load_target
 
 PROG = "sinklab eval intervene"
 
@@ -79,33 +78,33 @@ def run(args) -> dict:
     positive("--val-batches", args.val_batches)
     device = pick_device(args.device)
     t0 = time.perf_counter()
-    target = load_target(args.target, args.hf_model, device, args.revision, args.dtype)
-    model, meta = target.model.eval(), target.meta
+    target = load_target(target_spec(args, device))
+    meta = target.meta
     if args.tokens is not None:
         if args.data is not None:
             raise UserError("pass either --data RUN_DIR or --tokens FILE.npy, not both")
-        tokens = load_tokens(args.tokens, meta["vocab_size"])
-        if meta["context"] is not None and tokens.shape[1] - 1 > meta["context"]:
+        tokens = load_tokens(args.tokens, meta.vocab_size)
+        if meta.context is not None and tokens.shape[1] - 1 > meta.context:
             raise UserError(f"--tokens {args.tokens}: sequences of {tokens.shape[1]} tokens exceed the model context "
-                            f"{meta['context']} + 1")
+                            f"{meta.context} + 1")
         val = list(tokens.split(32))[:args.val_batches]
         probe = tokens[:DEFAULT_NUM_SEQS, :-1]
     else:
-        if args.hf_model is None and target.run_dir is None and args.data is None:
+        if args.hf_model is None and meta.run_dir is None and args.data is None:
             raise UserError(f"{args.target} has no run config (.hydra/config.yaml): intervene reads the run's "
                             "validation blocks and probe set; pass a run dir or a checkpoint inside one")
-        run_dir, flag = data_run_dir(args, target.run_dir)
+        run_dir, flag = data_run_dir(args, meta.run_dir)
         val = read_run_data(Path(run_dir), {"num_workers": 0}, lambda dm: val_blocks(dm, args.val_batches),
                             flag, "the validation blocks", "check the run's data config")
         probe = probe_tokens(Path(run_dir), None, None)
         top = max(int(probe.max()), *(int(b.max()) for b in val))
-        if top >= meta["vocab_size"]:
-            raise UserError(f"{flag} {run_dir}: token id {top}, the model's vocabulary is [0, {meta['vocab_size'] - 1}]"
+        if top >= meta.vocab_size:
+            raise UserError(f"{flag} {run_dir}: token id {top}, the model's vocabulary is [0, {meta.vocab_size - 1}]"
                             " (was the model trained on this data?)")
     val, probe = [b.to(device) for b in val], probe.to(device)
-    massive = find_massive(model, probe, args.channels)
-    rows, count = evaluate(model, val, probe, list(dict.fromkeys(args.interventions)), massive, args.seed)
-    return {"target": meta["target"], "source": meta["source"], "val_batches": len(val), "val_targets": count,
+    massive = find_massive(target, probe, args.channels)
+    rows, count = evaluate(target, val, probe, list(dict.fromkeys(args.interventions)), massive, args.seed)
+    return {"target": meta.target, "source": meta.source, "val_batches": len(val), "val_targets": count,
             "probe": {"num_seqs": int(probe.shape[0]), "seq_len": int(probe.shape[1])}, "massive": massive,
             "rows": rows, "seconds": round(time.perf_counter() - t0, 3)}
 
@@ -128,7 +127,3 @@ def format_table(res: dict) -> str:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     return command_main(PROG, build_parser(), run, format_table, argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -4,7 +4,7 @@
     sinklab measure --hf-model NAME_OR_DIR [--revision R] [--dtype D] (--tokens FILE.npy | --input INPUT) [--json]
     sinklab measure --hf-model A B C --input natural random repeat [--csv T.csv] [--markdown T.md]   (the table)
     sinklab measure --eps 0.3 0.5 RUN_DIR_OR_CKPT ...                   (TARGET may follow --eps's values)
-    python -m sinklab.measure ...                                       (the same)
+    python -m sinklab measure ...                                       (the same)
 
 Inputs: ``natural`` (default for a training run) is the run's probe set, read through the data config saved in
 ``RUN_DIR/.hydra/config.yaml``; ``random`` draws uniform token ids (seeded); ``repeat`` repeats one random token
@@ -14,12 +14,12 @@ Shakespeare corpus) through the model's own tokenizer, in consecutive pieces of 
 special tokens its tokenizer puts first (LLaMA's BOS, nothing for GPT-2); random and repeat ids have none.
 
 --hf-model takes a local dir or a hub id (``--revision`` a branch, tag or commit), loaded in ``--dtype`` (auto:
-bfloat16 on CUDA): `sinklab.hub`. Several models and/or several inputs make one table in the layout of the paper's
-Table 1, with its numbers beside ours (`sinklab.model_table`); --csv and --markdown write it; --json prints
+bfloat16 on CUDA): `sinklab.targets.hub_models`. Several models and/or several inputs make one table in the layout of the paper's
+Table 1, with its numbers beside ours (`sinklab.analysis.model_table`); --csv and --markdown write it; --json prints
 {models, inputs, eps, rows: [{model, revision, input, sink1, paper_sink1, alpha1, first_token_attn, massive_ratio,
 massive_top, slot_sink_logit, seq_len, num_seqs, dtype, seconds}], written, seconds}.
 
-What is measured and how: `sinklab.measure`. User errors are one line on stderr and exit code 2.
+What is measured and how: `sinklab.analysis.measurement`. User errors are one line on stderr and exit code 2.
 
 --json prints one object (sink values in percent, alpha in [0, 1] for row-normalised ops):
     target, source ("sinklab" | "hf"), input ("natural" | "random" | "repeat" | "tokens"), tokens_file (with
@@ -33,7 +33,7 @@ What is measured and how: `sinklab.measure`. User errors are one line on stderr 
         (the K/KV bias slot and learned sink tokens, scored apart from token 1; slot_star* when not normalised),
     massive {top, median, ratio, token, channel: per-layer lists}, norms {h1_norm_ratio, k1_norm_ratio,
         v1_norm_ratio, cos_q_k1, cos_q_kj: per-layer lists; for HF models the last four only when
-        `sinklab.hf.project_qkv` knows the attention layout (LLaMA, Mistral, GPT-2, GPT-NeoX, ...)},
+        `sinklab.targets.transformers_lm.project_qkv` knows the attention layout (LLaMA, Mistral, GPT-2, GPT-NeoX, ...)},
     first_token_attn {mean, by_layer}: Qwen's first-token attention, mean over queries of A[i, 1]; equal to
         alpha_mean["1"] and to alpha's per-layer means (it is alpha_1 under Qwen's name),
     outliers {resid_inf_norm, resid_kurtosis, attn_inf_norm, attn_kurtosis, attn_top_median: per-layer lists}
@@ -59,18 +59,19 @@ Non-finite values (a norm ratio with T = 1) are null.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 from typing import Optional, Sequence
 
 import torch
 
-from sinklab import measure
+from sinklab.analysis import measurement as measure
 from sinklab.cli.base import (OneLineParser, add_device_json_args, add_target_args, check_one_target, command_main,
                               pick_device)
 from sinklab.errors import UserError
-from sinklab.probe_inputs import DEFAULT_NUM_SEQS, DEFAULT_SEQ_LEN, INPUTS, check_measure_args
+from sinklab.analysis.probe_inputs import (DEFAULT_NUM_SEQS, DEFAULT_SEQ_LEN, INPUTS, InputSpec, check_thresholds,
+                                          positive)
+from sinklab.targets import TargetSpec, load_target
 
 PROG = "sinklab measure"
 
@@ -142,65 +143,63 @@ def _number(text: str) -> bool:
 
 
 # ----------------------------------------------------------------------------------------------------- main
+def input_spec(args, kind: Optional[str]) -> InputSpec:
+    """The input options as the library's `InputSpec` (one input kind of --input's list)."""
+    return InputSpec(kind=kind, tokens_file=args.tokens, seq_len=args.seq_len, num_seqs=args.num_seqs, seed=args.seed,
+                     texts=tuple(args.text) if args.text else None)
+
+
 def run(args) -> dict:
     check_one_target(args)
-    check_measure_args(args)
+    for flag, value in (("--seq-len", args.seq_len), ("--num-seqs", args.num_seqs), ("--batch-size", args.batch_size)):
+        positive(flag, value)
+    check_thresholds(args.eps, args.k)
     for flag, path, suffix in (("--csv", args.csv, ".csv"), ("--markdown", args.markdown, ".md")):
         if path is not None and Path(path).suffix.lower() != suffix:
             raise UserError(f"{flag} {path}: allowed: a {suffix} file name")
     if args.text and (args.hf_model is None or "natural" not in (args.input or [])):
         raise UserError("--text goes with --hf-model and --input natural (the text the model's tokenizer reads)")
     device = pick_device(args.device)
-    targets = list(dict.fromkeys(args.hf_model)) if args.hf_model is not None else [args.target]
+    names = list(dict.fromkeys(args.hf_model)) if args.hf_model is not None else [args.target]
     inputs = list(dict.fromkeys(args.input)) if args.input else [None]
+    if args.tokens is not None and len(names) > 1:
+        raise UserError("--tokens holds ids of one vocabulary: measure one --hf-model with it, or use --input")
+    source = "hf" if args.hf_model is not None else "sinklab"
+    specs = [TargetSpec(str(name), source, args.revision, args.dtype, device) for name in names]
     t0 = time.perf_counter()
     with torch.no_grad():
-        if len(targets) == 1 and len(inputs) == 1 and args.csv is None and args.markdown is None:
-            res = measure_one(args, device, targets[0], inputs[0])
+        if len(specs) == 1 and len(inputs) == 1 and args.csv is None and args.markdown is None:
+            res = measure.measure_target(load_target(specs[0]), input_spec(args, inputs[0]), args.eps, args.k,
+                                         args.batch_size)
         else:
-            res = model_table(args, device, targets, inputs)
+            res = model_table(args, specs, inputs)
     res["seconds"] = round(time.perf_counter() - t0, 3)
     return res
 
 
-def measure_one(args, device, target: str, kind: Optional[str], model=None) -> dict:
-    """One target on one input (`sinklab.measure`); `model`: a transformers model already loaded."""
-    one = argparse.Namespace(**{**vars(args), "input": kind})
-    if args.hf_model is None:
-        return measure.measure_checkpoint(one, device)
-    one.hf_model = target
-    return measure.measure_hf(one, device, target, model)
+def model_table(args, specs: list[TargetSpec], inputs: list) -> dict:
+    """Every model on every input, each model loaded once (`sinklab.analysis.model_table`)."""
+    from sinklab.analysis import model_table as mt
 
-
-def model_table(args, device, targets: list[str], inputs: list) -> dict:
-    """Every target on every input, each model loaded once (`sinklab.model_table`)."""
-    from sinklab import model_table as mt
-
-    if args.tokens is not None and len(targets) > 1:
-        raise UserError("--tokens holds ids of one vocabulary: measure one --hf-model with it, or use --input")
     records = []
-    for target in targets:
+    for spec in specs:
         t0 = time.perf_counter()
-        model = None
-        if args.hf_model is not None:
-            from sinklab import hf
-
-            model = hf.load_hf_model(target, device, args.dtype, args.revision)
+        target = load_target(spec)
         for kind in inputs:
-            res = measure_one(args, device, target, kind, model)
+            res = measure.measure_target(target, input_spec(args, kind), args.eps, args.k, args.batch_size)
             res["seconds"] = round(time.perf_counter() - t0, 3)
             t0 = time.perf_counter()
-            records.append(mt.row(res, mt.paper_sink1(target)))
-        del model
-    res = {"models": targets, "inputs": [r["input"] for r in records[:len(inputs)]], "eps": args.eps[0],
-           "rows": records}
+            records.append(mt.row(res, mt.paper_sink1(spec.name)))
+        del target
+    res = {"models": [spec.name for spec in specs], "inputs": [r["input"] for r in records[:len(inputs)]],
+           "eps": args.eps[0], "rows": records}
     res["written"] = mt.write(mt.wide(records), args.csv, args.markdown)
     return res
 
 
 def format_text(res: dict) -> str:
     if "rows" in res:
-        from sinklab.model_table import format_table
+        from sinklab.analysis.model_table import format_table
 
         return format_table(res)
     return measure.format_tables(res)
@@ -208,7 +207,3 @@ def format_text(res: dict) -> str:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     return command_main(PROG, build_parser(), run, format_text, argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

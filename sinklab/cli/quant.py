@@ -3,7 +3,7 @@
     sinklab quant RUN_DIR_OR_CKPT [--schemes w8a8 w4a4 ...] [--weights per-tensor|per-channel] [--json]
     sinklab quant CKPT --data RUN_DIR              (validation and calibration data of another run)
     sinklab quant --hf-model NAME_OR_DIR (--data RUN_DIR | --tokens FILE.npy) [--revision R] [--dtype D]
-    python -m sinklab.quant.cli ...                (the same; the command is sinklab.cli.quant)
+    python -m sinklab quant ...                    (the same)
 
 Data: a run's validation blocks (its data config in RUN_DIR/.hydra/config.yaml: data.val_num_blocks blocks of
 block_size + 1 tokens, all of them unless --val-batches, with the BOS token at position 1 when its training blocks
@@ -20,7 +20,6 @@ User errors are one line on stderr and exit code 2.
 """
 from __future__ import annotations
 
-import sys
 import time
 from itertools import islice
 from pathlib import Path
@@ -29,10 +28,11 @@ from typing import Optional, Sequence
 import torch
 
 from sinklab.cli.base import (OneLineParser, add_device_json_args, add_target_args, check_one_target, command_main,
-                              pick_device)
+                              data_run_dir, pick_device, target_spec)
 from sinklab.errors import UserError
-from sinklab.lm import load_target
-from sinklab.probe_inputs import data_run_dir, load_tokens, positive, read_run_data, val_blocks
+from sinklab.analysis.probe_inputs import load_tokens, positive
+from sinklab.runs.run_data import read_run_data, val_blocks
+from sinklab.targets import TargetMeta, load_target
 from sinklab.quant.fake import FP32, GRANULARITIES, SCHEMES, evaluate
 
 PROG = "sinklab quant"
@@ -72,18 +72,18 @@ def build_parser() -> OneLineParser:
 
 
 # ----------------------------------------------------------------------------------------------------- data
-def token_batches(path: str, flag: str, meta: dict, batch_size: int) -> list[torch.Tensor]:
-    tokens = load_tokens(path, meta["vocab_size"])
+def token_batches(path: str, flag: str, meta: TargetMeta, batch_size: int) -> list[torch.Tensor]:
+    tokens = load_tokens(path, meta.vocab_size)
     if tokens.shape[1] < 2:
         raise UserError(f"{flag} {path}: sequences of {tokens.shape[1]} token have no next token to predict; "
                         "pass sequences of T >= 2 tokens")
-    if meta["context"] is not None and tokens.shape[1] - 1 > meta["context"]:
+    if meta.context is not None and tokens.shape[1] - 1 > meta.context:
         raise UserError(f"{flag} {path}: sequences of {tokens.shape[1]} tokens exceed the model context "
-                        f"{meta['context']} + 1")
+                        f"{meta.context} + 1")
     return list(tokens.split(batch_size))
 
 
-def run_batches(run_dir: Path, flag: str, args, meta: dict) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def run_batches(run_dir: Path, flag: str, args, meta: TargetMeta) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """The run's validation blocks (at most --val-batches batches) and its first --calib-batches training batches."""
     def read(dm):
         return (val_blocks(dm, args.val_batches), list(islice(dm.make_train_loader(), args.calib_batches)))
@@ -91,16 +91,16 @@ def run_batches(run_dir: Path, flag: str, args, meta: dict) -> tuple[list[torch.
     val, calib = read_run_data(run_dir, {"batch_size": args.batch_size, "num_workers": 0}, read, flag,
                                "the validation and training blocks", "pass --tokens FILE.npy")
     top = max(int(b.max()) for b in val + calib)
-    if top >= meta["vocab_size"]:
+    if top >= meta.vocab_size:
         raise UserError(f"{flag} {run_dir}: the blocks have token id {top}, the model's vocabulary is "
-                        f"[0, {meta['vocab_size'] - 1}] (was the model trained on this data?)")
+                        f"[0, {meta.vocab_size - 1}] (was the model trained on this data?)")
     length = val[0].shape[1] - 1
-    if meta["context"] is not None and length > meta["context"]:
-        raise UserError(f"{flag} {run_dir}: its blocks of {length} tokens exceed the model context {meta['context']}")
+    if meta.context is not None and length > meta.context:
+        raise UserError(f"{flag} {run_dir}: its blocks of {length} tokens exceed the model context {meta.context}")
     return val, calib
 
 
-def choose_data(args, meta: dict, run_dir: Optional[Path]) -> tuple[list, list, str]:
+def choose_data(args, meta: TargetMeta, run_dir: Optional[Path]) -> tuple[list, list, str]:
     """(validation batches, calibration batches, "run" | "tokens")."""
     if args.tokens is not None:
         if args.data is not None:
@@ -125,17 +125,17 @@ def run(args) -> dict:
         raise UserError(f"--momentum {args.momentum:g} must be in [0, 1) (0: the last batch's range only)")
     device = pick_device(args.device)
     t0 = time.perf_counter()
-    target = load_target(args.target, args.hf_model, device, args.revision, args.dtype)
+    target = load_target(target_spec(args, device))
     meta = target.meta
-    val, calib, kind = choose_data(args, meta, target.run_dir)
+    val, calib, kind = choose_data(args, meta, meta.run_dir)
     val, calib = [b.to(device) for b in val], [b.to(device) for b in calib]
-    res = {"target": meta["target"], "source": meta["source"], "data": kind, "val_batches": len(val),
+    res = {"target": meta.target, "source": meta.source, "data": kind, "val_batches": len(val),
            "val_seqs": sum(b.shape[0] for b in val), "seq_len": int(val[0].shape[1] - 1),
            "calib_batches": len(calib), "momentum": args.momentum, "weights": args.weights,
-           "quantize_head": args.quantize_head, "dtype": meta.get("dtype", "float32")}
-    res.update(evaluate(target.model, target.logits_of, val, calib, [SCHEMES[s] for s in dict.fromkeys(args.schemes)],
+           "quantize_head": args.quantize_head, "dtype": meta.dtype or "float32"}
+    res.update(evaluate(target.model, target.logits, val, calib, [SCHEMES[s] for s in dict.fromkeys(args.schemes)],
                         per_channel=args.weights == "per-channel", momentum=args.momentum,
-                        quantize_head=args.quantize_head, prefix_len=meta["prefix_len"]))
+                        quantize_head=args.quantize_head, prefix_len=meta.prefix_len))
     res["seconds"] = round(time.perf_counter() - t0, 3)
     return res
 
@@ -164,7 +164,3 @@ def format_table(res: dict) -> str:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     return command_main(PROG, build_parser(), run, format_table, argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -86,7 +86,3 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if p is not None:
             print(p)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

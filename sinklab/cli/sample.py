@@ -7,25 +7,25 @@ The prompt is tokenised with the run's tokenizer (its data module's), after the 
 at position 1 (data.bos), prefilled in one forward, and then each new token is one forward of one token through the
 cache. When prompt + new tokens exceed the context (model.block_size), the cache evicts as StreamingLLM does (Xiao et
 al. 2024, arXiv 2309.17453): it keeps the first 4 tokens and the most recent ones, at most block_size in all,
-positions re-indexed inside the cache (`sinklab.evals.perplexity.streaming_cache`). The paper keeps 4 initial tokens
+positions re-indexed inside the cache (`sinklab.evals.sampling.generate`). The paper keeps 4 initial tokens
 too; that the cache never holds more than block_size positions, so that every position stays inside the trained
 range, is decided here. Sampling covers the tokenizer's ids only (the padded rows of the embedding are never drawn).
 --temperature 0 is greedy decoding. --json prints one object: target, prompt, prompt_tokens, tokens (the new ids),
 text (the new text), bos, temperature, top_k, seed, evicted (whether the cache dropped tokens), keep_first,
-seconds, tokens_per_s. User errors are one line on stderr and exit code 2. Decoding: `sinklab.evals.sample`.
+seconds, tokens_per_s. User errors are one line on stderr and exit code 2. Decoding: `sinklab.evals.sampling`.
 """
 from __future__ import annotations
 
-import sys
 import time
 from typing import Optional, Sequence
 
 import torch
 
-from sinklab.cli.base import OneLineParser, add_device_json_args, command_main, pick_device
+from sinklab.cli.base import OneLineParser, add_device_json_args, command_main, data_run_dir, pick_device
 from sinklab.errors import UserError
-from sinklab.evals.sample import KEEP_FIRST, generate
-from sinklab.probe_inputs import checkpoint_and_run_dir, data_run_dir, positive, read_run_data
+from sinklab.evals.sampling import KEEP_FIRST, generate
+from sinklab.analysis.probe_inputs import positive
+from sinklab.runs.run_data import checkpoint_and_run_dir, read_run_data
 
 PROG = "sinklab sample"
 
@@ -57,7 +57,7 @@ def read_tokenizer(args, run_dir) -> tuple[object, bool, int]:
 
 
 def run(args) -> dict:
-    from sinklab.checkpoint import load_model
+    from sinklab.runs.checkpoints import load_model
     from sinklab.data.tokenizer import tokenizer_size
 
     positive("--max-new-tokens", args.max_new_tokens)
@@ -99,7 +99,3 @@ def format_text(res: dict) -> str:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     return command_main(PROG, build_parser(), run, format_text, argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

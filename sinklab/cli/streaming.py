@@ -9,9 +9,9 @@ baselines: dense attention and sliding window with re-computation.
 
 Text: the first --n-tokens tokens (default 10000) of the run's validation split, contiguous (documents joined by the
 separator), with the BOS token first when the run's data uses one (data.bos); or a 1-D token file (all of it unless
---n-tokens). Positions are re-indexed inside the cache (`sinklab.evals.perplexity`, which says what the paper does
+--n-tokens). Positions are re-indexed inside the cache (`sinklab.evals.streaming_ppl`, which says what the paper does
 and what is decided here, e.g. that y counts the token being fed, so x + y <= the context). transformers models use
-their own DynamicCache, evicted and re-rotated after each step (`sinklab.evals.hf_cache`, which says what is refused:
+their own DynamicCache, evicted and re-rotated after each step (`sinklab.targets.transformers_cache`, which says what is refused:
 learned absolute positions, GPT-2 and OPT).
 
 --json prints one object: target, source ("sinklab" | "hf"), data ("run" | "tokens"), text (where it comes from),
@@ -31,11 +31,13 @@ from typing import Optional, Sequence
 import torch
 
 from sinklab.cli.base import (OneLineParser, add_device_json_args, add_target_args, check_one_target, command_main,
-                              pick_device)
+                              data_run_dir, pick_device, target_spec)
 from sinklab.errors import UserError
-from sinklab.evals import perplexity as pp
-from sinklab.lm import load_target, perplexity
-from sinklab.probe_inputs import data_run_dir, load_tokens, positive, read_run_data
+from sinklab.evals import streaming_ppl as pp
+from sinklab.model.lm_loss import perplexity
+from sinklab.targets import Target, load_target
+from sinklab.analysis.probe_inputs import load_tokens, positive
+from sinklab.runs.run_data import read_run_data
 
 PROG = "sinklab eval streaming"
 DEFAULT_N_TOKENS = 10_000
@@ -93,12 +95,12 @@ def build_parser() -> OneLineParser:
 
 
 # ----------------------------------------------------------------------------------------------------- inputs
-def choose_text(args, meta: dict, run_dir: Optional[Path]) -> tuple[torch.Tensor, str, str]:
+def choose_text(args, vocab_size: int, run_dir: Optional[Path]) -> tuple[torch.Tensor, str, str]:
     """(tokens (N,), "run" | "tokens", where the text comes from, in words)."""
     if args.tokens is not None:
         if args.data is not None:
             raise UserError("pass either --data RUN_DIR or --tokens FILE.npy, not both")
-        tokens = load_tokens(args.tokens, meta["vocab_size"], flat=True)
+        tokens = load_tokens(args.tokens, vocab_size, flat=True)
         if args.n_tokens is not None and args.n_tokens > tokens.shape[0]:
             raise UserError(f"--n-tokens {args.n_tokens} exceeds the {tokens.shape[0]} tokens of --tokens "
                             f"{args.tokens}")
@@ -108,15 +110,14 @@ def choose_text(args, meta: dict, run_dir: Optional[Path]) -> tuple[torch.Tensor
     text, bos = read_run_data(run, {"num_workers": 0}, lambda dm: (dm.val_text(n), bool(dm.config.bos)), flag,
                               "the validation text", "pass --tokens FILE.npy (one text of shape (N,))")
     top = int(text.max())
-    if top >= meta["vocab_size"]:
+    if top >= vocab_size:
         raise UserError(f"{flag} {run}: the text has token id {top}, the model's vocabulary is "
-                        f"[0, {meta['vocab_size'] - 1}] (was the model trained on this data?)")
+                        f"[0, {vocab_size - 1}] (was the model trained on this data?)")
     return text, "run", f"the first {n:,} tokens of {run}'s validation split" + (" (BOS first)" if bos else "")
 
 
-def grid(args, meta: dict) -> list[tuple[int, int]]:
-    """The (x, y) settings, checked against the model context."""
-    context = meta["context"]
+def grid(args, context: Optional[int]) -> list[tuple[int, int]]:
+    """The (x, y) settings, checked against the model context (None: the config has none)."""
     recent = args.recent
     if recent is None:
         if context is None:
@@ -147,63 +148,46 @@ def run(args) -> dict:
         raise UserError(f"--n-tokens {args.n_tokens}: allowed: >= 2 (a token and the next one to predict)")
     device = pick_device(args.device)
     t0 = time.perf_counter()
-    target = load_target(args.target, args.hf_model, device, args.revision, args.dtype)
-    model, meta, run_dir = target.model, target.meta, target.run_dir
-    hf = meta["source"] == "hf"
-    if meta["prefix_len"]:
-        raise UserError(f"model.prefix_len={meta['prefix_len']}: a prefix LM's first tokens see each other, so it "
+    target = load_target(target_spec(args, device))
+    meta = target.meta
+    if meta.prefix_len:
+        raise UserError(f"model.prefix_len={meta.prefix_len}: a prefix LM's first tokens see each other, so it "
                         "has no token-by-token stream; allowed: causal models (model.prefix_len=0)")
-    settings = grid(args, meta)
-    tokens, kind, where = choose_text(args, meta, run_dir)
-    if hf:
-        from sinklab.evals.hf_cache import rotary_embedding
-
-        rotary_embedding(model, args.hf_model)  # refuse what cannot be re-rotated before any work
+    settings = grid(args, meta.context)
+    tokens, kind, where = choose_text(args, meta.vocab_size, meta.run_dir)
+    target.check_stream()  # refuse what cannot be re-rotated before any work
     tokens = tokens.to(device)
-    res = {"target": meta["target"], "source": meta["source"], "data": kind, "text": where,
-           "n_tokens": int(tokens.shape[0]), "targets": int(tokens.shape[0] - 1), "context": meta["context"],
+    res = {"target": meta.target, "source": meta.source, "data": kind, "text": where,
+           "n_tokens": int(tokens.shape[0]), "targets": int(tokens.shape[0] - 1), "context": meta.context,
            "bucket": args.bucket, "notes": [], "settings": []}
     res["bucket_ends"] = pp.bucket_ends(res["targets"], args.bucket)
-    if not hf and model.pos.absolute(1) is not None and settings:
-        res["notes"].append(f"model.pos={model.cfg.pos} adds absolute positions to the embeddings: a kept token keeps "
-                            "the position it came in at, only the token being fed takes its place in the cache "
-                            "(StreamingLLM re-indexes relative positions: RoPE, ALiBi)")
+    if settings:
+        res["notes"] += target.stream_notes()
     runs = [(f"x={x} y={y}", "streaming", {"first": x, "recent": y, "keys": min(x + y, res["targets"])})
             for x, y in settings]
     if "dense" in args.baselines:
-        skip = dense_skip(model, hf, tokens.shape[0])
+        skip = target.dense_limit(tokens.shape[0])
         if skip:
             res["notes"].append(f"dense: skipped: {skip}")
         else:
             runs.append(("dense", "dense", {"first": None, "recent": None, "keys": res["targets"]}))
     if "recompute" in args.baselines:
-        if meta["context"] is None:
+        if meta.context is None:
             res["notes"].append("recompute: skipped: the model config has no context length")
         else:
-            runs.append((f"recompute {meta['context']}", "recompute",
-                         {"first": None, "recent": None, "keys": meta["context"]}))
+            runs.append((f"recompute {meta.context}", "recompute",
+                         {"first": None, "recent": None, "keys": meta.context}))
     with torch.no_grad():
         for name, kind, extra in runs:
             res["settings"].append({"name": name, "kind": kind, **extra,
-                                    **score(args, name, kind, tokens, model, hf, extra, res["bucket_ends"])})
+                                    **score(args, name, kind, tokens, target, extra, res["bucket_ends"])})
     if args.plot:
         res["plot"] = str(plot(res, args.plot))
     res["seconds"] = round(time.perf_counter() - t0, 3)
     return res
 
 
-def dense_skip(model, hf: bool, n: int) -> Optional[str]:
-    """Why dense attention cannot run over n tokens (absolute positions end at the table), or None."""
-    if hf:
-        return None
-    try:
-        model.pos.absolute(model.cfg.n_sink_tokens + n)
-    except ValueError as err:
-        return str(err)
-    return None
-
-
-def score(args, name: str, kind: str, tokens: torch.Tensor, model, hf: bool, extra: dict, ends: list[int]) -> dict:
+def score(args, name: str, kind: str, tokens: torch.Tensor, target: Target, extra: dict, ends: list[int]) -> dict:
     """One setting's loss and perplexity, overall and per bucket, with a progress bar on stderr (off with --json or
     when stderr is not a terminal)."""
     from tqdm.auto import tqdm
@@ -213,32 +197,14 @@ def score(args, name: str, kind: str, tokens: torch.Tensor, model, hf: bool, ext
     t0 = time.perf_counter()
     try:
         if kind == "recompute":
-            nll = pp.recompute_nll(logits_fn(model, hf), tokens, extra["keys"], args.batch_size, bar.update)
+            nll = pp.recompute_nll(target, tokens, extra["keys"], args.batch_size, bar.update)
         else:
-            nll = pp.stream_nll(stepper(model, hf, extra["first"], extra["recent"], args.hf_model), tokens,
-                                bar.update)
+            nll = pp.stream_nll(target.stream(extra["first"], extra["recent"]), tokens, bar.update)
     finally:
         bar.close()
     loss = float(nll.double().mean())
     return {"loss": loss, "ppl": perplexity(loss), "bucket_ppl": pp.bucket_ppl(nll, ends),
             "seconds": round(time.perf_counter() - t0, 3)}
-
-
-def stepper(model, hf: bool, first: Optional[int], recent: Optional[int], where: Optional[str]) -> pp.Step:
-    """One token at a time through a cache of the first + recent tokens (both None: dense)."""
-    if hf:
-        from sinklab.evals.hf_cache import HFStream
-
-        return HFStream(model, first, recent, where)
-    return pp.sinklab_step(model, model.new_cache() if first is None else pp.streaming_cache(model, first, recent))
-
-
-def logits_fn(model, hf: bool) -> pp.LogitsOf:
-    if hf:
-        from sinklab.evals.hf_cache import hf_logits
-
-        return hf_logits(model)
-    return pp.sinklab_logits(model)
 
 
 def plot(res: dict, path: str) -> Path:
@@ -295,7 +261,3 @@ def format_table(res: dict) -> str:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     return command_main(PROG, build_parser(), run, format_table, argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

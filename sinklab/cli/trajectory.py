@@ -30,8 +30,8 @@ from typing import Optional, Sequence
 
 from sinklab.cli.base import OneLineParser, add_device_json_args, command_main, pick_device
 from sinklab.errors import UserError
-from sinklab.hub import DTYPES, pick_dtype
-from sinklab.probe_inputs import INPUTS, check_measure_args
+from sinklab.targets.hub_models import DTYPES, pick_dtype
+from sinklab.analysis.probe_inputs import INPUTS, InputSpec, check_thresholds, positive
 
 PROG = "sinklab trajectory"
 
@@ -112,7 +112,10 @@ def check_args(args) -> None:
     if args.hf_groups and args.input in (None, "natural") and args.tokens is None and args.text is None:
         raise UserError("--hf-model has no probe set; choose its input: --text FILE.txt (natural text through the "
                         "model's tokenizer), --input random|repeat or --tokens FILE.npy")
-    check_measure_args(args, ("--tokens-per-step", args.tokens_per_step))
+    for flag, value in (("--seq-len", args.seq_len), ("--num-seqs", args.num_seqs), ("--batch-size", args.batch_size),
+                        ("--tokens-per-step", args.tokens_per_step)):
+        positive(flag, value)
+    check_thresholds(args.eps, args.k)
     for path, flag in ((args.csv, "--csv"), (args.plot, "--plot")):
         if path.is_dir():
             raise UserError(f"{flag} {path}: is a directory; pass a file name")
@@ -121,7 +124,7 @@ def check_args(args) -> None:
 def run(args) -> dict:
     import pandas as pd
 
-    from sinklab import trajectory as tj
+    from sinklab.analysis import trajectories as tj
     from sinklab.io import atomic_write
 
     check_args(args)
@@ -140,9 +143,11 @@ def run(args) -> dict:
         print(f"{s.label} {point.where}: {keys[0]} {values.get(keys[0], float('nan')):.4g} ({seconds:.2f} s)",
               file=sys.stderr)
 
+    inputs = InputSpec(kind="natural" if args.text else args.input, tokens_file=args.tokens, seq_len=args.seq_len,
+                       num_seqs=args.num_seqs, seed=args.seed, texts=(args.text,) if args.text else None)
     t0 = time.perf_counter()
     for s in series:
-        (tj.measure_run if s.kind == "run" else tj.measure_hf)(s, args, device, on_point)
+        tj.measure_series(s, inputs, device, on_point, args.dtype, args.eps, args.k, args.batch_size)
     seconds = time.perf_counter() - t0
     table = pd.DataFrame(rows).drop(columns="order")
     atomic_write(args.csv, table.to_csv(index=False))
@@ -183,7 +188,3 @@ def format_text(res: dict) -> str:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     return command_main(PROG, build_parser(), run, format_text, argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -15,10 +15,10 @@ from typing import Callable, Iterator, Optional, Sequence
 import torch
 
 from sinklab.keys import bounds
-from sinklab.metrics import METRICS, SinklabTarget, attention_maps, measure_all
+from sinklab.metrics import METRICS, SinklabRecorder, attention_maps, measure_all
 from sinklab.metrics.record import feed_maps
 
-from .components import small_model, token_ids
+from .component_checks import small_model, token_ids
 
 SWITCHES = {"softmax": {}, "kv_bias_sink_token": dict(attn_bias="kv", n_sink_tokens=1),
             "sigmoid": dict(attn_op="sigmoid"), "gated": dict(gate="elementwise"),
@@ -26,7 +26,7 @@ SWITCHES = {"softmax": {}, "kv_bias_sink_token": dict(attn_bias="kv", n_sink_tok
             "differential": dict(attn_op="differential")}  # a map with negative entries, rows summing to 1 - lambda
 
 
-def logged(model, tokens, names=None, batch_size=2, chunk=7, target_cls=SinklabTarget) -> dict[str, dict]:
+def logged(model, tokens, names=None, batch_size=2, chunk=7, target_cls=SinklabRecorder) -> dict[str, dict]:
     """Each metric's logged values (metrics `names`, default every registered one that applies)."""
     target = target_cls(model, chunk)
     metrics = METRICS.build(target.context(eps=[0.3, 0.5], k=3), names)
@@ -34,7 +34,7 @@ def logged(model, tokens, names=None, batch_size=2, chunk=7, target_cls=SinklabT
     return {m.name: m.log(m.result()) for m in metrics}
 
 
-class DirectTarget(SinklabTarget):
+class DirectTarget(SinklabRecorder):
     """Every recorded tensor of the whole input at once, and each layer's whole map from `attention_maps` (one
     forward through the explicit maps): what the streamed route must equal."""
 
@@ -63,7 +63,7 @@ def assert_within_bounds(values: dict[str, float], where: str) -> None:
 
 
 def applicable(switch: str, names: Optional[Sequence[str]] = None) -> set[str]:
-    ctx = SinklabTarget(small_model(**SWITCHES[switch])).context()
+    ctx = SinklabRecorder(small_model(**SWITCHES[switch])).context()
     return {n for n in (names or METRICS.names()) if METRICS.get(n).applies(ctx)}
 
 
@@ -91,7 +91,7 @@ def streamed_equals_direct(switch: str, names: Optional[Sequence[str]] = None) -
 def records_only_what_it_declares_and_writes_strict_json(name: str) -> None:
     cls = METRICS.get(name)
     m = small_model(gate="elementwise", attn_bias="k")
-    target = SinklabTarget(m)
+    target = SinklabRecorder(m)
     (metric,) = METRICS.build(target.context(), [name])
     seen: list[set] = []
     update = metric.update

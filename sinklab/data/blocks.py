@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from .cache import TokenStore
+from .token_store import TokenStore
 from .controls import BlockControls
 from .errors import UserError
 

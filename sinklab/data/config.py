@@ -116,7 +116,7 @@ class DataConfig(Schema):
     vocab_size: int = 4096               # BPE size when tokenizer=bpe; the model uses dm.vocab_size (padded)
     pad_vocab_to_multiple_of: int = rule(64, integer(1))
     eos_token: str = EOS_TOKEN           # separates documents; also the BOS id for data.bos=true
-    # --- token store (sinklab/data/cache.py) ---
+    # --- token store (sinklab/data/token_store.py) ---
     cache_dir: Optional[str] = None      # null: $SINKLAB_CACHE or ~/.cache/sinklab
     prepared_dir: Optional[str] = None   # a directory made by `sinklab prepare`; replaces the corpus keys
     rebuild_cache: bool = False          # rebuild this run's token store from scratch (done by rank 0)

@@ -26,7 +26,7 @@ from .config import DataConfig
 from .documents import Corpus
 from .errors import UserError
 from .fsutil import hash_strings, safe_name
-from .hub import open_hub
+from .hub_corpus import open_hub
 from .local_files import open_files
 from .shakespeare import SHAKESPEARE_LICENCE, SHAKESPEARE_SOURCE, shakespeare_documents
 from .split import SPLIT_VERSION, assign_splits, split_finite, split_streaming

@@ -29,7 +29,7 @@ from tokenizers import Tokenizer
 from torch.utils.data import DataLoader
 
 from .blocks import StepLoader, TrainBlocks, ValBlocks, probe_set
-from .cache import open_store
+from .token_store import open_store
 from .config import DataConfig, from_settings, settings_dict
 from .controls import BlockControls
 from .errors import DataFileNotFoundError, UserError

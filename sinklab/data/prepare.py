@@ -5,7 +5,7 @@
     sinklab-train data=fineweb_edu data.prepared_dir=/data/fineweb_edu_neox
 
 The directory holds train/shard_NNNNN.bin and val/shard_NNNNN.bin (flat uint16, or uint32 for
-tokenizers with more than 65536 ids), tokenizer.json and manifest.json; see sinklab/data/cache.py.
+tokenizers with more than 65536 ids), tokenizer.json and manifest.json; see sinklab/data/token_store.py.
 Training reads the shards as memmaps, never loading them into memory.
 
 Resumable: after an interruption (Ctrl-C, SIGKILL, a preempted job) run the same command again:
@@ -26,7 +26,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 from tokenizers import Tokenizer
 
-from .cache import build_store
+from .token_store import build_store
 from .config import DataConfig, from_settings, load_preset
 from .corpus import open_corpus
 from .errors import UserError

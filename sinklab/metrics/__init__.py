@@ -11,11 +11,11 @@ for _module in pkgutil.iter_modules(__path__):
 from .activations import activation_stats, flatten_activation_stats, hidden_state_stats, qkv_stats
 from .base import METRICS, Context, Metric
 from .gates import gate_stats, record_gates
-from .record import SinklabTarget, attention_maps, measure_all, measure_model
+from .record import SinklabRecorder, attention_maps, measure_all, measure_model
 from .sink import (AttentionScores, attention_scores, brute_force_alpha, column_scores, first_token_attention, sink_rate,
                    slot_names, summarise)
 
-__all__ = ["METRICS", "AttentionScores", "Context", "Metric", "SinklabTarget", "activation_stats", "attention_maps",
+__all__ = ["METRICS", "AttentionScores", "Context", "Metric", "SinklabRecorder", "activation_stats", "attention_maps",
            "attention_scores", "brute_force_alpha", "column_scores", "first_token_attention",
            "flatten_activation_stats", "gate_stats", "hidden_state_stats", "measure_all", "measure_model",
            "qkv_stats", "record_gates", "sink_rate", "slot_names", "summarise"]

@@ -1,13 +1,13 @@
 """One way to record activations: forward hooks, on a sinklab model's hook points (`sinklab.model.hooks`) and
-modules, and on a Hugging Face model's decoder layers (`sinklab.hf.HFTarget`). A target runs a batch through its
+modules, and on a Hugging Face model's decoder layers (`sinklab.targets.transformers_lm.HFRecorder`). A target runs a batch through its
 model with the hooks that the chosen metrics need and hands each metric every layer's recorded tensors as soon as
 the layer has run (`Metric.update`), then the layer's attention map in chunks of query rows (`Metric.update_maps`,
 and once more `Metric.update_maps_again` for a metric that `reads_maps_twice`); nothing is kept after the layer, so
 memory is one layer's tensors plus one chunk of one map. A metric with its own input (`Metric.own_input`, e.g.
 repeated random tokens) gets its own forwards over it.
 
-    metrics = METRICS.build(SinklabTarget(model).context(eps=[0.3], k=4))
-    measure_all(SinklabTarget(model), tokens, metrics, batch_size=32)
+    metrics = METRICS.build(SinklabRecorder(model).context(eps=[0.3], k=4))
+    measure_all(SinklabRecorder(model), tokens, metrics, batch_size=32)
     results = {m.name: m.result() for m in metrics}
 
 `attention_maps(model, tokens)` gives every layer's whole map (B, H, S + T, Tk), the reference the tests compare
@@ -23,7 +23,7 @@ import torch
 from .base import Context, Metric
 
 
-class SinklabTarget:
+class SinklabRecorder:
     """A sinklab Transformer as a measurement target. Recorded tensors are the real tokens' (learned sink tokens and
     bias slots dropped); maps keep the extra key columns first, and their rows are the real queries."""
 
@@ -160,7 +160,7 @@ def measure_model(model, tokens: torch.Tensor, names: Optional[list[str]] = None
     intervention's `extra_mask` if given)."""
     from .base import METRICS
 
-    target = SinklabTarget(model, chunk, extra_mask)
+    target = SinklabRecorder(model, chunk, extra_mask)
     metrics = METRICS.build(target.context(eps, k), names)
     measure_all(target, tokens, metrics, batch_size)
     return metrics

@@ -16,10 +16,11 @@ from typing import Any, Optional
 
 from sinklab.errors import word
 
-from . import components  # noqa: F401  (registers every component)
 from .layer_pattern import layer_config, layer_ops
 from .registry import (ATTENTION_OPS, ATTN_BACKENDS, ATTN_BIASES, FAMILIES, POSITIONS, ConfigError, Registry,
-                       check_positive_int)
+                       check_positive_int, import_components)
+
+import_components()  # every component registers itself before ModelConfig gathers their knobs
 
 # model.attn_memory: the explicit path keeps each row chunk's map for backward, or nothing quadratic in T (chunks
 # recomputed in backward, kernel attention in its causal linear form); auto picks one of the two (`memory` below)

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from .attention import Attention
-from .cache import KVCache
+from .kv_cache import KVCache
 from .hooks import HookPoint
 from .layer_pattern import LayerPattern, is_local, layer_config
 from .legacy import upgrade_state_dict

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from sinklab.errors import UserError
-from sinklab.lm import mean_nll, perplexity
+from sinklab.model.lm_loss import mean_nll, perplexity
 
 
 @dataclass(frozen=True)

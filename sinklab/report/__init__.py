@@ -1,6 +1,6 @@
 """Sweep report: one table row per job of a Hydra multirun, plots, and the paper's numbers beside ours.
 
-    sinklab report SWEEP_DIR [--out DIR]          # or: python -m sinklab.report SWEEP_DIR [--out DIR]
+    sinklab report SWEEP_DIR [--out DIR]          # or: python -m sinklab report SWEEP_DIR [--out DIR]
 
 A sweep dir holds ``multirun.yaml`` and one dir per job (``0/``, ``1/``, ...) with ``.hydra/config.yaml``,
 ``.hydra/overrides.yaml``, ``metrics.csv`` (Lightning CSVLogger format, sparse rows) and ``status.json``.

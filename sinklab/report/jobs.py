@@ -24,7 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 from sinklab.errors import UserError
 from sinklab.keys import SINK_PREFIX
 from sinklab.report.columns import ANY, bounds
-from sinklab.status import Status, read_status
+from sinklab.runs.status import Status, read_status
 
 log = logging.getLogger(__name__)
 STALE_MINUTES = 10.0

@@ -18,7 +18,7 @@ from sinklab.report.jobs import Job, Sweep, is_seed_key
 from sinklab.report.paper import experiment_info
 from sinklab.report.stats import CONFIDENCE, describe
 from sinklab.report.table import group_ids
-from sinklab.status import Status
+from sinklab.runs.status import Status
 
 RC = {"font.size": 11, "axes.titlesize": 12, "axes.labelsize": 11, "legend.fontsize": 9,
       "xtick.labelsize": 10, "ytick.labelsize": 10, "axes.grid": True, "grid.alpha": 0.3}

@@ -20,7 +20,7 @@ from sinklab.config.claims import settings_text
 from sinklab.report.columns import Metric
 from sinklab.report.jobs import is_seed_key
 from sinklab.report.paper import values_match
-from sinklab.status import Status
+from sinklab.runs.status import Status
 
 CONFIDENCE = 0.95  # of every interval in the report
 STATS = ("n", "mean", "std", "median", "min", "max", "ci_low", "ci_high")  # per metric, in report_aggregate.csv

@@ -19,7 +19,7 @@ from sinklab.report.paper import PAPER_CITE, PAPER_COLUMNS, PAPER_LABELS, experi
     paper_values
 from sinklab.report.stats import CONFIDENCE, describe
 from sinklab.report.verdicts import RULE
-from sinklab.status import Status
+from sinklab.runs.status import Status
 
 STATUS_ORDER = (Status.COMPLETED, Status.RUNNING, Status.PREEMPTED, Status.FAILED, Status.STALLED, Status.KILLED,
                 Status.UNKNOWN, Status.PENDING)
@@ -208,7 +208,7 @@ def write_markdown(path: Path, sweep: Sweep, jobs: pd.DataFrame, metrics: list[M
     lines += [f"- Swept: {', '.join(f'`{k}`' for k in sweep.swept) or 'nothing (single setting)'}",
               f"- Jobs: {len(jobs)} ({status_counts(jobs['status'])})",
               f"- Generated: {datetime.now().strftime('%Y-%m-%d %H:%M:%S')}",
-              f"- Regenerate: `{regen}` (or `python -m sinklab.report {sweep.dir} --out {out_dir}`)",
+              f"- Regenerate: `{regen}` (or `python -m sinklab report {sweep.dir} --out {out_dir}`)",
               "", "Final values are the last logged ones; Sink_k in %, losses in nats.", "", "## Jobs", ""]
     labels = {m.col: m.label for m in metrics} | PAPER_LABELS
     lines.append(_markdown(_cells(jobs.drop(columns="dir")), labels))

@@ -25,7 +25,7 @@ from sinklab.config.claims import Claim, settings_text
 from sinklab.report.columns import bounds
 from sinklab.report.jobs import Sweep, is_seed_key
 from sinklab.report.stats import CONFIDENCE, describe, difference_bounds, matches, pairs
-from sinklab.status import Status
+from sinklab.runs.status import Status
 
 MIN_PAIRS = 3  # fewer paired seeds: not testable
 REPRODUCED_SHARE = 0.8  # the claimed sign in at least this share of the pairs (4 of 5), and the interval excludes 0

@@ -12,8 +12,8 @@ import torch
 
 from sinklab.errors import describe
 from sinklab.keys import SINK_PREFIX
-from sinklab.metrics import METRICS, SinklabTarget, measure_all
-from sinklab.status import Status, write_status
+from sinklab.metrics import METRICS, SinklabRecorder, measure_all
+from sinklab.runs.status import Status, write_status
 from sinklab.train.fault import Preempted
 
 
@@ -55,7 +55,7 @@ class SinkCallback(L.Callback):
         net.eval()
         try:
             tokens = self.probe(trainer).to(pl_module.device)
-            target = SinklabTarget(net)
+            target = SinklabRecorder(net)
             metrics = METRICS.build(target.context(self.eps, self.k), None if self.activations else ["sink"])
             measure_all(target, tokens, metrics, batch_size=self.batch_size)
             out: dict[str, float] = {}
@@ -196,7 +196,7 @@ class StepProgressBar(TQDMProgressBar):
 
 
 class StatusFile(L.Callback):
-    """Writes status.json in the run dir (sinklab.status): running / completed / failed / preempted, with the error
+    """Writes status.json in the run dir (sinklab.runs.status): running / completed / failed / preempted, with the error
     and final metrics, so that a sweep report can read the state of every job, even a failed or unfinished one."""
 
     def __init__(self, path: Optional[str] = None):

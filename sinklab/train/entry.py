@@ -31,7 +31,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     import lightning as L
     import torch
 
-    from sinklab.checkpoint import check_same_model, read_training_checkpoint
+    from sinklab.runs.checkpoints import check_same_model, read_training_checkpoint
     from sinklab.train.checkpoint_io import AtomicCheckpointIO
     from sinklab.train.fault import Preempted, continue_metrics, resolve_ckpt_path, slurm_plugins
     from sinklab.plugins import load_plugins

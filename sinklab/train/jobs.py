@@ -17,7 +17,7 @@ from omegaconf import DictConfig
 
 from sinklab.errors import UserError, describe, one_line
 from sinklab.keys import RUN_FAILED, VAL_LOSS
-from sinklab.status import Status, write_status
+from sinklab.runs.status import Status, write_status
 from sinklab.train.runtime import is_multirun, output_dir_of
 from sinklab.train.wandb_setup import finish_wandb
 

@@ -6,7 +6,7 @@ the strategy, the atomic checkpoint IO) as checkpoints/kept/step<step>-tokens<to
 
 Tokens seen after step s are s x the tokens of one optimizer step, data.batch_size x data.block_size x the number
 of processes x trainer.accumulate_grad_batches (the BOS token of a block counts as one of its block_size inputs).
-Every checkpoint of a run records them (`sinklab.checkpoint.TOKENS_SEEN`, written by `LitLM.on_save_checkpoint`).
+Every checkpoint of a run records them (`sinklab.runs.checkpoints.TOKENS_SEEN`, written by `LitLM.on_save_checkpoint`).
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from typing import Any, Optional, Union
 import lightning as L
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from sinklab.checkpoint import KEPT_DIR, kept_name
+from sinklab.runs.checkpoints import KEPT_DIR, kept_name
 from sinklab.errors import UserError
 from sinklab.train.config import KeepConfig
 

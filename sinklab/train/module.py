@@ -13,9 +13,9 @@ import torch
 import torch.nn.functional as F
 
 from sinklab import plugins
-from sinklab.checkpoint import TOKENS_SEEN
+from sinklab.runs.checkpoints import TOKENS_SEEN
 from sinklab.errors import UserError
-from sinklab.lm import IGNORE, next_token_targets
+from sinklab.model.lm_loss import IGNORE, next_token_targets
 from sinklab.model import ModelConfig, Transformer
 from sinklab.model.compile import (CompileFallbackWarning, backward_compiled_with_forward, compile_errors,
                                    compile_model, first_lines)
@@ -66,7 +66,7 @@ class LitLM(L.LightningModule):
             self.model = compile_model(self.model, self.cfg, compile_backend)
         self.max_steps = max_steps
         # peak dense FLOP/s of one device for perf/mfu: a number, None (no perf/mfu), or "auto" (measured when
-        # training starts, sinklab.perf.peak_matmul_flops at the training precision's matmul dtype)
+        # training starts, sinklab.train.throughput.peak_matmul_flops at the training precision's matmul dtype)
         self.peak_flops = peak_flops
         self._t_last: Optional[float] = None
 
@@ -104,7 +104,7 @@ class LitLM(L.LightningModule):
 
     def on_fit_start(self) -> None:
         if self.peak_flops == "auto":
-            from sinklab.perf import datasheet_peak, matmul_dtype, peak_matmul_flops
+            from sinklab.train.throughput import datasheet_peak, matmul_dtype, peak_matmul_flops
 
             dtype = matmul_dtype(self.trainer.precision if self._trainer is not None else None)
             self._peak = datasheet_peak(self.device, dtype)

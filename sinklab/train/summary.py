@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from sinklab.keys import ALPHA1, SINK1, SINK1_STAR, SLOT_BIAS, VAL_LOSS
-from sinklab.status import Status
+from sinklab.runs.status import Status
 
 # what to run next: a K bias gives every head a key to sink on other than token 1 (the sink moves to the slot);
 # sigmoid attention without row normalisation needs no sink at all (experiments/cpu/RESULTS.md, section 3)

@@ -2,7 +2,7 @@
 a command, and what evaluates a model sits below training (no Lightning for `sinklab quant` and `sinklab eval`).
 
 Imports are read from the source (ast), wherever they are in a module (module level or inside a function), except
-a module's `if __name__ == "__main__":` block: `python -m sinklab.measure` running `sinklab.cli.measure` is a
+a module's `if __name__ == "__main__":` block: `python -m sinklab.analysis.measurement` running `sinklab.cli.measure` is a
 command line, not a dependency.
 """
 from __future__ import annotations
@@ -23,9 +23,9 @@ from sinklab.model import ModelConfig, Transformer
 SINKLAB = Path(__file__).resolve().parents[2] / "sinklab"
 CLI_BASE = {"sinklab.cli", "sinklab.cli.base", "sinklab.cli.__main__"}  # the shared base and the dispatcher
 # what loads, scores and evaluates a model: below sinklab.train, so that it runs without Lightning
-BELOW_TRAIN = ("sinklab.lm", "sinklab.evals", "sinklab.quant", "sinklab.metrics", "sinklab.model",
-               "sinklab.config.validate", "sinklab.checkpoint", "sinklab.hf", "sinklab.probe_inputs",
-               "sinklab.measure", "sinklab.cli.base")
+BELOW_TRAIN = ("sinklab.model.lm_loss", "sinklab.evals", "sinklab.quant", "sinklab.metrics", "sinklab.model",
+               "sinklab.config.validate", "sinklab.runs.checkpoints", "sinklab.targets.transformers_lm", "sinklab.analysis.probe_inputs",
+               "sinklab.analysis.measurement", "sinklab.cli.base")
 
 
 def module_name(path: Path) -> str:
@@ -120,20 +120,20 @@ def test_evaluation_sits_below_training():
 
 
 def test_nll_and_perplexity_are_written_once():
-    """One mean NLL and one perplexity (sinklab.lm); training, the commands and the evaluations call them."""
+    """One mean NLL and one perplexity (sinklab.model.lm_loss); training, the commands and the evaluations call them."""
     for path in [p for d in ("cli", "evals", "quant", "train") for p in (SINKLAB / d).rglob("*.py")]:
         tree = ast.parse(path.read_text())
         defined = {n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}
         assert not defined & {"mean_nll", "perplexity", "next_token_targets"}, path
         exps = [n for n in ast.walk(tree) if isinstance(n, ast.Attribute) and n.attr == "exp"
                 and isinstance(n.value, ast.Name) and n.value.id == "math"]
-        assert not exps, f"{path}: math.exp of a loss is sinklab.lm.perplexity"
+        assert not exps, f"{path}: math.exp of a loss is sinklab.model.lm_loss.perplexity"
 
 
 def test_perplexity_overflow_guard():
     import math
 
-    from sinklab.lm import perplexity
+    from sinklab.model.lm_loss import perplexity
 
     assert perplexity(2.0) == math.exp(2.0)
     assert perplexity(705.0) == math.exp(705.0) < math.inf  # representable: exact, no early cut-off
@@ -152,7 +152,7 @@ def run_without_lightning(code: str) -> subprocess.CompletedProcess:
 
 def test_quant_and_eval_commands_import_no_lightning():
     proc = run_without_lightning("import sinklab.cli, sinklab.cli.quant, sinklab.cli.eval, sinklab.cli.streaming, "
-                                 "sinklab.cli.intervene, sinklab.cli.measure, sinklab.cli.sample, sinklab.lm, "
+                                 "sinklab.cli.intervene, sinklab.cli.measure, sinklab.cli.sample, sinklab.model.lm_loss, "
                                  "sinklab.config.validate")
     assert proc.returncode == 0, proc.stderr
     # the check itself: a module that does import Lightning is caught

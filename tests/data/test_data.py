@@ -19,7 +19,7 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from sinklab.data import LMDataModule, StoreDamagedError, StoreMismatchError, open_store
-from sinklab.data.cache import build_store, dtype_for
+from sinklab.data.token_store import build_store, dtype_for
 from sinklab.data.clean import strip_gutenberg
 from sinklab.data.config import DataConfig, load_preset
 from sinklab.data.corpus import open_corpus

@@ -187,7 +187,7 @@ def test_controls_leave_validation_and_probe_natural(env):
 def test_bos_is_prepended_to_validation_blocks_as_to_training_blocks(env):
     """data.bos: the validation blocks are on the training distribution, BOS and then the plain block's text shifted
     by one (same offsets), and that is what `sinklab quant` and `sinklab eval intervene` read."""
-    from sinklab.probe_inputs import val_blocks
+    from sinklab.runs.run_data import val_blocks
 
     plain, dm = torch.cat(list(make_dm(env).val_dataloader())), make_dm(env, bos=True)
     val = torch.cat(list(dm.val_dataloader()))

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from sinklab.probe_inputs import make_tokens
+from sinklab.analysis.probe_inputs import make_tokens
 from tests.helpers import REPO, hub_cache, run_sinklab, tiny_hf
 
 REPO_ID = "tiny-org/tiny-llama"
@@ -48,7 +48,7 @@ def alpha_of(capsys, *args: str) -> tuple[dict, np.ndarray]:
 
 
 def test_revisions_resolve_through_refs_and_commits(offline_cache, capsys):
-    from sinklab.hub import resolve_model
+    from sinklab.targets.hub_models import resolve_model
 
     cache, dirs, commits = offline_cache
     snapshots = cache / "models--tiny-org--tiny-llama" / "snapshots"
@@ -92,7 +92,7 @@ def test_the_command_line_reads_the_cache_named_by_hf_hub_cache(hub):
     cache, _, commits = hub
     env = {**os.environ, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1",
            "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    proc = subprocess.run([sys.executable, "-m", "sinklab.cli", "measure", "--hf-model", REPO_ID, "--revision",
+    proc = subprocess.run([sys.executable, "-m", "sinklab", "measure", "--hf-model", REPO_ID, "--revision",
                            "step1000", "--input", "repeat", "--num-seqs", "2", "--json"],
                           capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
     assert proc.returncode == 0, proc.stderr

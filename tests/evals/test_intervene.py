@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from sinklab.cli import main as sinklab_main
-from sinklab.evals.intervene import drop_first_key, drop_random_key, find_massive, set_activations
-from sinklab.metrics import SinklabTarget, attention_maps
+from sinklab.evals.interventions import drop_first_key, drop_random_key, find_massive, residuals
+from sinklab.metrics import SinklabRecorder, attention_maps
 from sinklab.model import ModelConfig, Transformer
+from sinklab.targets import SinklabTarget
 from tests.helpers import HF_KINDS, natural_run, save_ckpt, small_model, token_ids
 
 
@@ -61,20 +62,21 @@ def test_find_massive_locates_the_planted_channels_and_set_activations_overwrite
     m = massive_model()
     probe = token_ids(B=6, T=16, seed=1)
     probe[:, 2] = 7  # token 3 of every sequence
-    found = find_massive(m, probe, n_channels=2)
+    target = SinklabTarget.of_model(m)
+    found = find_massive(target, probe, n_channels=2)
     assert (found["layer"], found["token"], found["channels"]) == (0, 3, [5, 6])
     assert found["mean_values"][0] > 70 and found["mean_values"][1] < -30 and found["ratio"] > 20
     def first_layer_h() -> torch.Tensor:
         layers = {}
-        with SinklabTarget(m).hooks({"h"}, lambda i, rec: layers.__setitem__(i, rec["h"])), torch.no_grad():
+        with SinklabRecorder(m).hooks({"h"}, lambda i, rec: layers.__setitem__(i, rec["h"])), torch.no_grad():
             m(probe)
         return layers[0]
-    with set_activations(m, 0, 2, [5, 6], torch.tensor([0.0, 1.5])):
+    with target.set_output(0, 2, [5, 6], torch.tensor([0.0, 1.5])):
         h = first_layer_h()
     assert (h[:, 2, 5] == 0).all() and (h[:, 2, 6] == 1.5).all()
     assert (first_layer_h()[:, 2, 5] > 70).all()  # the hook is gone
     with pytest.raises(Exception, match="--channels 40 must be in 1..32"):
-        find_massive(m, probe, n_channels=40)
+        find_massive(target, probe, n_channels=40)
 
 
 def test_intervene_command_table_and_json(small_run, capsys):
@@ -116,7 +118,7 @@ def test_intervene_needs_a_run_dir(tmp_path, capsys):
 def test_validation_blocks_get_the_bos_token_the_model_was_trained_with(tmp_path):
     from omegaconf import OmegaConf
 
-    from sinklab.probe_inputs import read_run_data, val_blocks
+    from sinklab.runs.run_data import read_run_data, val_blocks
 
     run, dm = natural_run(tmp_path)
     plain = val_blocks(dm, None)
@@ -137,8 +139,9 @@ def test_hf_interventions_on_every_architecture(capsys, hf_models, tmp_path, kin
     command's table on --tokens."""
     import transformers
 
-    from sinklab.evals.hf_intervene import HFSubject, masked_attention, set_layer_output
-    from sinklab.hf import load_hf_model
+    from sinklab.targets import TransformersTarget
+    from sinklab.targets.transformers_lm import load_hf_model
+    from sinklab.targets.transformers_masking import masked_attention
 
     model = load_hf_model(hf_models[kind])
     idx = token_ids(B=2, T=16, vocab=128)
@@ -152,8 +155,9 @@ def test_hf_interventions_on_every_architecture(capsys, hf_models, tmp_path, kin
     assert not torch.allclose(masked.logits, plain.logits, atol=1e-4)
     torch.testing.assert_close(again, plain.logits, atol=0, rtol=0)
     assert model.config._attn_implementation == "eager"
-    with torch.no_grad(), set_layer_output(model, 0, 3, [1, 2], torch.tensor([0.0, 5.0])):
-        h = HFSubject(model).residuals(idx)[0]
+    target = TransformersTarget.of_model(model, str(hf_models[kind]))
+    with torch.no_grad(), target.set_output(0, 3, [1, 2], torch.tensor([0.0, 5.0])):
+        h = residuals(target, idx)[0]
     assert (h[:, 3, 1] == 0).all() and (h[:, 3, 2] == 5).all()
     assert isinstance(model, transformers.PreTrainedModel)
 

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from sinklab.cli.measure import main
-from sinklab.probe_inputs import make_tokens
+from sinklab.analysis.probe_inputs import make_tokens
 from sinklab.metrics import activation_stats, attention_scores, brute_force_alpha, sink_rate
 from sinklab.metrics import massive, norms, outliers, residual_sinks
 from sinklab.model import ModelConfig, Transformer
@@ -30,7 +30,7 @@ STAT_KEYS = massive.KEYS + norms.KEYS + outliers.KEYS + residual_sinks.PER_LAYER
 
 # ------------------------------------------------------------------------------------------------ helpers
 def cli(*args: str, env: dict = ENV) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "sinklab.measure", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "sinklab", "measure", *args], capture_output=True, text=True,
                           env=env, cwd=REPO, timeout=120)
 
 
@@ -333,7 +333,7 @@ def capture_attention():
     """An attention implementation registered with transformers' AttentionInterface (and the eager mask) that
     records the (query, key, value) each attention layer computes with, then runs the family's own eager attention
     (`eager_attention_forward` of its modeling module). This is where the model itself hands over its keys after its
-    norms and RoPE: independent of sinklab.hf's recomputation."""
+    norms and RoPE: independent of sinklab.targets.transformers_lm's recomputation."""
     transformers = pytest.importorskip("transformers")
     from transformers.masking_utils import AttentionMaskInterface, eager_mask
 

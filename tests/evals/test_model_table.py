@@ -81,7 +81,7 @@ def test_natural_text_goes_through_the_models_tokenizer_bos_first(offline, capsy
     BOS its tokenizer puts first (the LLaMA stand-in's; the GPT-2 stand-in's puts none)."""
     import transformers
 
-    from sinklab.hub import resolve_model
+    from sinklab.targets.hub_models import resolve_model
 
     text = (offline / "verse.txt").read_text()
     for repo_id, bos in (("meta-llama/Llama-2-7b-hf", [0]), ("openai-community/gpt2-xl", [])):

@@ -7,12 +7,12 @@ import json
 import pytest
 import torch
 
-from sinklab.evals.sample import generate, kept, pick
+from sinklab.evals.sampling import generate, kept, pick
 from tests.helpers import readme_cli_lines, run_sinklab, save_ckpt, small_model, token_ids
 
 
 def test_greedy_cached_sampling_equals_recomputing_the_prefix_on_a_trained_run(trained_run):
-    from sinklab.checkpoint import load_model
+    from sinklab.runs.checkpoints import load_model
 
     model = load_model(trained_run / "checkpoints" / "last.ckpt")
     prompt = torch.tensor([[0, 464, 262, 286, 290]])  # BOS, then a few ids of the 1024 BPE

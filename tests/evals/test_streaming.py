@@ -11,7 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sinklab.evals import perplexity as pp
+from sinklab.evals import streaming_ppl as pp
+from sinklab.targets import SinklabTarget
 from tests.helpers import ABSOLUTE_KINDS, HF_KINDS, readme_cli_lines, run_sinklab, save_ckpt, small_model, token_ids
 
 CASES = [{}, {"n_sink_tokens": 2}, {"attn_bias": "kv", "pos": "alibi"}, {"pos": "learnable"}, {"window": 6}]
@@ -30,9 +31,9 @@ def test_streaming_without_eviction_equals_the_full_forward(case):
     tokens = token_ids(B=1, T=20)[0]
     want = full_nll(m, tokens)
     for first, recent in ((0, 20), (4, 16), (2, 22)):  # x + y >= the 20 tokens: nothing is evicted
-        got = pp.stream_nll(pp.sinklab_step(m, pp.streaming_cache(m, first, recent)), tokens, chunk=7)
+        got = pp.stream_nll(SinklabTarget.of_model(m).stream(first, recent), tokens, chunk=7)
         torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
-    dense = pp.stream_nll(pp.sinklab_step(m, m.new_cache()), tokens)
+    dense = pp.stream_nll(SinklabTarget.of_model(m).stream(None, None), tokens)
     torch.testing.assert_close(dense, want, atol=2e-5, rtol=1e-5)
     assert pp.perplexity(dense) == pytest.approx(math.exp(want.mean().item()), rel=1e-5)
 
@@ -44,7 +45,7 @@ def test_each_prediction_sees_the_first_x_and_the_last_y_tokens_renumbered(case)
     m = small_model(n_layer=1, **case)
     tokens = token_ids(B=1, T=30, seed=3)[0]
     x, y = 3, 5
-    got = pp.stream_nll(pp.sinklab_step(m, pp.streaming_cache(m, x, y)), tokens, chunk=4)
+    got = pp.stream_nll(SinklabTarget.of_model(m).stream(x, y), tokens, chunk=4)
     for t in range(tokens.shape[0] - 1):
         seen = tokens[:t + 1] if t + 1 <= x + y else torch.cat([tokens[:x], tokens[t + 1 - y:t + 1]])
         want = F.cross_entropy(m(seen[None])[0, -1:], tokens[t + 1:t + 2])
@@ -55,12 +56,12 @@ def test_each_prediction_sees_the_first_x_and_the_last_y_tokens_renumbered(case)
 def test_the_recompute_baseline_equals_a_direct_computation(case):
     m = small_model(**case)  # context 24
     tokens = token_ids(B=1, T=61, seed=1)[0]
-    got = pp.recompute_nll(pp.sinklab_logits(m), tokens, context=24, batch_size=5)
+    got = pp.recompute_nll(SinklabTarget.of_model(m), tokens, context=24, batch_size=5)
     want = torch.stack([F.cross_entropy(m(tokens[None, max(0, t + 1 - 24):t + 1])[0, -1], tokens[t + 1])
                         for t in range(60)])  # each target from the <= 24 tokens ending at its input
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
     short = token_ids(B=1, T=10, seed=2)[0]  # shorter than the context: one forward
-    torch.testing.assert_close(pp.recompute_nll(pp.sinklab_logits(m), short, 24), full_nll(m, short),
+    torch.testing.assert_close(pp.recompute_nll(SinklabTarget.of_model(m), short, 24), full_nll(m, short),
                                atol=2e-5, rtol=1e-5)
 
 
@@ -75,7 +76,7 @@ def test_bucket_perplexities():
 @pytest.fixture(scope="module")
 def streaming_run(trained_run, tmp_path_factory):
     """The trained run, a 400-token text of its validation split as a .npy, and its export to transformers."""
-    from sinklab.probe_inputs import read_run_data
+    from sinklab.runs.run_data import read_run_data
 
     d = tmp_path_factory.mktemp("streaming")
     text = read_run_data(trained_run, {"num_workers": 0}, lambda dm: dm.val_text(400), "test", "text", "")
@@ -114,14 +115,14 @@ def test_table_json_and_plot_on_a_trained_run(capsys, streaming_run):
         assert math.isfinite(s["ppl"]) and s["ppl"] > 1 and len(s["bucket_ppl"]) == 2, s["name"]
         assert s["loss"] == pytest.approx(math.log(s["ppl"]))
     # the command's numbers are the functions' on the same text (the run's validation text, BOS first)
-    from sinklab.checkpoint import load_model
+    from sinklab.runs.checkpoints import load_model
 
     model = load_model(run / "checkpoints" / "last.ckpt")
     tokens = torch.from_numpy(np.load(text))[:300]
     assert int(tokens[0]) == 0  # the BOS id of the default data
     with torch.no_grad():
-        direct = pp.recompute_nll(pp.sinklab_logits(model), tokens, 64)
-        window = pp.stream_nll(pp.sinklab_step(model, pp.streaming_cache(model, 0, 16)), tokens)
+        direct = pp.recompute_nll(SinklabTarget.of_model(model), tokens, 64)
+        window = pp.stream_nll(SinklabTarget.of_model(model).stream(0, 16), tokens)
     assert by_name["recompute 64"]["ppl"] == pytest.approx(pp.perplexity(direct), rel=1e-5)
     assert by_name["x=0 y=16"]["ppl"] == pytest.approx(pp.perplexity(window), rel=1e-5)
     assert by_name["x=0 y=16"]["ppl"] != pytest.approx(by_name["x=4 y=16"]["ppl"], rel=1e-4)  # x matters
@@ -145,8 +146,8 @@ def test_transformers_cache_evicts_and_rerotates_as_the_sinklab_cache(capsys, mo
         assert b["ppl"] == pytest.approx(a["ppl"], rel=2e-5), a["name"]
         assert b["bucket_ppl"] == pytest.approx(a["bucket_ppl"], rel=2e-5), a["name"]
     # without the re-rotation the kept keys sit at the wrong positions: the perplexity moves
-    from sinklab.evals import hf_cache
-    from sinklab.hf import load_hf_model
+    from sinklab.targets import transformers_cache as hf_cache
+    from sinklab.targets.transformers_lm import load_hf_model
 
     model, tokens = load_hf_model(hf_dir), torch.from_numpy(np.load(text))
     with torch.no_grad():
@@ -239,7 +240,7 @@ def test_transformers_cache_evicts_exactly_for_every_rope_family(kind, layer_typ
     """A 1-layer model of each RoPE family (partial rotary, q/k norms, per-layer RoPE bases, YaRN, sliding windows of
     8 keys < the x + y = 11 kept): the prediction after token t is the full forward's over the first x tokens and the
     y ending at t, numbered from 0. Without the re-rotation it is not."""
-    from sinklab.evals import hf_cache
+    from sinklab.targets import transformers_cache as hf_cache
     from tests.helpers.hf_models import build, sharpen
 
     torch.manual_seed(0)

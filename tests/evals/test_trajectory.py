@@ -11,13 +11,13 @@ import pandas as pd
 import pytest
 import torch
 
-from sinklab.checkpoint import load_model
+from sinklab.runs.checkpoints import load_model
 from sinklab.cli.trajectory import build_parser, check_args, metric_keys
 from sinklab.errors import UserError
 from sinklab.keys import UNIT
 from sinklab.metrics import METRICS, Metric, attention_maps
-from sinklab.probe_inputs import probe_tokens
-from sinklab.trajectory import hf_series, parse_revision
+from sinklab.runs.run_data import probe_tokens
+from sinklab.analysis.trajectories import hf_series, parse_revision
 from tests.helpers import readme_cli_lines, run_sinklab, series
 
 TOKENS_PER_STEP = 16 * 64  # FAST: 16 blocks of 64 tokens per step
@@ -227,7 +227,7 @@ def test_bad_input_is_one_line_and_exit_2(small_run, capsys, tmp_path, args, mes
 
 
 def test_a_run_without_checkpoints_is_refused(small_run, tmp_path):
-    from sinklab.trajectory import run_series
+    from sinklab.analysis.trajectories import run_series
 
     run, _, _ = small_run
     bare = tmp_path / "bare"

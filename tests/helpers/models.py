@@ -6,7 +6,7 @@ from pathlib import Path
 import torch
 
 # the generic contract checks' models, tokens and cases, shared with `sinklab check-component`
-from sinklab.contracts.components import (SMALL, assert_same_logits_and_grads, case_id, component_cases,  # noqa: F401
+from sinklab.contracts.component_checks import (SMALL, assert_same_logits_and_grads, case_id, component_cases,  # noqa: F401
                                           explicit_paths, logits_and_grads, refused, small_model, token_ids)
 from sinklab.model import Transformer
 
@@ -64,7 +64,7 @@ def training_peak(T: int, device: str = "cpu", **overrides) -> int:
     """Peak tensor bytes of one forward + backward of a 1-layer model at T tokens, batch 1, on `device` (gradients
     already allocated: the measured step holds the same)."""
     from sinklab.model import ModelConfig
-    from sinklab.perf import peak_memory
+    from sinklab.train.throughput import peak_memory
 
     torch.manual_seed(0)
     m = Transformer(ModelConfig(vocab_size=64, n_layer=1, n_head=2, d_model=32, d_ff=64, block_size=T,

@@ -22,7 +22,7 @@ import torch
 
 from sinklab.metrics.sink import attention_scores, brute_force_alpha
 from sinklab.model import ModelConfig, Transformer
-from sinklab.perf import peak_memory
+from sinklab.train.throughput import peak_memory
 from tests.helpers import fake_text, training_peak
 
 pytestmark = [pytest.mark.cuda,

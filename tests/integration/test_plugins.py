@@ -210,7 +210,7 @@ def test_check_component_passes_an_external_op_and_metric(user_package, tmp_path
     in_pytest = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                                   "test_user_contracts.py", "-k", "future or streamed"], cwd=tmp_path,
                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=user_env(user_package))
-    proc = run(user_package, "-m", "sinklab.cli", "check-component", "labext.ops", "labext.metrics")
+    proc = run(user_package, "-m", "sinklab", "check-component", "labext.ops", "labext.metrics")
     user = done(in_pytest)
     selected = 1 + len(METRIC_SWITCHES)  # the op's no-future check, the metric's streamed check on each switch
     assert user.returncode == 0 and f"{selected} passed," in user.stdout, user.stdout[-3000:]
@@ -222,7 +222,7 @@ def test_check_component_passes_an_external_op_and_metric(user_package, tmp_path
 
 
 def test_check_component_fails_a_broken_op_and_metric_one_line_per_check(user_package):
-    proc = run(user_package, "-m", "sinklab.cli", "check-component", "labext.broken")
+    proc = run(user_package, "-m", "sinklab", "check-component", "labext.broken")
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-2000:]
     failed = [line for line in proc.stdout.splitlines() if line.startswith("FAIL ")]
     assert any(line.startswith("FAIL no information from the future: attn_op=leaky: AssertionError: changing "
@@ -240,7 +240,7 @@ def test_a_bad_knob_or_plugin_is_one_line(user_package):
     started = [start(user_package, "-m", "sinklab.train.entry", "model/attn=scaled_sigmoid", "model.scaled_alpah=2"),
                start(user_package, "-m", "sinklab.train.entry", "model.scaled_alpha=2"),  # the op is not selected
                start(user_package, "-m", "sinklab.train.entry", SINKLAB_PLUGINS="labext.nope"),
-               start(user_package, "-m", "sinklab.cli", "check-component", "json"),
+               start(user_package, "-m", "sinklab", "check-component", "json"),
                start(user_package, "-m", "sinklab.train.entry", "plugins=clashpkg")]
     typo, owner, missing, nothing, clash = (done(p) for p in started)
     for proc in (typo, owner, missing, nothing, clash):

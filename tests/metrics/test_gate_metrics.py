@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from sinklab.checkpoint import load_model
+from sinklab.runs.checkpoints import load_model
 from sinklab.keys import bounds
 from sinklab.cli.measure import main
 from sinklab.metrics import activation_stats, flatten_activation_stats, gate_stats, record_gates
 from sinklab.metrics.gates import GATE_KEYS
-from sinklab.probe_inputs import probe_tokens
+from sinklab.runs.run_data import probe_tokens
 from tests.helpers import small_model, token_ids, train_here
 
 STEPS = 4

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sinklab.metrics import METRICS, Context, SinklabTarget, attention_maps, measure_all
+from sinklab.metrics import METRICS, Context, SinklabRecorder, attention_maps, measure_all
 from sinklab.metrics.induction import repeated_tokens
 from tests.helpers import small_model, token_ids
 
@@ -46,7 +46,7 @@ def test_planted_previous_token_and_induction_heads_score_one():
 
 def test_the_scores_equal_transformer_lens_s_stripes_on_whole_maps():
     model, probe = small_model(), token_ids(B=5, T=24, seed=2)
-    target = SinklabTarget(model, chunk=7)
+    target = SinklabRecorder(model, chunk=7)
     (metric,) = METRICS.build(target.context(), ["induction"])
     measure_all(target, probe, [metric], batch_size=5)
     res = metric.result()

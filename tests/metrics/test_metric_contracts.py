@@ -3,7 +3,7 @@
   trained one;
 - the hooked, streamed value (batches of 2 sequences, maps in chunks of 7 query rows, one layer at a time) equals
   the direct computation (every sequence at once, every layer's whole explicit map from one forward);
-- a sinklab model exported to Hugging Face gives the same values through the Hugging Face path (`HFTarget`) as
+- a sinklab model exported to Hugging Face gives the same values through the Hugging Face path (`HFRecorder`) as
   through the sinklab one, for every metric that does not read the sinklab model's own weights;
 - its JSON part is strict JSON, under its own key.
 The checks live in sinklab/contracts/metrics.py, where `sinklab check-component` runs them on a user's module."""
@@ -45,8 +45,8 @@ def test_a_metric_records_only_what_it_declares_and_writes_strict_json(name):
 
 def test_an_exported_model_gives_the_same_values_through_the_hugging_face_path(tmp_path):
     pytest.importorskip("transformers")
-    from sinklab import hf
-    from sinklab.export_hf import export
+    from sinklab.targets import transformers_lm as hf
+    from sinklab.export.llama import export
     from tests.helpers import save_ckpt
 
     torch.manual_seed(0)
@@ -56,7 +56,7 @@ def test_an_exported_model_gives_the_same_values_through_the_hugging_face_path(t
     model = hf.load_hf_model(tmp_path / "hf")
     tokens = token_ids(B=4, T=24, seed=5)
     names = [n for n in NAMES if not METRICS.get(n).needs_model]
-    via_hf = logged(model, tokens, names, target_cls=lambda model, chunk: hf.HFTarget(model))
+    via_hf = logged(model, tokens, names, target_cls=lambda model, chunk: hf.HFRecorder(model))
     via_sinklab = logged(m, tokens, names)
     for name in via_hf:
         assert via_hf[name].keys() <= via_sinklab[name].keys(), name

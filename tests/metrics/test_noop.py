@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sinklab.metrics import METRICS, Context, SinklabTarget, attention_maps, measure_all
+from sinklab.metrics import METRICS, Context, SinklabRecorder, attention_maps, measure_all
 from sinklab.metrics.secondary_sinks import scored_positions
 from tests.helpers import save_ckpt, small_model, token_ids
 
@@ -71,7 +71,7 @@ def brute_force(model, tokens, eps: float) -> dict[str, list[float]]:
 @pytest.mark.parametrize("switch", [{}, dict(attn_bias="kv", n_sink_tokens=1), dict(attn_op="sigmoid")])
 def test_the_metric_equals_brute_force_on_whole_maps(switch):
     model, tokens, eps = small_model(**switch), token_ids(B=5, T=23, seed=2), 0.08  # T odd: one median value
-    target = SinklabTarget(model, chunk=7)
+    target = SinklabRecorder(model, chunk=7)
     (metric,) = METRICS.build(target.context(eps=[eps]), ["noop"])
     measure_all(target, tokens, [metric], batch_size=2)
     by_layer = metric.result()["by_layer"]
@@ -81,15 +81,15 @@ def test_the_metric_equals_brute_force_on_whole_maps(switch):
 
 def test_the_hugging_face_path_gives_the_sinklab_values(tmp_path):
     pytest.importorskip("transformers")
-    from sinklab import hf
-    from sinklab.export_hf import export
+    from sinklab.targets import transformers_lm as hf
+    from sinklab.export.llama import export
 
     model = small_model()
     export(str(save_ckpt(model, tmp_path / "m.ckpt")), str(tmp_path / "hf"), with_tokenizer=False,
            log=lambda *a: None)
     tokens = token_ids(B=4, T=24, seed=5)
     logs = []
-    for target in (SinklabTarget(model), hf.HFTarget(hf.load_hf_model(tmp_path / "hf"))):
+    for target in (SinklabRecorder(model), hf.HFRecorder(hf.load_hf_model(tmp_path / "hf"))):
         metrics = METRICS.build(target.context(eps=[0.08]), ["secondary_sinks", "noop", "induction"])
         measure_all(target, tokens, metrics, batch_size=3)
         logs.append({k: v for m in metrics for k, v in m.log(m.result()).items()})

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sinklab.metrics import METRICS, Context, SinklabTarget, attention_maps, measure_all
+from sinklab.metrics import METRICS, Context, SinklabRecorder, attention_maps, measure_all
 from sinklab.metrics.secondary_sinks import scored_positions
 from tests.helpers import small_model, token_ids
 
@@ -53,7 +53,7 @@ def test_a_planted_secondary_sink_is_found_and_a_diagonal_head_is_not_one():
 @pytest.mark.parametrize("switch", [{}, dict(attn_bias="kv", n_sink_tokens=1), dict(attn_op="sigmoid")])
 def test_the_metric_equals_brute_force_on_whole_maps(switch):
     model, tokens, eps = small_model(**switch), token_ids(B=5, T=24, seed=2), 0.08
-    target = SinklabTarget(model, chunk=7)
+    target = SinklabRecorder(model, chunk=7)
     (metric,) = METRICS.build(target.context(eps=[eps]), ["secondary_sinks"])
     measure_all(target, tokens, [metric], batch_size=2)
     res = metric.result()

@@ -4,7 +4,7 @@ for every component is a contract test (tests/model/test_contracts.py)."""
 import pytest
 import torch
 
-from sinklab.model.cache import KVCache
+from sinklab.model.kv_cache import KVCache
 from tests.helpers import small_model, token_ids
 
 

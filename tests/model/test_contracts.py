@@ -6,7 +6,7 @@ it is causal, its rows sum to one where it says so, the
 chunked sink metric equals the brute-force one, it trains a step, `sinklab quant` can quantize it (every
 linear layer called as a module, so calibration sees its input), and a file of its config group selects it
 (tests/model/test_model_zoo.py, which composes every switch file once).
-The checks live in sinklab/contracts/components.py, where `sinklab check-component` runs them on a user's module.
+The checks live in sinklab/contracts/component_checks.py, where `sinklab check-component` runs them on a user's module.
 
 The default suite runs every component with every value of each of its knobs (tests.helpers.covering); the full
 product of the knobs (`component_cases`) runs with the `slow` tests, as does the product of components and masks
@@ -15,7 +15,7 @@ in the KV-cache decoding of the flex and linear forms (the default suite meets e
 
 import pytest
 
-from sinklab.contracts import components as contract
+from sinklab.contracts import component_checks as contract
 from sinklab.model import FAMILIES
 from tests.helpers import case_id, component_cases, covering
 

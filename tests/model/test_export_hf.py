@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from sinklab.cli.export_hf import main
-from sinklab.export_hf import unrepresentable
+from sinklab.export.llama import unrepresentable
 from sinklab.model import ModelConfig, Transformer
 from tests.helpers import REPO, natural_run, save_ckpt
 
@@ -74,7 +74,7 @@ def test_refuses_what_llama_cannot_represent(tmp_path, capsys):
             ["model." + next(iter(overrides))]
 
     # the module entry point, and an output dir that is not empty
-    proc = subprocess.run([sys.executable, "-m", "sinklab.export_hf", str(ckpt), str(tmp_path / "o2")],
+    proc = subprocess.run([sys.executable, "-m", "sinklab", "export-hf", str(ckpt), str(tmp_path / "o2")],
                           capture_output=True, text=True, env=ENV, cwd=REPO, timeout=60)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "model.pos=alibi" in proc.stderr
     ok = save_ckpt(random_model(), tmp_path / "ok.ckpt")

@@ -4,7 +4,7 @@ refuses it, and off it costs nothing."""
 import pytest
 import torch
 
-from sinklab.export_hf import llama_config, llama_state_dict
+from sinklab.export.llama import llama_config, llama_state_dict
 from tests.helpers import small_model, token_ids
 
 

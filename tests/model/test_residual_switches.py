@@ -130,10 +130,10 @@ def test_bad_settings_are_refused_in_one_line(bad, match):
 # ------------------------------------------------------------------ residual clipping
 def residual_streams(m) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """The logits and every block's output (the residual stream after the clamp), recorded by forward hooks."""
-    from sinklab.metrics import SinklabTarget
+    from sinklab.metrics import SinklabRecorder
 
     hs: dict[int, torch.Tensor] = {}
-    with SinklabTarget(m).hooks({"h"}, lambda i, rec: hs.__setitem__(i, rec["h"])):
+    with SinklabRecorder(m).hooks({"h"}, lambda i, rec: hs.__setitem__(i, rec["h"])):
         logits = m(token_ids())
     return logits, [hs[i] for i in sorted(hs)]
 

@@ -174,7 +174,7 @@ def test_cli(tmp_path):
     sweep = make_sweep(tmp_path)
     out = tmp_path / "cli_out"
     env = dict(os.environ, WANDB_MODE="offline", HF_HUB_OFFLINE="1")
-    p = subprocess.run([sys.executable, "-m", "sinklab.report", str(sweep), "--out", str(out)], cwd=REPO, env=env,
+    p = subprocess.run([sys.executable, "-m", "sinklab", "report", str(sweep), "--out", str(out)], cwd=REPO, env=env,
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, p.stderr
     assert "5 jobs" in p.stdout
@@ -390,7 +390,7 @@ def test_single_run_dir(tmp_path):
 def test_preempted_job_is_preempted_in_the_table_and_on_the_plots(tmp_path):
     """A job that saved last.ckpt on a signal and exited (status.json "preempted") waits to be requeued: the report
     says preempted, however long ago that was, and draws it as preempted, not as running."""
-    from sinklab.status import Status, write_status
+    from sinklab.runs.status import Status, write_status
 
     sweep = make_sweep(tmp_path)
     write_status(sweep / "3" / "status.json", Status.PREEMPTED, step=100)

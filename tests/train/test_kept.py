@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sinklab.checkpoint import TOKENS_SEEN, kept_checkpoints, load_model, read_checkpoint, read_training_checkpoint
+from sinklab.runs.checkpoints import TOKENS_SEEN, kept_checkpoints, load_model, read_checkpoint, read_training_checkpoint
 from sinklab.config import compose, validate_config
 from sinklab.errors import UserError
 from sinklab.train.kept import is_kept, keep_config, log_marks

@@ -22,7 +22,7 @@ from typing import Optional
 import pytest
 import torch
 
-from sinklab.checkpoint import read_checkpoint
+from sinklab.runs.checkpoints import read_checkpoint
 from sinklab.config import compose, validate_config
 from sinklab.errors import UserError
 from tests.helpers import REPO, data_args, rows, series, small, train_here
@@ -282,7 +282,7 @@ class Evil:
 def test_truncated_foreign_or_unsafe_checkpoint_is_refused(reference, corpus, tmp_path, capsys, monkeypatch):
     import shutil
 
-    from sinklab.checkpoint import load_model
+    from sinklab.runs.checkpoints import load_model
     from sinklab.train.checkpoint_io import AtomicCheckpointIO
 
     good = reference / "checkpoints" / "last.ckpt"
@@ -563,7 +563,7 @@ def test_ckpt_path_auto_takes_the_latest_checkpoint(reference, tmp_path, monkeyp
     monkeypatch.setenv("SLURM_JOB_NAME", "train")
     assert resolve_ckpt_path(None, tmp_path) == str(tmp_path / "hpc_ckpt_2.ckpt")  # Lightning's choice: the newest
     with pytest.raises(UserError, match="hpc_ckpt_2.ckpt is not a readable sinklab checkpoint"):
-        from sinklab.checkpoint import read_training_checkpoint
+        from sinklab.runs.checkpoints import read_training_checkpoint
 
         read_training_checkpoint(resolve_ckpt_path(None, tmp_path))
 

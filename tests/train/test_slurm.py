@@ -181,7 +181,7 @@ def sweep(cluster, corpus, tmp_path_factory):  # noqa: F811
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
-    report = subprocess.run([sys.executable, "-m", "sinklab.cli", "report", str(sweep_dir)], capture_output=True,
+    report = subprocess.run([sys.executable, "-m", "sinklab", "report", str(sweep_dir)], capture_output=True,
                             text=True, timeout=300, env=job_env(cluster))
     jobs = [SimpleNamespace(dir=sweep_dir / str(i), name=name, state=job_field(cluster, name, "JobState"),
                             restarts=int(job_field(cluster, name, "Restarts")),

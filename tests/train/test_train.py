@@ -64,7 +64,7 @@ def test_throughput_and_mfu_are_logged(run):
 
 
 def test_peak_matmul_flops_is_quick_and_leaves_the_rng_alone():
-    from sinklab.perf import matmul_dtype, peak_matmul_flops
+    from sinklab.train.throughput import matmul_dtype, peak_matmul_flops
 
     torch.manual_seed(0)
     state = torch.get_rng_state()

@@ -1,9 +1,7 @@
 """The interventions of `sinklab eval intervene` (the command, and what each intervention is: `sinklab.cli.intervene`):
 the probe set's massive activations, the mask functions that drop a key, the hook that sets activations, and the
-validation perplexity and Sink_1 of the model unchanged and under each. Interventions are passed to the model
-(forward's `extra_mask`, forward hooks), never set on it. What the evaluation asks of a model is a `Subject`:
-`SinklabSubject` here, `HFSubject` (sinklab.evals.hf_intervene) for a transformers model (its attention function with
-the key masked, a hook on the decoder layer's output); `subject(model)` picks one.
+validation perplexity and Sink_1 of the model unchanged and under each. The model is a `sinklab.targets.Target` of
+any source: interventions are opened on it (`Target.masked`, `Target.set_output`), never set on it.
 """
 from __future__ import annotations
 
@@ -14,9 +12,10 @@ from typing import Callable, Iterator, Optional, Sequence
 import torch
 
 from sinklab.errors import UserError
-from sinklab.lm import mean_nll, perplexity
 from sinklab.metrics.base import Metric
+from sinklab.model.lm_loss import perplexity
 from sinklab.model.masks import MaskMod
+from sinklab.targets.interface import Target
 
 INTERVENTIONS = ("zero", "mean", "mask_first", "mask_random")
 
@@ -53,26 +52,10 @@ def drop_random_key(first: int, n_pos: int, seed: int, device) -> MaskMod:
     return mask
 
 
-@contextlib.contextmanager
-def set_activations(model, layer: int, position: int, channels: list[int], values: torch.Tensor) -> Iterator[None]:
-    """Inside the block, the output of `layer` (its residual stream, `hook_resid`) has h[:, position, channels] =
-    values (one per channel); `position` is a sequence position (learned sink tokens first)."""
-    def hook(_module, _inputs, x):
-        x = x.clone()
-        x[:, position, channels] = values.to(x.dtype)
-        return x
-
-    handle = model.blocks[layer].hook_resid.register_forward_hook(hook)
-    try:
-        yield
-    finally:
-        handle.remove()
-
-
 # ----------------------------------------------------------------------------------------------- the model evaluated
 class LayerOutputs(Metric):
     """Records each layer's residual stream (B, T, d) of the real tokens of one batch, float32 (a recorder for
-    `Subject.residuals`, not a registered metric)."""
+    `residuals`, not a registered metric)."""
 
     records = frozenset({"h"})
 
@@ -84,77 +67,28 @@ class LayerOutputs(Metric):
         self.layers[layer] = rec["h"].float()
 
 
-class Subject:
-    """A model under intervention: what `find_massive` and `evaluate` ask of it."""
-
-    n_sink_tokens = 0  # learned sink tokens before the real ones
-
-    def __init__(self, model):
-        self.model = model
-
-    def target(self):
-        """The model as a measurement target (`sinklab.metrics.record.SinklabTarget`, `sinklab.hf.HFTarget`)."""
-        raise NotImplementedError
-
-    def residuals(self, batch: torch.Tensor) -> list[torch.Tensor]:
-        """Each layer's residual stream (B, T, d) of the real tokens of one batch, float32."""
-        rec = LayerOutputs()
-        self.target().run(batch, [rec])
-        return [rec.layers[i] for i in sorted(rec.layers)]
-
-    def set_output(self, layer: int, position: int, channels: list[int],
-                   values: torch.Tensor) -> contextlib.AbstractContextManager:
-        """A context inside which layer `layer`'s output has h[:, position, channels] = values."""
-        raise NotImplementedError
-
-    def nll(self, val: list[torch.Tensor], mask: Optional[MaskMod]) -> tuple[float, int]:
-        """`sinklab.lm.mean_nll` of the validation blocks (B, T + 1) with the keys `mask` drops masked out."""
-        raise NotImplementedError
-
-    def sink_summary(self, probe: torch.Tensor, mask: Optional[MaskMod]) -> dict:
-        """`sinklab.metrics.summarise` of the sink metric (k = 1) of the probe set, under `mask`."""
-        raise NotImplementedError
+def residuals(target: Target, batch: torch.Tensor) -> list[torch.Tensor]:
+    """Each layer's residual stream (B, T, d) of the real tokens of one batch, float32."""
+    rec = LayerOutputs()
+    target.recorder().run(batch, [rec])
+    return [rec.layers[i] for i in sorted(rec.layers)]
 
 
-class SinklabSubject(Subject):
-    def __init__(self, model):
-        super().__init__(model)
-        self.n_sink_tokens = model.cfg.n_sink_tokens
+def sink_summary(target: Target, probe: torch.Tensor) -> dict:
+    """`sinklab.metrics.summarise` of the sink metric (k = 1) of the probe set, under the target's open mask."""
+    from sinklab.metrics import summarise
 
-    def target(self):
-        from sinklab.metrics import SinklabTarget
-
-        return SinklabTarget(self.model)
-
-    def set_output(self, layer, position, channels, values):
-        return set_activations(self.model, layer, position, channels, values)
-
-    def nll(self, val, mask):
-        return mean_nll(lambda x: self.model(x, extra_mask=mask), val, self.model.cfg.prefix_len)
-
-    def sink_summary(self, probe, mask):
-        from sinklab.metrics import attention_scores, summarise
-
-        return summarise(attention_scores(self.model, probe, k=1, extra_mask=mask))
-
-
-def subject(model) -> Subject:
-    """HFSubject for a transformers model (sinklab's Transformer has its config as `cfg`), else SinklabSubject."""
-    if hasattr(model, "cfg"):
-        return SinklabSubject(model)
-    from sinklab.evals.hf_intervene import HFSubject
-
-    return HFSubject(model)
+    (metric,) = target.measure(probe, ["sink"], k=1)
+    return summarise(metric.scores(), slot_names=metric.ctx.slot_names)
 
 
 @torch.no_grad()
-def find_massive(model, tokens: torch.Tensor, n_channels: int, batch_size: int = 32) -> dict:
+def find_massive(target: Target, tokens: torch.Tensor, n_channels: int, batch_size: int = 32) -> dict:
     """The massive activations of the probe set (see the module docstring): layer, token (1-indexed), channels, their
     mean |h| and mean signed value, and the top mean |h| over the median |h| of that layer."""
     abs_sum, signed_sum, medians = None, None, None
-    subj = subject(model)
     for start in range(0, tokens.shape[0], batch_size):
-        h = torch.stack(subj.residuals(tokens[start:start + batch_size]), 1)  # (B, L, T, d) of the real tokens
+        h = torch.stack(residuals(target, tokens[start:start + batch_size]), 1)  # (B, L, T, d) of the real tokens
         a, sg = h.abs().sum(0), h.sum(0)  # (L, T, d)
         med = h.abs().flatten(2).median(-1).values.sum(0)  # (L,)
         abs_sum = a if abs_sum is None else abs_sum + a
@@ -174,14 +108,14 @@ def find_massive(model, tokens: torch.Tensor, n_channels: int, batch_size: int =
             "ratio": float(top[layer] / median[layer].clamp(min=1e-12))}
 
 
-def intervention(name: str, subj: Subject, massive: dict, n_pos: int, seed: int, device) -> Intervention:
-    S = subj.n_sink_tokens
+def intervention(name: str, target: Target, massive: dict, n_pos: int, seed: int, device) -> Intervention:
+    S = target.n_prefix
     if name == "none":
         return Intervention()
     if name in ("zero", "mean"):
         values = torch.tensor(massive["mean_values"]) if name == "mean" else torch.zeros(len(massive["channels"]))
         position = S + massive["token"] - 1  # the token's sequence position, learned sink tokens first
-        return Intervention(hooks=lambda: subj.set_output(massive["layer"], position, massive["channels"],
+        return Intervention(hooks=lambda: target.set_output(massive["layer"], position, massive["channels"],
                                                           values.to(device)))
     if name == "mask_first":
         return Intervention(mask=drop_first_key(S))
@@ -189,18 +123,17 @@ def intervention(name: str, subj: Subject, massive: dict, n_pos: int, seed: int,
 
 
 # ----------------------------------------------------------------------------------------------------- evaluation
-def evaluate(model, val: list[torch.Tensor], probe: torch.Tensor, names: Sequence[str], massive: dict,
+def evaluate(target: Target, val: list[torch.Tensor], probe: torch.Tensor, names: Sequence[str], massive: dict,
              seed: int) -> tuple[dict, int]:
     """{name: row} for the unchanged model and each intervention, and the number of scored validation targets
-    (`sinklab.lm.mean_nll` of the validation blocks (B, T + 1), Sink_1 of the probe set)."""
+    (`Target.nll` of the validation blocks (B, T + 1), Sink_1 of the probe set)."""
     rows, count = {}, 0
-    subj = subject(model)
-    n_pos = subj.n_sink_tokens + max(val[0].shape[1] - 1, probe.shape[1])
+    n_pos = target.n_prefix + max(val[0].shape[1] - 1, probe.shape[1])
     for name in ("none", *names):
-        iv = intervention(name, subj, massive, n_pos, seed, probe.device)
-        with iv.hooks(), torch.no_grad():
-            loss, count = subj.nll(val, iv.mask)
-            summary = subj.sink_summary(probe, iv.mask)
+        iv = intervention(name, target, massive, n_pos, seed, probe.device)
+        with iv.hooks(), target.masked(iv.mask), torch.no_grad():
+            loss, count = target.nll(val)
+            summary = sink_summary(target, probe)
         rows[name] = {"loss": loss, "ppl": perplexity(loss), "sink1": summary["sink1"], "alpha1": summary["alpha1"]}
         if "sink1_star" in summary:
             rows[name]["sink1_star"] = summary["sink1_star"]

@@ -1,5 +1,5 @@
-"""The interventions of `sinklab eval intervene` on a transformers causal LM (`sinklab.evals.intervene` says what each
-is; this module does them on a model that is not sinklab's, through transformers' own extension points).
+"""Interventions on a transformers causal LM (`sinklab eval intervene`: `sinklab.evals.interventions` says what each
+is), through transformers' own extension points.
 
 - A dropped key (mask_first, mask_random): an attention function registered with transformers' `AttentionInterface`
   (and the eager mask with `AttentionMaskInterface`) under the name `sinklab_masked`, which adds -inf where the mask
@@ -8,9 +8,7 @@ is; this module does them on a model that is not sinklab's, through transformers
   module: logit soft-capping, learned sink logits and the like stay as they are). The model is switched to it only
   inside `masked_attention` and back to eager after.
 - Activations set (zero, mean): a forward hook on the decoder layer that rewrites its output hidden states.
-- The residual stream per layer and the Sink_1 / alpha_1 of the probe set: `sinklab.hf.HFTarget`.
-
-`HFSubject` is the `sinklab.evals.intervene.Subject` that does them.
+`sinklab.targets.transformers_lm.TransformersTarget` opens them as `masked` and `set_output`.
 """
 from __future__ import annotations
 
@@ -22,8 +20,6 @@ import torch
 from torch import nn
 
 from sinklab.errors import UserError
-from sinklab.evals.intervene import Subject
-from sinklab.lm import mean_nll
 
 MASKED = "sinklab_masked"
 _current: dict = {}  # the mask function of the open `masked_attention`, read by the registered attention
@@ -76,7 +72,7 @@ def masked_attention(model: nn.Module, mask_fn) -> Iterator[None]:
 def set_layer_output(model: nn.Module, layer: int, position: int, channels: list[int],
                      values: torch.Tensor) -> Iterator[None]:
     """Inside, decoder layer `layer`'s output hidden states have h[:, position, channels] = values."""
-    from sinklab.hf import decoder_layers
+    from sinklab.targets.transformers_lm import decoder_layers
 
     def hook(_module, _inputs, output):
         h = output[0] if isinstance(output, (tuple, list)) else output
@@ -89,28 +85,3 @@ def set_layer_output(model: nn.Module, layer: int, position: int, channels: list
         yield
     finally:
         handle.remove()
-
-
-class HFSubject(Subject):
-    """A transformers causal LM under intervention (no learned sink tokens, every position scored)."""
-
-    def target(self):
-        from sinklab.hf import HFTarget
-
-        return HFTarget(self.model)
-
-    def set_output(self, layer, position, channels, values):
-        return set_layer_output(self.model, layer, position, channels, values)
-
-    def nll(self, val, mask):
-        with masked_attention(self.model, mask):
-            return mean_nll(lambda x: self.model(input_ids=x, use_cache=False).logits, val)
-
-    def sink_summary(self, probe, mask):
-        from sinklab.metrics import METRICS, measure_all, summarise
-
-        target = self.target()
-        metrics = METRICS.build(target.context(k=1), ["sink"])
-        with masked_attention(self.model, mask):
-            measure_all(target, probe, metrics, batch_size=32)
-        return summarise(metrics[0].scores(), slot_names=target.context().slot_names)

@@ -1,7 +1,7 @@
 """sinklab export-hf: a sinklab checkpoint -> a Hugging Face `LlamaForCausalLM` directory.
 
     sinklab export-hf CKPT_OR_RUN_DIR OUT_DIR [--dtype float32] [--no-check] [--tokenizer PATH | --no-tokenizer]
-    python -m sinklab.export_hf ...                        (the same; the command is sinklab.cli.export_hf)
+    python -m sinklab export-hf ...                           (the same; the command is sinklab.cli.export_hf)
 
 Every config that LLaMA can represent (`ModelConfig.llama_mismatches()` is empty: RoPE, pre-RMSNorm, SwiGLU, softmax, causal,
 no biases, sinks or gates; grouped-query attention is fine) is written with `save_pretrained` (config.json +
@@ -24,7 +24,6 @@ The tokenizer is exported too when one is found (--tokenizer, tokenizer.json in 
 from __future__ import annotations
 
 import re
-import sys
 from pathlib import Path
 from typing import Optional
 
@@ -151,7 +150,7 @@ def save_tokenizer(tok, out_dir: Path, transformers) -> Optional[int]:
 def export(ckpt_path: str, out_dir: str, dtype: str = "float32", check: bool = True,
            tokenizer: Optional[str] = None, with_tokenizer: bool = True, log=print) -> dict:
     """Write OUT_DIR; returns {"out_dir", "max_abs_diff" (None without check), "tokenizer"}."""
-    from sinklab.checkpoint import find_checkpoint, read_checkpoint
+    from sinklab.runs.checkpoints import find_checkpoint, read_checkpoint
 
     if not Path(ckpt_path).exists():
         raise UserError(f"CKPT {ckpt_path}: no such checkpoint or run dir")
@@ -167,7 +166,7 @@ def export(ckpt_path: str, out_dir: str, dtype: str = "float32", check: bool = T
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UserError(f"OUT_DIR {out_dir}: exists and is not an empty directory; choose a new one")
 
-    from sinklab.hf import dtype_kwargs, require_transformers
+    from sinklab.targets.transformers_lm import dtype_kwargs, require_transformers
 
     transformers = require_transformers()
     state = {}
@@ -213,9 +212,3 @@ def parity(state: dict, cfg: ModelConfig, out: Path, torch_dtype, transformers, 
     a = ours(idx)
     b = theirs(input_ids=idx, use_cache=False).logits
     return (a - b).abs().max().item()
-
-
-if __name__ == "__main__":  # `python -m sinklab.export_hf ...` is `sinklab export-hf ...`
-    from sinklab.cli.export_hf import main
-
-    sys.exit(main())

@@ -13,7 +13,8 @@ Decided here:
 - y counts the token being fed: it attends to at most x + y keys (the first x, the y - 1 kept before it, itself), so
   x + y <= the model context keeps every position inside the trained range, and x = 0, y = context is the window of
   the recompute baseline without the recomputation. The paper's code keeps start + recent keys between steps and
-  attends with one more: its (start, recent) is our (x, y - 1). `streaming_cache` makes that cache.
+  attends with one more: its (start, recent) is our (x, y - 1). `Target.stream(x, y)` makes that cache, for every
+  model source (sinklab's cache keeps keys before RoPE; transformers' keys are re-rotated when the cache evicts).
 - Every target after the first token is scored, also those before the cache is full, so all settings score the same
   N - 1 targets; perplexity per position bucket (`bucket_ppl`) shows where they part.
 - Learned sink tokens (model.n_sink_tokens) and K / KV bias slots stay in the cache besides the first x tokens.
@@ -27,20 +28,9 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from sinklab.lm import perplexity
+from sinklab.model.lm_loss import perplexity
 
-Step = Callable[[torch.Tensor], torch.Tensor]  # one token (1, 1) -> logits of the next one (1, V)
-
-
-def streaming_cache(model, first: int, recent: int):
-    """A KV cache that keeps the first `first` tokens and the `recent` most recent ones, the token being fed counted
-    among them (model.new_cache keeps `recent` besides it)."""
-    return model.new_cache(keep_first=first, recent=recent - 1)
-
-
-def sinklab_step(model, cache) -> Step:
-    """Feed one token to a sinklab Transformer through `cache`; the logits of the next token."""
-    return lambda tok: model(tok, cache=cache)[:, -1]  # (1, V)
+from sinklab.targets.interface import Step, Target
 
 
 @torch.no_grad()
@@ -62,27 +52,14 @@ def stream_nll(step: Step, tokens: torch.Tensor, progress: Optional[Callable[[in
     return nll
 
 
-# (idx (B, T), last_only) -> logits (B, T, V), or (B, V) of the last position when last_only
-LogitsOf = Callable[[torch.Tensor, bool], torch.Tensor]
-
-
-def sinklab_logits(model) -> LogitsOf:
-    """A sinklab Transformer's logits; the LM head only on the last position when that is all that is needed."""
-    def logits_of(idx: torch.Tensor, last_only: bool) -> torch.Tensor:
-        if not last_only:
-            return model(idx)
-        return model.lm_head(model(idx, return_hidden=True)[:, -1])  # (B, V)
-    return logits_of
-
-
 @torch.no_grad()
-def recompute_nll(logits_of: LogitsOf, tokens: torch.Tensor, context: int, batch_size: int = 32,
+def recompute_nll(target: Target, tokens: torch.Tensor, context: int, batch_size: int = 32,
                   progress: Optional[Callable[[int], None]] = None) -> torch.Tensor:
     """Sliding window with re-computation: the NLL (N - 1,) of tokens[1:], each predicted from at most the `context`
     tokens before it, computed from scratch (no cache)."""
     n = tokens.shape[0]
     head = min(context, n - 1)
-    out = [F.cross_entropy(logits_of(tokens[None, :head], False)[0].float(), tokens[1:head + 1], reduction="none")]
+    out = [F.cross_entropy(target.logits(tokens[None, :head])[0].float(), tokens[1:head + 1], reduction="none")]
     if progress is not None:
         progress(head)
     if n - 1 > context:
@@ -90,8 +67,8 @@ def recompute_nll(logits_of: LogitsOf, tokens: torch.Tensor, context: int, batch
         windows = tokens[1:n - 1].unfold(0, context, 1)  # (n - 1 - context, context)
         for b in range(0, windows.shape[0], batch_size):
             w = windows[b:b + batch_size]
-            target = tokens[context + 1 + b:context + 1 + b + w.shape[0]]
-            out.append(F.cross_entropy(logits_of(w, True).float(), target, reduction="none"))
+            y = tokens[context + 1 + b:context + 1 + b + w.shape[0]]  # the next token of each window
+            out.append(F.cross_entropy(target.last_logits(w).float(), y, reduction="none"))
             if progress is not None:
                 progress(w.shape[0])
     return torch.cat(out).cpu()
@@ -107,6 +84,6 @@ def bucket_ends(n_targets: int, size: int) -> list[int]:
 
 
 def bucket_ppl(nll: torch.Tensor, ends: list[int]) -> list[float]:
-    """Perplexity of the targets of each bucket (`bucket_ends`; `sinklab.lm.perplexity`)."""
+    """Perplexity of the targets of each bucket (`bucket_ends`; `sinklab.model.lm_loss.perplexity`)."""
     return [perplexity(nll[a:b]) for a, b in zip([0] + ends[:-1], ends)]
 

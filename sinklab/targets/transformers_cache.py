@@ -28,7 +28,6 @@ import torch
 from torch import nn
 
 from sinklab.errors import UserError
-from sinklab.evals.perplexity import LogitsOf
 
 COMPOSABLE_ROPE = ("default", "linear", "llama3", "yarn")  # fixed inv_freq; cos / sin at most scaled by a constant
 
@@ -72,7 +71,7 @@ def rotate_back(keys: torch.Tensor, inv_freq: torch.Tensor, shift: int) -> torch
 class HFStream:
     """Feed a transformers causal LM one token at a time through a DynamicCache that keeps the first `first` tokens
     and the `recent` most recent ones (the token being fed among them), positions re-indexed inside the cache; both
-    None: dense, no eviction. Callable as a `Step`."""
+    None: dense, no eviction. Callable as a `sinklab.targets.interface.Step`."""
 
     def __init__(self, model: nn.Module, first: Optional[int] = None, recent: Optional[int] = None,
                  where: str = "DIR"):
@@ -101,13 +100,3 @@ class HFStream:
             recent_k = rotate_back(layer.keys[:, :, n - r:], inv_freq, n - r - x)  # (B, Hkv, r, hd)
             layer.keys = torch.cat([layer.keys[:, :, :x], recent_k], dim=-2)  # (B, Hkv, x + r, hd)
             layer.values = torch.cat([layer.values[:, :, :x], layer.values[:, :, n - r:]], dim=-2)
-
-
-def hf_logits(model: nn.Module) -> LogitsOf:
-    """A transformers causal LM's logits without a cache; only the last position's when that is all that is needed."""
-    def logits_of(idx: torch.Tensor, last_only: bool) -> torch.Tensor:
-        if not last_only:
-            return model(input_ids=idx, use_cache=False).logits
-        return model(input_ids=idx, use_cache=False, logits_to_keep=1).logits[:, -1]  # (B, V)
-    return logits_of
-

@@ -4,9 +4,9 @@ kept checkpoints of a sinklab run (callbacks.checkpoint.keep) or the revisions o
 seen, and a plot of chosen metrics against tokens (`sinklab trajectory`, `sinklab.cli.trajectory`).
 
 Each series (a run, a model) reads its input once (a run's probe set through its data config, a model's tokenizer
-and text, or random / repeated ids) and measures each of its checkpoints on exactly those sequences, as
-`sinklab measure` does (`measure_all` over `SinklabTarget` / `HFTarget`); a value is the one the training callback
-logs under the same name. A trajectory of N checkpoints costs N loads and N measurements.
+and text, or random / repeated ids) and measures each of its checkpoints, a `sinklab.targets.Target` of its source, on
+exactly those sequences, as `sinklab measure` does; a value is the one the training callback logs under the same
+name. A trajectory of N checkpoints costs N loads and N measurements.
 """
 from __future__ import annotations
 
@@ -15,13 +15,14 @@ import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Callable, Optional, Sequence
 
 import torch
 
-from sinklab.checkpoint import TOKENS_SEEN, kept_checkpoints, read_checkpoint
+from sinklab.runs.checkpoints import TOKENS_SEEN, kept_checkpoints, read_checkpoint
+from sinklab.analysis.probe_inputs import InputSpec
 from sinklab.errors import UserError
+from sinklab.targets import TargetSpec, load_target
 
 RUN_KEYS = ("series", "checkpoint", "step", "tokens", "input", "seconds")  # the CSV's first columns
 # hub models that publish revisions by step only: training tokens per step (Pythia: 1024 sequences x 2048 tokens)
@@ -124,83 +125,32 @@ def logged_values(metrics) -> dict[str, float]:
     return out
 
 
-def _series_args(args, series: Series) -> SimpleNamespace:
-    """The input options of `sinklab measure` (`sinklab.probe_inputs.choose_tokens`) for one series."""
-    hf = series.kind == "hf"
-    return SimpleNamespace(tokens=args.tokens, input=args.input, seq_len=args.seq_len, num_seqs=args.num_seqs,
-                           seed=args.seed, target=None if hf else str(series.run_dir),
-                           hf_model=series.label if hf else None)
+def point_spec(series: Series, index: int, device, dtype) -> TargetSpec:
+    """The model at one point of a series: a run's checkpoint file, or a transformers model (at a revision)."""
+    point = series.points[index]
+    if series.kind == "run":
+        return TargetSpec(str(point.path), "sinklab", device=device)
+    return TargetSpec(series.names[index], "hf", point.revision, dtype, device)
 
 
-def measure_run(series: Series, args, device: torch.device, on_point: Callable) -> None:
-    """Each kept checkpoint of a run on one input (the run's probe set by default, read once)."""
-    from sinklab.checkpoint import load_model
-    from sinklab.metrics import measure_model
-    from sinklab.probe_inputs import choose_tokens
+def measure_series(series: Series, inputs: InputSpec, device, on_point: Callable, dtype="auto",
+                   eps: Sequence[float] = (0.3,), k: int = 4, batch_size: int = 25) -> None:
+    """Each point of a series measured on one input, chosen once from its first point (`choose_tokens`: a run's
+    probe set by default, text through a transformers model's tokenizer with `inputs.texts`), as `sinklab measure`
+    measures one model; on_point(series, point, input name, tokens' shape, logged values, seconds)."""
+    from sinklab.analysis.probe_inputs import choose_tokens
 
     tokens = kind = None
-    for point in series.points:
+    for index, point in enumerate(series.points):
         t0 = time.perf_counter()
-        model = load_model(point.path).to(device)
+        target = load_target(point_spec(series, index, device, dtype))
         if tokens is None:
-            tokens, kind = choose_tokens(_series_args(args, series), model.cfg.vocab_size, model.cfg.block_size,
-                                         series.run_dir)
-            tokens = tokens.to(device)
+            tokens, kind, _ = choose_tokens(inputs, target)
+            kind = "text" if inputs.texts else kind
         with torch.no_grad():
-            metrics = measure_model(model, tokens, eps=args.eps, k=args.k, batch_size=args.batch_size)
+            metrics = target.measure(tokens, eps=eps, k=k, batch_size=batch_size)
         on_point(series, point, kind, tokens.shape, logged_values(metrics), time.perf_counter() - t0)
-
-
-def text_tokens(tokenizer, path: str, num_seqs: int, seq_len: int) -> torch.Tensor:
-    """A text file through the model's tokenizer (no special tokens added), cut into `num_seqs` consecutive windows
-    of `seq_len` tokens: (N, T)."""
-    p = Path(path)
-    if not p.is_file():
-        raise UserError(f"--text {path}: no such file")
-    ids = tokenizer(p.read_text(encoding="utf-8", errors="replace"), add_special_tokens=False)["input_ids"]
-    if len(ids) < num_seqs * seq_len:
-        raise UserError(f"--text {path}: {len(ids)} tokens, fewer than --num-seqs {num_seqs} x --seq-len {seq_len}; "
-                        "pass a longer text or fewer / shorter sequences")
-    return torch.tensor(ids[: num_seqs * seq_len], dtype=torch.long).view(num_seqs, seq_len)  # (N * T,) -> (N, T)
-
-
-def load_tokenizer(name: str, revision: Optional[str]):
-    """The model's tokenizer (AutoTokenizer: a local dir, or a hub id through huggingface_hub's cache)."""
-    from sinklab.hf import require_transformers
-
-    transformers = require_transformers()
-    try:
-        return transformers.AutoTokenizer.from_pretrained(name, revision=revision)
-    except Exception as err:
-        first = (str(err).strip().splitlines() or [""])[0][:200]
-        raise UserError(f"--text: no tokenizer for {name}" + (f" at revision {revision}" if revision else "")
-                        + f" ({type(err).__name__}: {first}); use --input random|repeat or --tokens FILE.npy") from None
-
-
-def measure_hf(series: Series, args, device: torch.device, on_point: Callable) -> None:
-    """Each revision or dir of a transformers model on one input, chosen once for the series (the tokenizer of its
-    first point for --text)."""
-    from sinklab import hf
-    from sinklab.metrics import METRICS, measure_all
-    from sinklab.probe_inputs import DEFAULT_NUM_SEQS, DEFAULT_SEQ_LEN, choose_tokens
-
-    tokens = kind = None
-    for name, point in zip(series.names, series.points):
-        t0 = time.perf_counter()
-        model = hf.load_hf_model(name, device=device, dtype=args.dtype, revision=point.revision)
-        if tokens is None:
-            if args.text is not None:
-                tokenizer = load_tokenizer(name, point.revision)
-                tokens, kind = text_tokens(tokenizer, args.text, args.num_seqs or DEFAULT_NUM_SEQS,
-                                           args.seq_len or DEFAULT_SEQ_LEN), "text"
-            else:
-                tokens, kind = choose_tokens(_series_args(args, series), hf.vocab_size(model),
-                                             hf.context_length(model), None)
-        target = hf.HFTarget(model)
-        metrics = METRICS.build(target.context(args.eps, args.k))
-        measure_all(target, tokens, metrics, batch_size=args.batch_size)
-        on_point(series, point, kind, tokens.shape, logged_values(metrics), time.perf_counter() - t0)
-        del model, target
+        del target
 
 
 # ----------------------------------------------------------------------------------------------- the plot

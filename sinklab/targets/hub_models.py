@@ -1,6 +1,6 @@
 """Where a `--hf-model` comes from: a local directory, or a Hugging Face hub id at a revision, through huggingface_hub.
 
-`resolve_model(name_or_dir, revision)` gives the local directory transformers loads from (`sinklab.hf.load_hf_model`):
+`resolve_model(name_or_dir, revision)` gives the local directory transformers loads from (`sinklab.targets.transformers_lm.load_hf_model`):
 - a directory that exists is used as it is (written by `save_pretrained`; `--revision` does not apply to it);
 - anything else must be a hub id (`EleutherAI/pythia-160m`, `gpt2`): `huggingface_hub.snapshot_download` fetches
   the config, the weights (safetensors when the revision has them, else the PyTorch .bin files) and the tokenizer

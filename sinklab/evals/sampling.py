@@ -1,14 +1,12 @@
 """Decoding for `sinklab sample` (the command: `sinklab.cli.sample`): the next token from the logits (greedy, or a
 draw at a temperature among the top k) and generation with a KV cache that, past the context, evicts as StreamingLLM
 does (Xiao et al. 2024, arXiv 2309.17453): it keeps the first KEEP_FIRST tokens and the most recent ones, at most
-block_size in all, positions re-indexed inside the cache (`sinklab.evals.perplexity.streaming_cache`)."""
+block_size in all, positions re-indexed inside the cache (the model's own, `sinklab.model.kv_cache`)."""
 from __future__ import annotations
 
 from typing import Optional
 
 import torch
-
-from sinklab.evals.perplexity import streaming_cache
 
 KEEP_FIRST = 4  # StreamingLLM's initial tokens (its default attention-sink count)
 
@@ -55,7 +53,7 @@ def generate(model, prompt: torch.Tensor, max_new_tokens: int, temperature: floa
     first = min(KEEP_FIRST, context - 2)
     idx, new = prompt, []
     if cached:
-        cache = streaming_cache(model, first, context - first)
+        cache = model.new_cache(keep_first=first, recent=context - first - 1)  # the token fed besides them
         logits = model(prompt[:, :context], cache=cache)[:, -1]  # (1, V)
         for t in range(context, prompt.shape[1]):
             logits = model(prompt[:, t:t + 1], cache=cache)[:, -1]

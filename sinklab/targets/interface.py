@@ -1,0 +1,202 @@
+"""The one model interface every evaluation and analysis takes: a `Target`.
+
+A Target is a language model from some source (a sinklab checkpoint, a transformers model, ...) with what the
+evaluations ask of it, written once per source:
+- logits: `logits(idx)` (B, T) -> (B, T, V), `last_logits(idx)` -> (B, V), `nll(batches)` the mean next-token loss;
+- recording for the metrics: `recorder()` hooks the model for `sinklab.metrics.record.measure_all` (each layer's
+  tensors and its attention map in row chunks), `measure(tokens, names, eps, k)` runs the registered metrics;
+- interventions: `masked(mask_fn)` (a mask function every query obeys on top of the model's own) and
+  `set_output(layer, position, channels, values)` (a layer's output activations replaced), both context managers
+  that change nothing once closed;
+- a KV cache that evicts: `stream(first, recent)` feeds one token at a time through a cache of the first + recent
+  tokens with positions re-indexed (RoPE re-rotated), `check_stream()` refuses before any work what cannot be;
+- its metadata (`meta`: a `TargetMeta`) and, for natural input, `natural_tokens(...)` (a run's probe set, or text
+  through the model's own tokenizer).
+Sources register in `SOURCES` (`sinklab.targets.native`: sinklab checkpoints and run dirs; `transformers_lm`: hub ids
+and local transformers dirs); `load_target(TargetSpec(...))` picks one. docs/extending.md shows a third.
+"""
+from __future__ import annotations
+
+import contextlib
+from abc import ABC, abstractmethod
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, ClassVar, Iterable, Iterator, Optional, Protocol, Sequence, Union
+
+import torch
+
+from sinklab.errors import UserError
+from sinklab.model.lm_loss import mean_nll
+
+Step = Callable[[torch.Tensor], torch.Tensor]  # one token (1, 1) -> logits of the next one (1, V)
+MaskFn = Callable  # flex-style mask function (b, h, q_idx, kv_idx) -> bool tensor: True where the key is kept
+
+
+@dataclass(frozen=True)
+class TargetSpec:
+    """Which model to load: `name` (a checkpoint, run dir, local dir or hub id) from `source` (a key of SOURCES),
+    at `revision` (hub ids), in `dtype` ("auto", "float32", ...: sources that can cast), on `device`."""
+
+    name: str
+    source: str = "sinklab"
+    revision: Optional[str] = None
+    dtype: Union[str, torch.dtype] = "auto"
+    device: Union[str, torch.device] = "cpu"
+
+
+@dataclass
+class TargetMeta:
+    """What every output says about the model: `target` (what was loaded), `source`, `vocab_size`, `context` (None
+    where the config has none), `prefix_len` (a prefix LM's bidirectional prefix), `revision` and `dtype` where the
+    source has them, `run_dir` (the training run, None for a bare checkpoint or a foreign model) and `model` (the
+    architecture's description in `sinklab measure --json`)."""
+
+    target: str
+    source: str
+    vocab_size: int
+    context: Optional[int]
+    prefix_len: int = 0
+    revision: Optional[str] = None
+    dtype: Optional[str] = None
+    run_dir: Optional[Path] = None
+    model: dict = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+class Recorder(Protocol):
+    """What `sinklab.metrics.record.measure_all` drives: the metrics' context, one batch run with hooks, and what was
+    learnt on the way (`settle`)."""
+
+    def context(self, eps: Sequence[float] = (0.3,), k: int = 4) -> Any: ...
+
+    def run(self, idx: torch.Tensor, metrics: Sequence[Any]) -> None: ...
+
+    def settle(self, metrics: Sequence[Any]) -> None: ...
+
+
+class Target(ABC):
+    """A model as every evaluation and analysis sees it (module docstring). Subclasses implement the abstract
+    methods; `load(spec)` builds one, `accepts(spec)` says whether a spec names a model of this source."""
+
+    source: ClassVar[str] = ""
+    n_prefix: int = 0  # positions before the real tokens (learned sink tokens): an intervention's first position
+
+    def __init__(self, model: torch.nn.Module, meta: TargetMeta):
+        self.model, self.meta = model, meta
+
+    @classmethod
+    @abstractmethod
+    def load(cls, spec: TargetSpec) -> "Target":
+        """The model `spec` names, in eval mode on spec.device; one-line UserErrors."""
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    # --------------------------------------------------------------------------------------------- logits
+    @abstractmethod
+    def logits(self, idx: torch.Tensor) -> torch.Tensor:
+        """idx (B, T) -> logits (B, T, V), under the open `masked` mask if any."""
+
+    def last_logits(self, idx: torch.Tensor) -> torch.Tensor:
+        """idx (B, T) -> the last position's logits (B, V); sources override it to skip the LM head elsewhere."""
+        return self.logits(idx)[:, -1]
+
+    def nll(self, batches: Iterable[torch.Tensor]) -> tuple[float, int]:
+        """`sinklab.model.lm_loss.mean_nll` of (B, T + 1) batches: (mean next-token loss, scored targets)."""
+        return mean_nll(self.logits, batches, self.meta.prefix_len)
+
+    # --------------------------------------------------------------------------------------------- metrics
+    @abstractmethod
+    def recorder(self) -> Recorder:
+        """The model hooked for the metrics (under the open `masked` mask if any)."""
+
+    def measure(self, tokens: torch.Tensor, names: Optional[Sequence[str]] = None, eps: Sequence[float] = (0.3,),
+                k: int = 4, batch_size: int = 32) -> list:
+        """The registered metrics `names` (default: every one that applies) measured on tokens (N, T)."""
+        from sinklab.metrics import METRICS, measure_all
+
+        recorder = self.recorder()
+        metrics = METRICS.build(recorder.context(eps, k), list(names) if names is not None else None)
+        measure_all(recorder, tokens.to(self.device), metrics, batch_size=batch_size)
+        return metrics
+
+    # --------------------------------------------------------------------------------------------- interventions
+    @abstractmethod
+    def masked(self, mask: Optional[MaskFn]) -> contextlib.AbstractContextManager:
+        """Inside, every query of every layer also drops the keys `mask` is False for (None: nothing changes)."""
+
+    @abstractmethod
+    def set_output(self, layer: int, position: int, channels: list[int],
+                   values: torch.Tensor) -> contextlib.AbstractContextManager:
+        """Inside, layer `layer`'s output has h[:, position, channels] = values (position counts `n_prefix`)."""
+
+    # --------------------------------------------------------------------------------------------- KV cache
+    def check_stream(self) -> None:
+        """Refuse, in one line and before any work, a model whose cache cannot evict and re-index positions."""
+
+    @abstractmethod
+    def stream(self, first: Optional[int], recent: Optional[int]) -> Step:
+        """A step that feeds one token (1, 1) at a time through a KV cache keeping the first `first` and the
+        `recent` most recent tokens (the token fed counted), positions re-indexed inside the cache; both None: a
+        dense cache that never evicts."""
+
+    def stream_notes(self) -> list[str]:
+        """What the streaming evaluation should tell about this model's positions (none by default)."""
+        return []
+
+    def dense_limit(self, n: int) -> Optional[str]:
+        """Why a dense cache cannot hold n tokens (e.g. absolute positions end at their table), or None."""
+        return None
+
+    # --------------------------------------------------------------------------------------------- inputs
+    @abstractmethod
+    def natural_tokens(self, num_seqs: Optional[int], seq_len: Optional[int],
+                       texts: Optional[Sequence[str]] = None) -> tuple[torch.Tensor, Optional[str]]:
+        """(natural token ids (N, T), the text they come from in words, or None for a run's probe set): a run's
+        probe set, or text through the model's own tokenizer (`texts`: files to read instead of the default)."""
+
+    def no_probe_set(self) -> Optional[str]:
+        """Why the model has no probe set of its own to measure by default (None: it has one)."""
+        return None
+
+
+class SourceRegistry:
+    """source name -> Target class, in registration order (a plugin's source registers as sinklab's do)."""
+
+    def __init__(self):
+        self._classes: dict[str, type[Target]] = {}
+
+    def register(self, name: str):
+        def deco(cls: type[Target]) -> type[Target]:
+            if name in self._classes and self._classes[name] is not cls:
+                raise ValueError(f"target source {name!r} is already registered by {self._classes[name].__module__}")
+            cls.source = name
+            self._classes[name] = cls
+            return cls
+        return deco
+
+    def names(self) -> list[str]:
+        return list(self._classes)
+
+    def get(self, name: str) -> type[Target]:
+        if name not in self._classes:
+            raise UserError(f"target source {name!r} is unknown; allowed: {', '.join(self._classes)}")
+        return self._classes[name]
+
+
+SOURCES = SourceRegistry()
+
+
+def load_target(spec: TargetSpec) -> Target:
+    """The model `spec` names, loaded by its source's Target class."""
+    import sinklab.targets  # noqa: F401  (registers sinklab's sources)
+
+    return SOURCES.get(spec.source).load(spec)
+
+
+@contextlib.contextmanager
+def no_change() -> Iterator[None]:
+    yield

@@ -1,0 +1,127 @@
+"""sinklab's own models as a `Target`: a checkpoint, a run dir (its checkpoints/last.ckpt) or a Transformer in memory.
+
+Interventions are passed to the model, never set on it: a mask is forward's `extra_mask` (the fused kernels'
+is_causal shortcut is off then), replaced activations a forward hook on a block's `hook_resid`. The KV cache is the
+model's own (`sinklab.model.kv_cache`): keys are cached before RoPE and rotated at their place in the cache, so an
+evicting cache re-indexes positions by construction; learned sink tokens and K / KV bias slots stay in it.
+"""
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Iterator, Optional, Sequence
+
+import torch
+
+from sinklab.errors import UserError
+from sinklab.metrics.record import SinklabRecorder
+
+from .interface import SOURCES, MaskFn, Step, Target, TargetMeta, TargetSpec
+
+
+@SOURCES.register("sinklab")
+class SinklabTarget(Target):
+    """A sinklab Transformer (module docstring); `run_dir`, the training run it belongs to, gives its probe set."""
+
+    def __init__(self, model, meta: TargetMeta, chunk: int = 128):
+        super().__init__(model.eval(), meta)
+        self.chunk = chunk  # query rows per chunk of a recorded map
+        self.n_prefix = model.cfg.n_sink_tokens
+        self.mask: Optional[MaskFn] = None  # the open `masked` mask
+
+    @classmethod
+    def load(cls, spec: TargetSpec) -> "SinklabTarget":
+        from sinklab.runs.checkpoints import load_model
+        from sinklab.runs.run_data import checkpoint_and_run_dir
+
+        for flag, value, default in (("--revision", spec.revision, None), ("--dtype", spec.dtype, "auto")):
+            if value != default:
+                raise UserError(f"{flag} {value}: applies to --hf-model only (a sinklab checkpoint is measured in "
+                                "float32 as it was saved)")
+        ckpt, run_dir = checkpoint_and_run_dir(spec.name)
+        return cls.of_model(load_model(ckpt).to(spec.device), str(ckpt), run_dir)
+
+    @classmethod
+    def of_model(cls, model, name: str = "(in memory)", run_dir: Optional[Path] = None) -> "SinklabTarget":
+        """A Transformer already built (training's callback, notebooks) as a Target."""
+        cfg = model.cfg
+        description = {"n_layer": cfg.n_layer, "n_head": cfg.n_head, "attn_op": cfg.attn_op, "pos": cfg.pos,
+                       "attn_bias": cfg.attn_bias, "n_sink_tokens": cfg.n_sink_tokens, "gate": cfg.gate,
+                       "gate_act": cfg.gate_act}
+        return cls(model, TargetMeta(target=name, source=cls.source, vocab_size=cfg.vocab_size,
+                                     context=cfg.block_size, prefix_len=cfg.prefix_len, run_dir=run_dir,
+                                     model=description))
+
+    # --------------------------------------------------------------------------------------------- logits
+    def logits(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.model(idx, extra_mask=self.mask)
+
+    def last_logits(self, idx: torch.Tensor) -> torch.Tensor:
+        """The LM head on the last position only."""
+        return self.model.lm_head(self.model(idx, return_hidden=True, extra_mask=self.mask)[:, -1])  # (B, V)
+
+    # --------------------------------------------------------------------------------------------- metrics
+    def recorder(self) -> SinklabRecorder:
+        return SinklabRecorder(self.model, self.chunk, self.mask)
+
+    # --------------------------------------------------------------------------------------------- interventions
+    @contextlib.contextmanager
+    def masked(self, mask: Optional[MaskFn]) -> Iterator[None]:
+        before, self.mask = self.mask, mask
+        try:
+            yield
+        finally:
+            self.mask = before
+
+    @contextlib.contextmanager
+    def set_output(self, layer: int, position: int, channels: list[int], values: torch.Tensor) -> Iterator[None]:
+        """The block's residual stream (`hook_resid`) set at a sequence position (learned sink tokens first)."""
+        def hook(_module, _inputs, x):
+            x = x.clone()
+            x[:, position, channels] = values.to(x.dtype)
+            return x
+
+        handle = self.model.blocks[layer].hook_resid.register_forward_hook(hook)
+        try:
+            yield
+        finally:
+            handle.remove()
+
+    # --------------------------------------------------------------------------------------------- KV cache
+    def stream(self, first: Optional[int], recent: Optional[int]) -> Step:
+        """The model's cache keeps `recent - 1` besides the token being fed (`recent` counts it)."""
+        cache = self.model.new_cache() if first is None else self.model.new_cache(keep_first=first,
+                                                                                 recent=recent - 1)
+        return lambda tok: self.model(tok, cache=cache)[:, -1]  # (1, V)
+
+    def stream_notes(self) -> list[str]:
+        if self.model.pos.absolute(1) is None:
+            return []
+        return [f"model.pos={self.model.cfg.pos} adds absolute positions to the embeddings: a kept token keeps the "
+                "position it came in at, only the token being fed takes its place in the cache (StreamingLLM "
+                "re-indexes relative positions: RoPE, ALiBi)"]
+
+    def dense_limit(self, n: int) -> Optional[str]:
+        try:
+            self.model.pos.absolute(self.model.cfg.n_sink_tokens + n)
+        except ValueError as err:
+            return str(err)
+        return None
+
+    # --------------------------------------------------------------------------------------------- inputs
+    def natural_tokens(self, num_seqs: Optional[int], seq_len: Optional[int],
+                       texts: Optional[Sequence[str]] = None) -> tuple[torch.Tensor, Optional[str]]:
+        """The run's probe set, through its data config."""
+        from sinklab.runs.run_data import probe_tokens
+
+        if texts:
+            raise UserError("--text goes with --hf-model and --input natural (the text the model's tokenizer reads)")
+        if self.meta.run_dir is None:
+            raise UserError(f"--input natural: {self.meta.target} has no run config (.hydra/config.yaml); pass "
+                            "--tokens FILE.npy or --input random|repeat")
+        return probe_tokens(self.meta.run_dir, num_seqs, seq_len), None
+
+    def no_probe_set(self) -> Optional[str]:
+        if self.meta.run_dir is not None:
+            return None
+        return f"{self.meta.target} has no run config (.hydra/config.yaml) to read the probe set from"
