@@ -1,7 +1,5 @@
 """Names of logged metrics shared by training, callbacks, reports and the benchmark, and their physical bounds."""
 import math
-import re
-from typing import Optional
 
 TRAIN_LOSS = "train/loss"
 VAL_LOSS = "val/loss"
@@ -16,9 +14,8 @@ SINK_PREFIX = "sink/"
 ACT_PREFIX = "act/"
 
 
-# The physical range of every logged name, the first pattern that matches: the registered metrics' own (each metric
-# declares the bounds of its keys, sinklab/metrics/), then the training loop's below. A logged name no pattern covers
-# fails tests/metrics/test_bounds.py.
+# Physical ranges: the bounds the registered metrics declare for their keys (sinklab/metrics/) use these, and the
+# training loop's own names have TRAINING_BOUNDS; `sinklab.metrics.base.bounds(name)` looks a name up in both.
 PERCENT = (0.0, 100.0)
 NON_NEGATIVE = (0.0, math.inf)
 UNIT = (0.0, 1.0)
@@ -31,15 +28,3 @@ TRAINING_BOUNDS = (
     (r"^(step|epoch)$", NON_NEGATIVE),
     (r"^run/failed$", UNIT),
 )
-
-
-def all_bounds() -> list[tuple[str, tuple[float, float]]]:
-    """The metrics' bounds (importing sinklab.metrics registers sinklab's own), then the training loop's."""
-    from sinklab.metrics import METRICS
-
-    return METRICS.bounds() + list(TRAINING_BOUNDS)
-
-
-def bounds(name: str) -> Optional[tuple[float, float]]:
-    """The physical range of a logged metric, None for a name no family covers."""
-    return next((b for pattern, b in all_bounds() if re.search(pattern, name)), None)

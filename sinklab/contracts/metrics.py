@@ -14,7 +14,7 @@ from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 
-from sinklab.keys import bounds
+from sinklab.metrics.base import bounds
 from sinklab.metrics import METRICS, SinklabRecorder, attention_maps, measure_all
 from sinklab.metrics.record import feed_maps
 

@@ -1,7 +1,7 @@
 """Per-batch statistics of recorded activations, shared by the activation metrics (massive activations
 `massive.py`, the first token's norms and angles `norms.py`, outliers `outliers.py`, residual sinks
 `residual_sinks.py`): per layer the block output h (residual stream), q, k, v after RoPE and the attention module's
-output, of the real tokens only (token 1 is the first real token). `LayerMeans` averages per-sequence values over
+output, of the real tokens only (token 1 is the first real token). `LayerMeans` (metrics/base.py) averages per-sequence values over
 batches into per-layer means. `activation_stats` / `flatten_activation_stats` are the activation metrics together,
 as one dict (for scripts and tests that want them all).
 """
@@ -70,39 +70,6 @@ def qkv_stats(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: int = 12
     n_queries = T - 1  # 0 when T = 1: the angles are NaN
     return {"k1": first_over_rest(k_norm), "v1": first_over_rest(v_norm),
             "cos1": (cos1 / n_queries).mean(-1), "cosj": (cosj / n_queries).mean(-1)}
-
-
-class LayerMeans:
-    """Per-layer means over sequences of per-sequence values ((B,) or (B, d) tensors), batch by batch: `add` one
-    layer's values, `end_batch` sums each over the batch's sequences (stacked over layers, one (B, L) sum); values
-    missing from some layer of a batch are left out of every layer."""
-
-    def __init__(self):
-        self.batch: dict[int, dict[str, torch.Tensor]] = {}
-        self.sums: dict[str, torch.Tensor] = {}  # name -> (L,) sums over sequences ((L, d) for vectors)
-        self.n = 0
-
-    def add(self, layer: int, values: dict[str, torch.Tensor]) -> None:
-        self.batch.setdefault(layer, {}).update(values)
-
-    def end_batch(self) -> None:
-        if not self.batch:
-            return
-        layers = [self.batch[i] for i in sorted(self.batch)]
-        names = [name for name in layers[0] if all(name in s for s in layers)]
-        if self.n and set(names) != set(self.sums):
-            raise ValueError(f"statistics {sorted(names)} differ from the first batch's {sorted(self.sums)}")
-        for name in names:
-            total = torch.stack([s[name] for s in layers], 1).sum(0).cpu()  # (B, L) -> (L,); (B, L, d) -> (L, d)
-            self.sums[name] = self.sums[name] + total if name in self.sums else total
-        self.n += next(iter(layers[0].values())).shape[0]
-        self.batch = {}
-
-    def __contains__(self, name: str) -> bool:
-        return name in self.sums
-
-    def mean(self, name: str) -> torch.Tensor:
-        return self.sums[name] / self.n
 
 
 ACTIVATION_METRICS = ["massive", "norms", "outliers", "residual_sinks", "gates"]

@@ -23,12 +23,13 @@ tests/metrics/test_metric_contracts.py checks every registered metric. A metric 
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Iterator, Optional
 
 import torch
 
-from sinklab.keys import ANY, NON_NEGATIVE, PERCENT, UNIT  # noqa: F401  (the bounds metrics declare)
+from sinklab.keys import ANY, NON_NEGATIVE, PERCENT, TRAINING_BOUNDS, UNIT  # noqa: F401  (the bounds metrics declare)
 
 RECORDABLE = frozenset({"q", "k", "v", "v_extra", "attn", "h", "gate", "maps"})
 
@@ -152,3 +153,48 @@ METRICS = MetricRegistry()
 def per_layer(values: dict[str, list], key: str) -> dict[str, float]:
     """layer<i>/<key> for every layer's non-missing value."""
     return {f"layer{i}/{key}": float(v) for i, v in enumerate(values.get(key) or []) if v is not None}
+
+
+class LayerMeans:
+    """Per-layer means over sequences of per-sequence values ((B,) or (B, d) tensors), batch by batch: `add` one
+    layer's values, `end_batch` sums each over the batch's sequences (stacked over layers, one (B, L) sum); values
+    missing from some layer of a batch are left out of every layer."""
+
+    def __init__(self):
+        self.batch: dict[int, dict[str, torch.Tensor]] = {}
+        self.sums: dict[str, torch.Tensor] = {}  # name -> (L,) sums over sequences ((L, d) for vectors)
+        self.n = 0
+
+    def add(self, layer: int, values: dict[str, torch.Tensor]) -> None:
+        self.batch.setdefault(layer, {}).update(values)
+
+    def end_batch(self) -> None:
+        if not self.batch:
+            return
+        layers = [self.batch[i] for i in sorted(self.batch)]
+        names = [name for name in layers[0] if all(name in s for s in layers)]
+        if self.n and set(names) != set(self.sums):
+            raise ValueError(f"statistics {sorted(names)} differ from the first batch's {sorted(self.sums)}")
+        for name in names:
+            total = torch.stack([s[name] for s in layers], 1).sum(0).cpu()  # (B, L) -> (L,); (B, L, d) -> (L, d)
+            self.sums[name] = self.sums[name] + total if name in self.sums else total
+        self.n += next(iter(layers[0].values())).shape[0]
+        self.batch = {}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.sums
+
+    def mean(self, name: str) -> torch.Tensor:
+        return self.sums[name] / self.n
+
+
+def all_bounds() -> list[tuple[str, tuple[float, float]]]:
+    """The physical range of every logged name, the first pattern that matches: the registered metrics' own (each
+    declares the bounds of its keys; importing sinklab.metrics registers sinklab's), then the training loop's
+    (`sinklab.keys.TRAINING_BOUNDS`). A logged name no pattern covers fails tests/metrics/test_bounds.py."""
+    return METRICS.bounds() + list(TRAINING_BOUNDS)
+
+
+def bounds(name: str) -> Optional[tuple[float, float]]:
+    """The physical range of a logged metric, None for a name no family covers."""
+    return next((b for pattern, b in all_bounds() if re.search(pattern, name)), None)

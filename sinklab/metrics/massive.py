@@ -9,8 +9,8 @@ import torch
 
 from sinklab.keys import ACT_PREFIX
 
-from .activations import LayerMeans, top_and_median
-from .base import METRICS, NON_NEGATIVE, Context, Metric, per_layer
+from .activations import top_and_median
+from .base import METRICS, LayerMeans, NON_NEGATIVE, Context, Metric, per_layer
 
 KEYS = ("massive_top", "massive_median", "massive_ratio", "massive_token", "massive_channel")
 

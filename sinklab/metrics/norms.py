@@ -11,8 +11,8 @@ import torch
 
 from sinklab.keys import ACT_PREFIX
 
-from .activations import LayerMeans, h1_ratio, qkv_stats
-from .base import METRICS, NON_NEGATIVE, Context, Metric, per_layer
+from .activations import h1_ratio, qkv_stats
+from .base import METRICS, LayerMeans, NON_NEGATIVE, Context, Metric, per_layer
 
 NAMES = {"h1": "h1_norm_ratio", "k1": "k1_norm_ratio", "v1": "v1_norm_ratio", "cos1": "cos_q_k1", "cosj": "cos_q_kj"}
 KEYS = tuple(NAMES.values())

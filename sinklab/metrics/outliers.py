@@ -29,7 +29,7 @@ from torch import nn
 
 from sinklab.keys import ACT_PREFIX
 
-from .base import METRICS, NON_NEGATIVE, Context, Metric, per_layer
+from .base import METRICS, LayerMeans, NON_NEGATIVE, Context, Metric, per_layer
 
 KURTOSIS_EPS = 1e-6  # Bondarenko's
 
@@ -100,8 +100,6 @@ class Outliers(Metric):
              "attn_median": "attn_median", "attn_kurt": "attn_kurtosis"}
 
     def __init__(self, ctx: Context):
-        from .activations import LayerMeans
-
         super().__init__(ctx)
         self.means = LayerMeans()
         self.peaks: dict[int, torch.Tensor] = {}  # this batch's max |a| per sequence, per layer

@@ -32,8 +32,6 @@ class SinklabRecorder:
         self.row_normalised = model.cfg.row_normalised
 
     def context(self, eps: Sequence[float] = (0.3,), k: int = 4) -> Context:
-        from .sink import slot_names
-
         cfg = self.model.cfg
         return Context(n_layer=cfg.n_layer, n_head=cfg.n_head, n_extra=cfg.n_slots + cfg.n_sink_tokens,
                        slot_names=slot_names(cfg), row_normalised=cfg.row_normalised, eps=list(eps), k=k,
@@ -186,3 +184,8 @@ def attention_maps(model, tokens: torch.Tensor, extra_mask=None) -> list[torch.T
         for h in handles:
             h.remove()
     return maps
+
+
+def slot_names(cfg) -> list[str]:
+    """Names of the extra key columns in order: the bias slot, then the learned sink tokens."""
+    return (["bias"] if cfg.n_slots else []) + [f"token{i}" for i in range(cfg.n_sink_tokens)]

@@ -12,8 +12,7 @@ import torch
 
 from sinklab.keys import ACT_PREFIX
 
-from .activations import LayerMeans
-from .base import METRICS, NON_NEGATIVE, UNIT, Context, Metric, per_layer
+from .base import METRICS, LayerMeans, NON_NEGATIVE, UNIT, Context, Metric, per_layer
 from .outliers import channel_means, norm_weight_minima, residual_sink_summary
 
 PER_LAYER = ("resid_sink_top", "resid_sink_channel", "resid_sink_ratio", "attn_norm_min", "ffn_norm_min")

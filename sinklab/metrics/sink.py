@@ -20,6 +20,7 @@ import torch
 from sinklab.keys import SINK_PREFIX
 
 from .base import ANY, METRICS, PERCENT, Context, Metric
+from .record import slot_names  # noqa: F401  (sinklab.metrics exports it from here)
 
 
 @dataclass
@@ -231,8 +232,3 @@ def first_token_attention(summary: dict[str, float]) -> dict[str, float]:
     whether it drops query 1), so these are `summarise`'s alpha1 values under Qwen's name, not a second computation."""
     return {name.removesuffix("alpha1") + "first_token_attn": value for name, value in summary.items()
             if name == "alpha1" or name.endswith("/alpha1")}
-
-
-def slot_names(cfg) -> list[str]:
-    """Names of the extra key columns in order: the bias slot, then the learned sink tokens."""
-    return (["bias"] if cfg.n_slots else []) + [f"token{i}" for i in range(cfg.n_sink_tokens)]

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable
 
 from sinklab.keys import ANY, NON_NEGATIVE, PERCENT, SINK1, SINK_PREFIX, TRAIN_LOSS, UNIT, VAL_LOSS
-from sinklab.keys import bounds as metric_bounds
+from sinklab.metrics.base import bounds as metric_bounds
 
 _SLOT = re.compile(rf"^{re.escape(SINK_PREFIX)}(slot(?:_[A-Za-z0-9_]+)?)$")
 # the columns of the evaluation CSVs (`jobs.read_evaluations`); differences (gap, dppl) may have either sign

@@ -427,7 +427,7 @@ class TransformersTarget(Target):
     def set_output(self, layer: int, position: int, channels: list[int], values: torch.Tensor):
         from .transformers_masking import set_layer_output
 
-        return set_layer_output(self.model, layer, position, channels, values)
+        return set_layer_output(decoder_layers(self.model)[layer], position, channels, values)
 
     def check_stream(self) -> None:
         from .transformers_cache import rotary_embedding

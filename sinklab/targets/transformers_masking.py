@@ -69,18 +69,15 @@ def masked_attention(model: nn.Module, mask_fn) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def set_layer_output(model: nn.Module, layer: int, position: int, channels: list[int],
-                     values: torch.Tensor) -> Iterator[None]:
-    """Inside, decoder layer `layer`'s output hidden states have h[:, position, channels] = values."""
-    from sinklab.targets.transformers_lm import decoder_layers
-
+def set_layer_output(layer: nn.Module, position: int, channels: list[int], values: torch.Tensor) -> Iterator[None]:
+    """Inside, the decoder layer's output hidden states have h[:, position, channels] = values."""
     def hook(_module, _inputs, output):
         h = output[0] if isinstance(output, (tuple, list)) else output
         h = h.clone()
         h[:, position, channels] = values.to(h.dtype)
         return (h, *output[1:]) if isinstance(output, (tuple, list)) else h
 
-    handle = decoder_layers(model)[layer].register_forward_hook(hook)
+    handle = layer.register_forward_hook(hook)
     try:
         yield
     finally:

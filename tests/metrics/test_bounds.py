@@ -1,4 +1,4 @@
-"""Every logged number is within its physical bounds (sinklab.keys.all_bounds), in a real training run: shares in
+"""Every logged number is within its physical bounds (sinklab.metrics.base.all_bounds), in a real training run: shares in
 [0, 100] %, cosines in [-1, 1], norms and losses >= 0, MFU in (0, 1], SiLU gate scores >= their minimum -0.278. A
 utilisation above 1 is never logged."""
 import math
@@ -8,7 +8,7 @@ import pandas as pd
 import pytest
 
 from sinklab.config import compose
-from sinklab.keys import all_bounds, bounds
+from sinklab.metrics.base import all_bounds, bounds
 from sinklab.train.entry import train as train_cfg
 
 SHORT = ["trainer.max_steps=30", "trainer.val_check_interval=15", "callbacks.sink.every_n_steps=15",

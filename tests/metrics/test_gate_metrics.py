@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from sinklab.runs.checkpoints import load_model
-from sinklab.keys import bounds
+from sinklab.metrics.base import bounds
 from sinklab.cli.measure import main
 from sinklab.metrics import activation_stats, flatten_activation_stats, gate_stats, record_gates
 from sinklab.metrics.gates import GATE_KEYS

@@ -3,7 +3,7 @@ and brute-force values."""
 import pytest
 import torch
 
-from sinklab.keys import bounds
+from sinklab.metrics.base import bounds
 from sinklab.metrics import (Context, activation_stats, attention_maps, attention_scores, first_token_attention,
                              flatten_activation_stats, summarise)
 from sinklab.metrics.activations import attention_output_stats
