@@ -37,12 +37,9 @@ def measure_target(target: Target, inputs: InputSpec, eps: Sequence[float] = (0.
     tokens, kind, text = choose_tokens(inputs, target)
     check_k(k, tokens.shape[1])
     metrics = target.measure(tokens, eps=eps, k=k, batch_size=batch_size)
-    meta = target.meta
-    head: dict[str, Any] = {"target": meta.target, "source": meta.source}
-    if meta.source != "sinklab":  # a model loaded at a revision, in a dtype
-        head.update(revision=meta.revision, dtype=meta.dtype)
+    head: dict[str, Any] = target.describe()
     head.update({"input": kind, "seed": inputs.seed, "seq_len": int(tokens.shape[1]), "num_seqs": int(tokens.shape[0]),
-                 "model": meta.model})
+                 "model": target.meta.model})
     if inputs.tokens_file is not None:
         head["tokens_file"] = str(inputs.tokens_file)
     if text is not None:

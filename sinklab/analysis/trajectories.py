@@ -35,24 +35,24 @@ _SCALE = {"": 1, "K": 10 ** 3, "M": 10 ** 6, "B": 10 ** 9, "T": 10 ** 12}
 @dataclass
 class Point:
     """One checkpoint of a series: `where` is the file, the local dir or the hub revision; step and tokens seen
-    (None where they are not known)."""
+    (None where they are not known); `name` and `revision` are what loads it (a checkpoint file, a model id or dir)."""
 
     where: str
     step: Optional[int]
     tokens: Optional[int]
-    path: Optional[Path] = None  # a sinklab checkpoint file
+    name: str = ""
     revision: Optional[str] = None  # a hub revision of the series' model
 
 
 @dataclass
 class Series:
-    """A run or a model: its points in order, and what loads each one."""
+    """A run or a model: its points in order, the source that loads them (a `sinklab.targets.SOURCES` name) and, for
+    a run, its dir."""
 
     label: str
-    kind: str  # "run" | "hf"
+    source: str
     points: list[Point] = field(default_factory=list)
     run_dir: Optional[Path] = None
-    names: list[str] = field(default_factory=list)  # hf: the model id or dir of each point
 
 
 def parse_revision(name: str, tokens_per_step: Optional[int] = None) -> tuple[Optional[int], Optional[int]]:
@@ -78,18 +78,18 @@ def run_series(run_dir: str) -> Series:
     if not (path / ".hydra" / "config.yaml").is_file():
         raise UserError(f"RUN_DIR {run_dir}: not a training run dir (no .hydra/config.yaml); pass a sinklab-train "
                         "output dir, or --hf-model for transformers models")
-    points = [Point(str(p), step, tokens, path=p) for step, tokens, p in kept_checkpoints(path)]
+    points = [Point(str(p), step, tokens, name=str(p)) for step, tokens, p in kept_checkpoints(path)]
     last = path / "checkpoints" / "last.ckpt"
     if last.is_file():
         ckpt = read_checkpoint(last, mmap=True)
         step = ckpt.get("global_step")  # None in a checkpoint written outside training
         if step is None or step not in {p.step for p in points}:
-            points.append(Point(str(last), step, ckpt.get(TOKENS_SEEN), path=last))
+            points.append(Point(str(last), step, ckpt.get(TOKENS_SEEN), name=str(last)))
     if not points:
         raise UserError(f"RUN_DIR {run_dir}: no checkpoints (checkpoints/kept/*.ckpt or last.ckpt); train with "
                         "callbacks.checkpoint.keep.every_n_steps=N to keep some")
     points.sort(key=lambda p: (p.step is None, p.step or 0))
-    return Series(str(run_dir), "run", points, run_dir=path)
+    return Series(str(run_dir), "sinklab", points, run_dir=path)
 
 
 def hf_series(names: Sequence[str], revisions: Sequence[str], tokens_per_step: Optional[int]) -> Series:
@@ -100,11 +100,11 @@ def hf_series(names: Sequence[str], revisions: Sequence[str], tokens_per_step: O
                         "one --hf-model ID per --revision list, e.g. --hf-model A --revision r1 r2 --hf-model B ...")
     if revisions:
         per_step = tokens_per_step or known_tokens_per_step(names[0])
-        points = [Point(rev, *parse_revision(rev, per_step), revision=rev) for rev in revisions]
-        return Series(names[0], "hf", points, names=[names[0]] * len(points))
-    points = [Point(name, *parse_revision(name, tokens_per_step)) for name in names]
+        points = [Point(rev, *parse_revision(rev, per_step), name=names[0], revision=rev) for rev in revisions]
+        return Series(names[0], "hf", points)
+    points = [Point(name, *parse_revision(name, tokens_per_step), name=name) for name in names]
     label = names[0] if len(names) == 1 else f"{Path(names[0]).parent.name or names[0]} ({len(names)} dirs)"
-    return Series(label, "hf", points, names=list(names))
+    return Series(label, "hf", points)
 
 
 def unique_labels(series: Sequence[Series]) -> None:
@@ -125,14 +125,6 @@ def logged_values(metrics) -> dict[str, float]:
     return out
 
 
-def point_spec(series: Series, index: int, device, dtype) -> TargetSpec:
-    """The model at one point of a series: a run's checkpoint file, or a transformers model (at a revision)."""
-    point = series.points[index]
-    if series.kind == "run":
-        return TargetSpec(str(point.path), "sinklab", device=device)
-    return TargetSpec(series.names[index], "hf", point.revision, dtype, device)
-
-
 def measure_series(series: Series, inputs: InputSpec, device, on_point: Callable, dtype="auto",
                    eps: Sequence[float] = (0.3,), k: int = 4, batch_size: int = 25) -> None:
     """Each point of a series measured on one input, chosen once from its first point (`choose_tokens`: a run's
@@ -141,9 +133,9 @@ def measure_series(series: Series, inputs: InputSpec, device, on_point: Callable
     from sinklab.analysis.probe_inputs import choose_tokens
 
     tokens = kind = None
-    for index, point in enumerate(series.points):
+    for point in series.points:
         t0 = time.perf_counter()
-        target = load_target(point_spec(series, index, device, dtype))
+        target = load_target(TargetSpec(point.name, series.source, point.revision, dtype, device))
         if tokens is None:
             tokens, kind, _ = choose_tokens(inputs, target)
             kind = "text" if inputs.texts else kind

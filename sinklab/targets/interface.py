@@ -95,6 +95,11 @@ class Target(ABC):
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
+    def describe(self) -> dict:
+        """What the outputs say the model is, first in `sinklab measure --json`: target and source (sources that load
+        at a revision, in a dtype, add them)."""
+        return {"target": self.meta.target, "source": self.meta.source}
+
     # --------------------------------------------------------------------------------------------- logits
     @abstractmethod
     def logits(self, idx: torch.Tensor) -> torch.Tensor:

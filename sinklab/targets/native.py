@@ -34,8 +34,9 @@ class SinklabTarget(Target):
         from sinklab.runs.checkpoints import load_model
         from sinklab.runs.run_data import checkpoint_and_run_dir
 
-        for flag, value, default in (("--revision", spec.revision, None), ("--dtype", spec.dtype, "auto")):
-            if value != default:
+        for flag, value, allowed in (("--revision", spec.revision, (None,)),
+                                     ("--dtype", spec.dtype, ("auto", "float32", torch.float32))):
+            if value not in allowed:
                 raise UserError(f"{flag} {value}: applies to --hf-model only (a sinklab checkpoint is measured in "
                                 "float32 as it was saved)")
         ckpt, run_dir = checkpoint_and_run_dir(spec.name)

@@ -400,6 +400,9 @@ class TransformersTarget(Target):
                                      dtype=str(next(model.parameters()).dtype).removeprefix("torch."),
                                      model=description))
 
+    def describe(self) -> dict:
+        return {**super().describe(), "revision": self.meta.revision, "dtype": self.meta.dtype}
+
     def logits(self, idx: torch.Tensor) -> torch.Tensor:
         from .transformers_masking import masked_attention
 

@@ -21,11 +21,14 @@ import torch
 from sinklab.model import ModelConfig, Transformer
 
 SINKLAB = Path(__file__).resolve().parents[2] / "sinklab"
-CLI_BASE = {"sinklab.cli", "sinklab.cli.base", "sinklab.cli.__main__"}  # the shared base and the dispatcher
+CLI_BASE = {"sinklab.cli", "sinklab.cli.base"}  # the shared base and the dispatcher
 # what loads, scores and evaluates a model: below sinklab.train, so that it runs without Lightning
-BELOW_TRAIN = ("sinklab.model.lm_loss", "sinklab.evals", "sinklab.quant", "sinklab.metrics", "sinklab.model",
-               "sinklab.config.validate", "sinklab.runs.checkpoints", "sinklab.targets.transformers_lm", "sinklab.analysis.probe_inputs",
-               "sinklab.analysis.measurement", "sinklab.cli.base")
+BELOW_TRAIN = ("sinklab.evals", "sinklab.quant", "sinklab.metrics", "sinklab.model", "sinklab.config.validate",
+               "sinklab.runs", "sinklab.targets", "sinklab.analysis", "sinklab.cli.base")
+# what evaluates or analyses a model takes a sinklab.targets.Target: none of them knows where the model came from
+OVER_TARGETS = ("sinklab.evals", "sinklab.analysis", "sinklab.quant")
+SOURCE_MODULES = ("sinklab.targets.native", "sinklab.targets.transformers_lm", "sinklab.targets.transformers_cache",
+                  "sinklab.targets.transformers_masking", "sinklab.targets.hub_models")
 
 
 def module_name(path: Path) -> str:
@@ -117,6 +120,25 @@ def test_evaluation_sits_below_training():
         if module.startswith(BELOW_TRAIN):
             up = sorted(m for m in deps if m == "sinklab.train" or m.startswith("sinklab.train."))
             assert not up, f"{module} imports {up}: it must run without sinklab.train (and Lightning)"
+
+
+def test_no_evaluation_or_analysis_branches_on_the_model_source():
+    """Evaluations and analyses reach a model through `sinklab.targets` only (`Target`, `load_target`): they import
+    no source's module and compare nothing with a source's name."""
+    from sinklab.targets import SOURCES
+
+    names = set(SOURCES.names())
+    assert {"sinklab", "hf"} <= names
+    for module, deps in graph().items():
+        if not module.startswith(OVER_TARGETS):
+            continue
+        direct = sorted(m for m in deps if m.startswith(SOURCE_MODULES))
+        assert not direct, f"{module} imports {direct}: take a Target (sinklab.targets) instead"
+        path = SINKLAB.parent / (module.replace(".", "/") + (".py" if (SINKLAB.parent / (module.replace(".", "/")
+                                                                                       + ".py")).exists() else "/__init__.py"))
+        compared = [n for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.Compare)
+                    and any(isinstance(c, ast.Constant) and c.value in names for c in [n.left, *n.comparators])]
+        assert not compared, f"{module}:{compared[0].lineno} compares with a source's name: a Target method instead"
 
 
 def test_nll_and_perplexity_are_written_once():
