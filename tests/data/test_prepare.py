@@ -14,7 +14,7 @@ import pandas as pd
 import pytest
 
 from sinklab.data import LMDataModule, StoreDamagedError, StoreMismatchError, open_store
-from sinklab.data.prepare import main
+from sinklab.cli.prepare import main
 from sinklab.data.tokenizer import load_tokenizer, tokenizer_fingerprint, train_bpe
 from sinklab.io import stale_temporaries
 from tests.helpers import REPO, fake_text
@@ -162,11 +162,11 @@ def test_config_file_gives_the_defaults(env, tmp_path):
 
 
 def test_cli_errors_are_one_line(env, tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "sinklab.data.prepare", "--corpus", "local", "--files",
+    proc = subprocess.run([sys.executable, "-m", "sinklab", "prepare", "--corpus", "local", "--files",
                            str(tmp_path / "nope.jsonl"), "--out", str(tmp_path / "o")],
                           capture_output=True, text=True, timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines() == [f"error: data.files: {tmp_path / 'nope.jsonl'} does not exist"]
+    assert proc.stderr.strip().splitlines() == [f"sinklab prepare: error: data.files: {tmp_path / 'nope.jsonl'} does not exist"]
 
 
 def test_files_alone_are_the_corpus_and_files_beside_shakespeare_are_refused(env, tmp_path):
