@@ -546,7 +546,7 @@ class SinkMeter:
 
     def measure(self) -> float:
         before = self.cb.seconds
-        self.cb.measure(self.trainer, self.lit)
+        self.logged = self.cb.measure(self.trainer, self.lit)  # what the callback logs, for the heatmap's labels
         return self.cb.seconds - before
 
     def report(self, per_step: dict[int, float], step_time: float) -> None:
@@ -559,7 +559,7 @@ class SinkMeter:
         with tempfile.TemporaryDirectory() as tmp:
             for i in range(4):  # the first imports matplotlib: reported apart
                 t0 = time.perf_counter()
-                save_heatmap(cb._alpha1, Path(tmp), i, cb.eps[0])
+                save_heatmap(cb._alpha1, Path(tmp), i, self.logged)
                 heat.append(time.perf_counter() - t0)
         measure_steps = med(list(per_step.values()))  # one measurement, in training steps of the same round
         heat_steps = med(heat[1:]) / step_time

@@ -13,8 +13,9 @@
 #   quant:      for fp32 and each scheme <scheme>_loss, _ppl, _gap (ppl - fp32 ppl), _rel_gap (gap / fp32 ppl); then
 #               val_targets, calib_batches, weights;
 #   streaming:  for each setting (x4_y60, x0_y60, ..., dense, recompute) <setting>_ppl, <setting>_keys; n_tokens;
-#   intervene:  massive_layer (1-indexed), massive_token, massive_ratio; for each row (none, zero, mean, mask_first,
-#               mask_random) <row>_ppl, _dppl, _sink1, _alpha1 (and _sink1_star where the op is unnormalised).
+#   intervene:  massive_layer (from 0, as the log keys layer0/... and every output), massive_token (from 1: token 1
+#               is the first), massive_ratio; for each row (none, zero, mean, mask_first, mask_random)
+#               <row>_ppl, _dppl, _sink1, _alpha1 (and _sink1_star where the op is unnormalised).
 set -euo pipefail
 USAGE="usage: bash experiments/cpu/eval_sweep.sh SWEEP_DIR quant|streaming|intervene [options ...]"
 SWEEP=${1:?$USAGE}
@@ -63,7 +64,7 @@ def streaming(res):
 
 def intervene(res):
     m = res["massive"]
-    row = {"massive_layer": m["layer"] + 1, "massive_token": m["token"], "massive_ratio": m["ratio"]}
+    row = {"massive_layer": m["layer"], "massive_token": m["token"], "massive_ratio": m["ratio"]}
     row.update({f"{name}_{k}": v for name, r in res["rows"].items() for k, v in r.items() if k != "loss"})
     return row
 

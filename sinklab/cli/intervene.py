@@ -32,9 +32,9 @@ it is reported to show where the attention went (alpha_1 of the other rows is 0)
 Validation: the run's validation blocks, with the BOS token at position 1 if its training blocks have one
 (data.bos), so that token 1 is what the model always saw there (its probe set has it too, data.probe_bos).
 
---json prints one object: target, val_batches, val_targets, probe (num_seqs, seq_len), massive {layer (0-indexed),
-token (1-indexed), channels, values (mean |h|), mean_values (signed), ratio (top mean |h| / median |h|)}, seconds,
-and rows {name: {ppl, loss, dppl (ppl - the unchanged model's), sink1, alpha1, sink1_star (operations without row
+--json prints one object: target, val_batches, val_targets, probe (num_seqs, seq_len), massive {layer (from 0, as in
+every output), token (from 1), channels, values (mean |h|), mean_values (signed), ratio (top mean |h| / median |h|)},
+seconds, and rows {name: {ppl, loss, dppl (ppl - the unchanged model's), sink1, alpha1, sink1_star (operations without row
 normalisation)}}. User errors are one line on stderr and exit code 2. The interventions and their evaluation:
 `sinklab.evals.interventions`.
 """
@@ -115,7 +115,7 @@ def format_table(res: dict) -> str:
     star = any("sink1_star" in r for r in res["rows"].values())
     lines = [f"{res['target']}: {res['val_batches']} validation batches, probe set {res['probe']['num_seqs']} x "
              f"{res['probe']['seq_len']}",
-             f"massive activations: layer {m['layer'] + 1}, token {m['token']}, channels {chans}; top / median "
+             f"massive activations: layer {m['layer']}, token {m['token']}, channels {chans}; top / median "
              f"{m['ratio']:.1f}", "",
              f"{'intervention':<13}{'val ppl':>10}{'d ppl':>10}{'Sink_1 %':>10}{'alpha_1':>9}"
              + (f"{'Sink*_1 %':>11}" if star else "")]

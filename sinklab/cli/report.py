@@ -34,7 +34,7 @@ def parse_baseline(items: Sequence[str]) -> Optional[dict]:
 
 def as_json(res: dict) -> str:
     """The numbers of a report as one strict-JSON object (NaN / inf as null)."""
-    keys = ("swept", "baseline", "rule", "rows", "aggregate", "differences", "claims")
+    keys = ("swept", "baseline", "baseline_from", "rule", "rows", "aggregate", "differences", "claims")
     files = {k: str(res[k]) for k in ("out_dir", "md", "csv", "aggregate_csv", "differences_csv", "claims_csv")
              if res[k] is not None}
     out = {"files": files, "plots": [str(p) for p in res["plots"]], **{k: res[k] for k in keys}}
@@ -59,8 +59,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                          "metric's name for its headline values (entropy: act/attn_entropy; sinklab.metrics.METRICS), "
                          "besides the preset's experiment.report_metrics")
     ap.add_argument("--baseline", nargs="+", default=[], metavar="KEY=VALUE",
-                    help="the baseline setting each setting is compared with, paired by seed (default: the preset's "
-                         "experiment.baseline), e.g. --baseline optim.weight_decay=0.1")
+                    help="the baseline setting each setting is compared with, paired by seed: swept keys other than "
+                         "the seed and values the sweep ran (default: the preset's experiment.baseline, else each "
+                         "swept key's default, or its first swept value when the default was not run), e.g. "
+                         "--baseline optim.weight_decay=0.1")
     ap.add_argument("--claims", default=None, metavar="PRESET",
                     help="judge the claims (and baseline) of this preset (conf/experiment/PRESET.yaml) or yaml file "
                          "instead of the sweep's own, e.g. sink_uses on an outliers_quant sweep of the same models")
@@ -80,6 +82,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(as_json(res))
         return 0
     print(f"{len(res['rows'])} jobs ({status_counts(r['status'] for r in res['rows'])})")
+    if res["baseline_note"]:  # which setting the paired differences are from, and how to name another
+        print(res["baseline_note"] if res["differences"] is not None else
+              f"no paired differences (no setting shares a seed with the baseline): {res['baseline_note']}")
     for claim in res["claims"]:
         print(f"claim {claim['claim']}: {claim['verdict']}" + (f" ({claim['reason']})" if claim["reason"] else ""))
     for p in [res["md"], res["csv"], res["aggregate_csv"], res["differences_csv"], res["claims_csv"], *res["plots"]]:

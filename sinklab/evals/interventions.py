@@ -84,7 +84,7 @@ def sink_summary(target: Target, probe: torch.Tensor) -> dict:
 
 @torch.no_grad()
 def find_massive(target: Target, tokens: torch.Tensor, n_channels: int, batch_size: int = 32) -> dict:
-    """The massive activations of the probe set (see the module docstring): layer, token (1-indexed), channels, their
+    """The massive activations of the probe set (see the module docstring): layer (from 0), token (from 1), channels, their
     mean |h| and mean signed value, and the top mean |h| over the median |h| of that layer."""
     abs_sum, signed_sum, medians = None, None, None
     for start in range(0, tokens.shape[0], batch_size):

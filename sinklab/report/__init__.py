@@ -9,14 +9,16 @@ Jobs that ``multirun.yaml`` promises but that have no dir yet are listed as ``pe
 
 Outputs in DIR (default SWEEP_DIR/report): ``report.md``, ``report.csv``, ``report_aggregate.csv`` (when some
 swept setting has several seeds: n, mean, std, median, min, max and the 95% t-interval per metric),
-``report_differences.csv`` (each setting's difference from the baseline setting, paired by seed),
+``report_differences.csv`` (each setting's difference from the baseline setting, paired by seed; ``baseline`` says
+which: --baseline, the preset's, else the swept keys' defaults),
 ``report_claims.csv`` (the verdicts of the preset's claims), ``sink1_vs_<key>.png``, ``val_loss_vs_<key>.png``,
 ``sink1_over_steps.png``, ``claims.png``.
 
 Modules: ``jobs`` reads the sweep (job dirs, status, overrides, metrics.csv, the evaluation CSVs), ``paper`` matches
 each job to the paper's table, ``columns`` says which metrics are shown and how, ``stats`` computes the seed
-statistics and paired differences, ``verdicts`` applies the verdict rule to the claims, ``table`` aggregates and
-writes the CSV and markdown, ``plots`` draws, ``build`` puts them together; the command is ``sinklab.cli.report``.
+statistics and paired differences from the setting ``baseline`` chooses, ``verdicts`` applies the verdict rule to
+the claims, ``table`` aggregates and writes the CSV and markdown, ``plots`` draws, ``build`` puts them together; the
+command is ``sinklab.cli.report``.
 """
 from sinklab.report.build import build_report
 from sinklab.report.jobs import load_sweep, read_metrics

@@ -9,6 +9,7 @@ from omegaconf import OmegaConf
 from sinklab.config.claims import parse_claims
 from sinklab.config.store import CONF_DIR
 from sinklab.errors import UserError
+from sinklab.report.baseline import check_baseline, choose_baseline
 from sinklab.report.jobs import STALE_MINUTES, load_sweep, select
 from sinklab.report.paper import load_paper_tables
 from sinklab.report.plots import make_plots
@@ -49,22 +50,26 @@ def build_report(sweep_dir, out_dir=None, *, paper_tables: Optional[Path] = None
                  stale_minutes: float = STALE_MINUTES, metrics: Sequence[str] = (),
                  baseline: Optional[dict] = None, claims_from: Optional[str] = None) -> dict:
     """Read every job of a sweep and write report.md, report.csv, and, when a setting has several seeds,
-    report_aggregate.csv (the seed statistics); with a baseline setting (the preset's experiment.baseline, or
-    ``baseline``), report_differences.csv (each setting's difference from it, paired by seed); with the preset's
-    claims, report_claims.csv (their verdicts); and the PNG plots, into ``out_dir`` (default SWEEP_DIR/report).
+    report_aggregate.csv (the seed statistics) and report_differences.csv (each setting's difference from the
+    baseline setting, paired by seed: ``baseline``, checked against the sweep, else the preset's experiment.baseline,
+    else the swept keys' defaults, `sinklab.report.baseline`); with the preset's claims, report_claims.csv (their
+    verdicts); and the PNG plots, into ``out_dir`` (default SWEEP_DIR/report).
     `metrics`: logged names to add as columns (besides the preset's experiment.report_metrics and the metrics its
     claims name). `claims_from`: judge that preset's (or yaml file's) claims instead of the sweep's own.
 
     Returns {"out_dir", "md", "csv", "aggregate_csv", "differences_csv", "claims_csv" (each None when not written),
     "plots": [paths], "rows": [one dict per job], "columns", "aggregate", "differences" (None, else one dict per
-    row), "claims" (one dict per claim, with its pairs), "baseline", "swept", "rule"}; missing values are None.
+    row), "claims" (one dict per claim, with its pairs), "baseline" (the compared-with setting), "baseline_from"
+    (how it was chosen) and "baseline_note" (that and how to choose another; both None without one), "swept",
+    "rule"}; missing values are None.
     """
     sweep_dir = Path(sweep_dir)
     out_dir = Path(out_dir) if out_dir is not None else sweep_dir / "report"
     sweep = load_sweep(sweep_dir, now=now, stale_minutes=stale_minutes)
+    if baseline:
+        check_baseline(sweep, baseline)
     source, spec = claims_spec(sweep.cfg, claims_from)
     preset_baseline, claims = parse_claims(spec)
-    baseline = baseline or preset_baseline
     tables = load_paper_tables(paper_tables)
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -75,20 +80,25 @@ def build_report(sweep_dir, out_dir=None, *, paper_tables: Optional[Path] = None
     named = [m for c in claims for m in (c.metric, c.against_metric) if m in logged]  # what the claims test
     jobs, metrics = job_table(sweep, tables, [*metrics, *named])
     agg = aggregate(jobs, sweep.swept, metrics)
-    diffs = setting_differences(jobs, sweep.swept, metrics, baseline) if agg is not None else None
+    # compared only where seeds pair the jobs; a default baseline is composed only then
+    chosen = choose_baseline(sweep, baseline, preset_baseline, source) if agg is not None else None
+    diffs = setting_differences(jobs, sweep.swept, metrics, chosen.setting) if chosen is not None else None
+    note = chosen.line(sweep) if chosen is not None else None
     verdicts, claim_rows = claims_table(sweep, claims)
     csv_path = write_csv(out_dir / "report.csv", jobs)
     written = {name: write_csv(out_dir / f"report_{name}.csv", df) if df is not None else None
                for name, df in (("aggregate", agg), ("differences", diffs), ("claims", verdicts))}
     plots = make_plots(out_dir, sweep, jobs, claim_rows)
     md_path = write_markdown(out_dir / "report.md", sweep, jobs, metrics, agg, plots, out_dir, tables, diffs, verdicts,
-                             source)
+                             source, note)
     return {"out_dir": out_dir, "md": md_path, "csv": csv_path, "aggregate_csv": written["aggregate"],
             "differences_csv": written["differences"], "claims_csv": written["claims"], "plots": plots,
             "rows": jobs.to_dict("records"), "columns": list(jobs.columns),
             "aggregate": None if agg is None else none_for_missing(agg).to_dict("records"),
             "differences": None if diffs is None else none_for_missing(diffs).to_dict("records"),
-            "claims": claim_rows, "claims_from": source, "baseline": baseline, "swept": sweep.swept,
+            "claims": claim_rows, "claims_from": source,
+            "baseline": chosen.setting if chosen is not None else baseline or preset_baseline,
+            "baseline_from": chosen.why if chosen is not None else None, "baseline_note": note, "swept": sweep.swept,
             "rule": {"text": RULE, "confidence": CONFIDENCE, "interval": "Student's t-interval of the mean",
                      "min_pairs": MIN_PAIRS, "reproduced_share": REPRODUCED_SHARE,
                      "not_reproduced_share": NOT_REPRODUCED_SHARE}}

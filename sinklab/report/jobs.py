@@ -287,6 +287,30 @@ def load_sweep(sweep_dir: Path, now: Optional[float] = None, stale_minutes: floa
     return Sweep(sweep_dir, jobs, swept, cfg)
 
 
+def fixed_overrides(sweep: Sweep) -> list[str]:
+    """The overrides every job of the sweep shares: the multirun's command line (multirun.yaml), else the first job's
+    overrides.yaml, without the sweep's own (swept keys, sweeps) and without Hydra's (hydra.*, hydra/...)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    if select(sweep.cfg, "hydra.overrides") is not None:
+        lines = _multirun_overrides(sweep.cfg)
+    else:
+        job = next((j for j in sweep.jobs if j.path is not None), None)
+        found = _load_yaml(job.path / ".hydra" / "overrides.yaml") if job is not None else None
+        lines = [str(v) for v in OmegaConf.to_container(found)] if OmegaConf.is_list(found) else []
+    parser, out = OverridesParser.create(), []
+    for line in lines:
+        try:
+            o = parser.parse_override(line)
+        except Exception:  # what Hydra cannot parse it could not have run
+            continue
+        key = o.key_or_group
+        if o.is_sweep_override() or key in sweep.swept or key.split("/")[0].split(".")[0] == "hydra":
+            continue
+        out.append(line)
+    return out
+
+
 def fill_normalised_star(jobs: list[Job]) -> None:
     """In a sweep where some jobs log Sink*_k (the renormalised map's, logged only where rows do not sum to one:
     sigmoid, differential attention, ...), a job that logs Sink_k but no Sink* has rows that sum to one, where

@@ -172,15 +172,17 @@ def _seed_statistics(agg: pd.DataFrame, keys: list[str], metrics: list[Metric], 
             _markdown(pd.DataFrame(rows).map(_md_cell), {})] if rows else []
 
 
-def _differences(diffs: pd.DataFrame, keys: list[str], labels: dict) -> list[str]:
-    """report.md's table of each setting's difference from the baseline, paired by seed."""
+def _differences(diffs: pd.DataFrame, keys: list[str], labels: dict, note: str) -> list[str]:
+    """report.md's table of each setting's difference from the baseline, paired by seed, after ``note`` (which
+    baseline, why, and how to choose another)."""
     rows = [{**{k: fmt(d[k]) for k in keys if k in d}, "metric": labels.get(d["metric"], d["metric"]),
              "pairs": str(d["pairs"]), "mean difference": fmt(d["diff_mean"], d["metric"]),
              f"{CONFIDENCE:.0%} CI": f"[{fmt(d['diff_ci_low'], d['metric'])}, {fmt(d['diff_ci_high'], d['metric'])}]"
              if fmt(d["diff_ci_low"]) else "", "higher / lower": f"{d['higher']} / {d['lower']}"}
             for d in diffs.to_dict("records")]
     return ["", f"## Paired differences from the baseline ({diffs['baseline'].iloc[0]}; by seed, "
-                f"{CONFIDENCE:.0%} t-interval)", "", _markdown(pd.DataFrame(rows).map(_md_cell), {})]
+                f"{CONFIDENCE:.0%} t-interval)", "", *([f"{note[:1].upper()}{note[1:]}.", ""] if note else []),
+            _markdown(pd.DataFrame(rows).map(_md_cell), {})]
 
 
 def _claims(claims: pd.DataFrame, source: str) -> list[str]:
@@ -198,9 +200,11 @@ def _claims(claims: pd.DataFrame, source: str) -> list[str]:
 
 def write_markdown(path: Path, sweep: Sweep, jobs: pd.DataFrame, metrics: list[Metric], agg: Optional[pd.DataFrame],
                    plots: list[Path], out_dir: Path, tables: dict, diffs: Optional[pd.DataFrame] = None,
-                   claims: Optional[pd.DataFrame] = None, claims_from: str = "") -> Path:
+                   claims: Optional[pd.DataFrame] = None, claims_from: str = "",
+                   baseline_note: Optional[str] = None) -> Path:
     """report.md: what was swept and how it was matched to the paper, the jobs table, mean ± std over seeds, the seed
-    statistics, the paired differences from the baseline, the claims' verdicts, plots."""
+    statistics, the paired differences from the baseline (``baseline_note``: which, why, and how to choose another),
+    the claims' verdicts, plots."""
     exp = experiment_info(sweep.cfg)
     lines = [f"# Sweep report: {exp['name'] or sweep.dir.name}", "", f"- Sweep dir: `{sweep.dir}`",
              f"- Experiment: `{exp['name'] or '-'}`", *_paper_table_line(exp, tables)]
@@ -223,7 +227,7 @@ def write_markdown(path: Path, sweep: Sweep, jobs: pd.DataFrame, metrics: list[M
         lines += ["", "## Mean ± std over seeds (completed jobs)", "", _markdown(cells, labels)]
         lines += _seed_statistics(agg, keys, metrics, labels)
     if diffs is not None:
-        lines += _differences(diffs, keys, labels)
+        lines += _differences(diffs, keys, labels, baseline_note or "")
     if claims is not None:
         lines += _claims(claims, claims_from)
     if plots:

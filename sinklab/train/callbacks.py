@@ -11,10 +11,11 @@ import numpy as np
 import torch
 
 from sinklab.errors import describe
-from sinklab.keys import SINK_PREFIX
+from sinklab.keys import SINK1, SINK_PREFIX
 from sinklab.metrics import METRICS, SinklabRecorder, measure_all
 from sinklab.runs.status import Status, write_status
 from sinklab.train.fault import Preempted
+from sinklab.train.summary import layer_sink1
 
 
 class SinkCallback(L.Callback):
@@ -122,7 +123,8 @@ class SinkCallback(L.Callback):
             # the scalars of this step are logged (e.g. before a resume from a checkpoint without the map):
             # measure again for the map only
             self.measure(trainer, pl_module)
-        path = save_heatmap(self._alpha1, Path(trainer.default_root_dir) / "sink_heatmaps", step, self.eps[0])
+        # self.last: what was logged at this step (just now, or before a resume), so the map's Sink_1 is the metric's
+        path = save_heatmap(self._alpha1, Path(trainer.default_root_dir) / "sink_heatmaps", step, self.last)
         log_heatmap(trainer.loggers, path, step)
 
     def state_dict(self) -> dict[str, Any]:
@@ -149,8 +151,11 @@ def log_heatmap(loggers: Sequence[Any], path: Path, step: int) -> None:
             logger.log_image(SINK_PREFIX + "alpha1_heatmap", [str(path)], step=step)
 
 
-def save_heatmap(alpha1: torch.Tensor, out_dir: Path, step: int, eps: float) -> Path:
-    """alpha1 (L, H) -> PNG with layers as rows and heads as columns, cells above eps outlined."""
+def save_heatmap(alpha1: torch.Tensor, out_dir: Path, step: int, logged: dict[str, float]) -> Path:
+    """alpha1 (L, H) -> PNG with layers as rows and heads as columns. The title and the row labels are the values
+    the sink metric logged at this step (`logged`: sink/sink1, sink/layer<i>/sink1), per sequence then averaged as
+    the closing lines print them, not a threshold of this mean map; layers numbered from 0 as in the log keys. The
+    title and the row labels are also the PNG's Title and Description text."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -159,19 +164,23 @@ def save_heatmap(alpha1: torch.Tensor, out_dir: Path, step: int, eps: float) -> 
     out_dir.mkdir(parents=True, exist_ok=True)
     a = alpha1.float().cpu().numpy()
     L_, H = a.shape
-    fig, ax = plt.subplots(figsize=(1.2 + 0.5 * H, 1.0 + 0.4 * L_))
+    per_layer = layer_sink1(logged)
+    rows = [f"{i}: {per_layer[i]:.1f}%" if i in per_layer else str(i) for i in range(L_)]
+    title = f"alpha_1 at step {step} (Sink_1 = {logged[SINK1]:.2f}%)"
+    fig, ax = plt.subplots(figsize=(1.6 + 0.5 * H, 1.0 + 0.4 * L_))
     im = ax.imshow(a, vmin=0, vmax=1, cmap="viridis", aspect="auto")
     for (i, j), v in np.ndenumerate(a):
         ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=7, color="white" if v < 0.6 else "black")
     ax.set_xlabel("head")
-    ax.set_ylabel("layer")
+    ax.set_ylabel("layer: Sink_1 of its heads")
     ax.set_xticks(range(H))
-    ax.set_yticks(range(L_))
-    ax.set_title(f"alpha_1 at step {step} (Sink_1 = {100 * (a > eps).mean():.1f}%)", fontsize=9)
+    ax.set_yticks(range(L_), rows)
+    ax.set_title(title, fontsize=9)
     fig.colorbar(im, ax=ax, label="alpha_1")
     fig.tight_layout()
     path = out_dir / f"alpha1_step{step:07d}.png"
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, metadata={"Title": title, "Description": "rows: layer: Sink_1 of its heads: "
+                                                                        + ", ".join(rows)})
     plt.close(fig)
     return path
 

@@ -25,6 +25,12 @@ NEXT = ("sinklab-train model/bias=k (a learned key bias takes the sink: Sink_1 f
 _LAYER_SINK = re.compile(r"^sink/layer(\d+)/sink1$")
 
 
+def layer_sink1(logged: dict[str, float]) -> dict[int, float]:
+    """{layer: Sink_1 of its heads (%)} from the logged values (sink/layer<i>/sink1): layers numbered from 0 as in
+    the log keys, in the closing lines and the heatmap alike."""
+    return {int(m.group(1)): v for k, v in logged.items() if (m := _LAYER_SINK.match(k))}
+
+
 def summary(trainer: Any, callbacks: list[Any], out: Path) -> dict[str, Any]:
     """The final metrics (the trainer's and the sink callback's last measurement), status.json = completed, and
     the closing lines on rank 0."""
@@ -35,7 +41,7 @@ def summary(trainer: Any, callbacks: list[Any], out: Path) -> dict[str, Any]:
     per_layer: dict[int, float] = {}
     if sink is not None:
         final.update({k: v for k, v in sink.last.items() if "/layer" not in k})
-        per_layer = {int(m.group(1)): v for k, v in sink.last.items() if (m := _LAYER_SINK.match(k))}
+        per_layer = layer_sink1(sink.last)
     # with ddp_spawn this process's trainer did not run the loop (global_step 0); a completed fit ran max_steps
     steps = trainer.global_step or trainer.max_steps
     if trainer.is_global_zero:
@@ -87,5 +93,5 @@ def sink_line(sink1: float, per_layer: dict[int, float], first_token: str, eps: 
     line = f"sink: {heads} (mean over the probe sequences) put {share} of their attention on token 1, {first_token}"
     sinking = sorted((i for i in per_layer if per_layer[i] > 0), key=lambda i: -per_layer[i])
     if sinking:
-        line += "; by layer: " + ", ".join(f"layer {i + 1} {per_layer[i]:.1f}% of its heads" for i in sinking)
+        line += "; by layer: " + ", ".join(f"layer {i} {per_layer[i]:.1f}% of its heads" for i in sinking)
     return line

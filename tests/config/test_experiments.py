@@ -581,7 +581,7 @@ def test_eval_sweep_script_gathers_streaming_and_intervene_into_csvs(tmp_path, s
             for s, column in zip(res["settings"], ("x0_y8", "x1_y8", "recompute")):
                 assert row[f"{column}_ppl"] == pytest.approx(s["ppl"]) and row[f"{column}_keys"] == s["keys"]
         else:
-            assert row["massive_layer"] == res["massive"]["layer"] + 1
+            assert row["massive_layer"] == res["massive"]["layer"]  # layers from 0, as in the JSON
             for name in ("none", "mask_first"):
                 for key in ("ppl", "dppl", "sink1", "alpha1"):
                     assert row[f"{name}_{key}"] == pytest.approx(res["rows"][name][key])

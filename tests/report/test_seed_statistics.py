@@ -267,3 +267,107 @@ def test_another_presets_claims_judged_on_this_sweep(built, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "--claims nosuch: no such preset or yaml file (allowed: " in err and "sink_uses" in err
     assert err.count("\n") == 1 and not (tmp_path / "out3").exists()
+
+
+# ------------------------------------------------------------------------------------------- an ad hoc sweep
+def make_adhoc_sweep(root, swept, values, fixed=("trainer.max_steps=100",)):
+    """`sinklab-train -m KEY=A,B ... seed=0,...,4` with no preset: multirun.yaml as Hydra's BasicSweeper writes it,
+    one job per (setting, seed) in Hydra's order; `swept` {key: [values]}, `values(setting, seed)` -> (Sink_1,
+    val/loss) of a job."""
+    import itertools
+
+    from omegaconf import OmegaConf
+
+    sweep = root / "adhoc"
+    sweep.mkdir(parents=True)
+    grid = {**{k: [str(v) for v in vs] for k, vs in swept.items()}, "seed": [str(s) for s in SEEDS]}
+    task = [f"{k}={','.join(vs)}" for k, vs in grid.items()] + list(fixed)
+    mr = {"hydra": {"sweeper": {"_target_": "hydra._internal.core_plugins.basic_sweeper.BasicSweeper",
+                                "max_batch_size": None, "params": None},
+                    "overrides": {"hydra": ["hydra.mode=MULTIRUN"], "task": task}, "mode": "MULTIRUN"},
+          "experiment": {"name": "default", "paper_table": None}}
+    OmegaConf.save(OmegaConf.create(mr), sweep / "multirun.yaml")
+    for job, combo in enumerate(itertools.product(*grid.values())):
+        setting = dict(zip(grid, combo))
+        seed = int(setting.pop("seed"))
+        cfg = base_config(seed=seed)
+        cfg["experiment"] = {"name": "default", "paper_table": None}
+        for key, v in setting.items():
+            if "/" not in key:
+                node = cfg
+                *parents, leaf = key.split(".")
+                for p in parents:
+                    node = node.setdefault(p, {})
+                node[leaf] = yaml.safe_load(v)
+        d = sweep / str(job)
+        write_hydra(d, cfg, [f"{k}={v}" for k, v in setting.items()] + [f"seed={seed}", *fixed])
+        sink1, loss = values(setting, seed)
+        write_metrics(d / "metrics.csv", 100, lambda s, v=sink1: float(v), lambda s, v=loss: v)
+        (d / "status.json").write_text(json.dumps({"status": "completed", "step": 100}))
+    return sweep
+
+
+def gate_values(setting, seed):
+    return SINK1[setting["model/gate"]][seed], VAL_LOSS[setting["model/gate"]] + seed / 100
+
+
+def test_an_ad_hoc_sweep_is_compared_with_the_swept_keys_default(built, tmp_path, capsys):
+    """`sinklab-train -m model/gate=elementwise,none seed=0,1,2,3,4`, no preset: the differences are from the
+    schema's default gate (none, ModelConfig's; not the first swept value), paired by seed as a preset's are, and
+    the report and the command say which baseline that is and how to name another."""
+    sweep = make_adhoc_sweep(tmp_path, {"model/gate": ["elementwise", "none"]}, gate_values)
+    res = report.build_report(sweep, tmp_path / "out")
+    assert res["baseline"] == {"model/gate": "none"} and res["baseline_from"] == "the default of model/gate"
+    assert res["claims"] == [] and res["swept"] == ["model/gate", "seed"]
+    diffs = {d["metric"]: d for d in res["differences"]}
+    _, preset = built  # the preset sweep of the same values, against its experiment.baseline {model/gate: none}
+    same = {d["metric"]: d for d in preset["differences"] if d["model/gate"] == "elementwise"}
+    assert diffs.keys() == same.keys() and all(d["model/gate"] == "elementwise" for d in diffs.values())
+    for metric, d in diffs.items():
+        for field in ("pairs", "diff_mean", "diff_ci_low", "diff_ci_high", "higher", "lower"):
+            assert d[field] == pytest.approx(same[metric][field]), (metric, field)
+    assert diffs["sink1"]["diff_mean"] == pytest.approx(-23.4)
+    note = "baseline model/gate=none (the default of model/gate); another: --baseline model/gate=elementwise"
+    assert res["baseline_note"] == note and f"\nB{note[1:]}.\n" in res["md"].read_text()
+    assert report_main([str(sweep), "--out", str(tmp_path / "out")]) == 0  # (--baseline: the preset test above)
+    out = capsys.readouterr().out.splitlines()
+    assert out[1] == note and str(tmp_path / "out" / "report_differences.csv") in out
+
+
+def test_a_default_that_was_not_swept_gives_the_first_swept_value(tmp_path):
+    """Two swept values: optim.weight_decay's default (the default run's 1.0, conf/scale/quick.yaml) was swept, second,
+    and is the baseline; optim.lr's default was not swept, so its first value is, and the report says so. Every
+    other setting is compared with the one baseline setting, paired by seed."""
+    from sinklab.config import compose
+
+    sink = {("0.0", "0.001"): 10.0, ("0.0", "0.003"): 20.0, ("1.0", "0.001"): 30.0, ("1.0", "0.003"): 45.0}
+
+    def values(setting, seed):
+        return sink[setting["optim.weight_decay"], setting["optim.lr"]] + seed, 4.0
+
+    sweep = make_adhoc_sweep(tmp_path, {"optim.weight_decay": ["0.0", "1.0"], "optim.lr": ["0.001", "0.003"]},
+                             values)
+    res = report.build_report(sweep, tmp_path / "out")
+    default_lr = compose([]).optim.lr
+    assert default_lr not in (0.001, 0.003) and compose([]).optim.weight_decay == 1.0
+    assert res["baseline"] == {"optim.weight_decay": 1.0, "optim.lr": 0.001}
+    assert res["baseline_from"] == ("the default of optim.weight_decay; the first swept value of optim.lr: its "
+                                    f"default {default_lr} was not swept")
+    diffs = {(d["optim.weight_decay"], d["optim.lr"]): d for d in res["differences"] if d["metric"] == "sink1"}
+    assert {k: (d["pairs"], d["diff_mean"]) for k, d in diffs.items()} == {
+        (0.0, 0.001): (5, pytest.approx(-20.0)), (0.0, 0.003): (5, pytest.approx(-10.0)),
+        (1.0, 0.003): (5, pytest.approx(15.0))}
+
+
+@pytest.mark.parametrize("baseline, message", [
+    ("model.gate=none", "--baseline model.gate=none: model.gate is not a swept key of {sweep}; allowed: model/gate"),
+    ("model/gate=headwise", "--baseline model/gate=headwise: the sweep ran no job with model/gate=headwise; allowed: "
+                            "model/gate=elementwise, model/gate=none"),
+    ("seed=0", "--baseline seed=0: seed pairs the jobs (seeds are averaged over, not compared); allowed: model/gate"),
+])
+def test_a_baseline_the_sweep_did_not_run_is_one_line_before_any_work(tmp_path, capsys, baseline, message):
+    sweep = make_adhoc_sweep(tmp_path, {"model/gate": ["elementwise", "none"]}, gate_values)
+    assert report_main([str(sweep), "--out", str(tmp_path / "out"), "--baseline", baseline]) == 1
+    err = capsys.readouterr().err
+    assert err == f"sinklab report: error: {message.format(sweep=sweep)}\n"
+    assert not (tmp_path / "out").exists()

@@ -25,10 +25,16 @@ def column(path: Path, key: str) -> list[tuple[int, float]]:
     return [(int(r["step"]), float(r[key])) for r in rows(path) if r.get(key) not in (None, "")]
 
 
+# a low threshold: after 60 steps alpha_1 is near uniform (~0.08), and at eps 0.08 the two layers have different
+# shares of sink heads, which the closing lines, the heatmap and `sinklab measure` must each put on the same layer
+EPS = "0.08"
+
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("run")
-    proc = train(out, "trainer.max_steps=60", "optim.schedule=constant")  # constant after warmup: see the test below
+    proc = train(out, "trainer.max_steps=60", "optim.schedule=constant",  # constant after warmup: see a test below
+                 f"callbacks.sink.eps=[{EPS}]")
     return out, proc
 
 
@@ -51,6 +57,38 @@ def test_training_lowers_loss_and_writes_outputs(run):
     assert Path(heatmap.split(": ", 1)[1]).is_file() and "step0000060" in heatmap
     assert closing[-1] == f"run dir: {out}"
     assert '"status": "completed"' in (out / "status.json").read_text()
+
+
+def test_the_summary_the_heatmap_and_measure_number_layers_alike(run, capsys):
+    """Layers are numbered from 0 everywhere, as the log keys sink/layer<i>/...: the closing line's "layer i x% of its
+    heads", the heatmap's row i and `sinklab measure`'s row i give the same share, which is metrics.csv's
+    sink/layer<i>/sink1 of the last step; the heatmap's title is the logged sink/sink1 (not a threshold of the mean
+    map)."""
+    from PIL import Image
+
+    from tests.helpers import run_sinklab
+
+    out, proc = run
+    last = rows(out / "metrics.csv")
+    logged = next(r for r in reversed(last) if r.get("sink/sink1") not in (None, ""))
+    assert int(logged["step"]) == 60
+    per_layer = {i: float(logged[f"sink/layer{i}/sink1"]) for i in range(2)}
+    # distinct per-layer shares, so that a layer numbered from 1 anywhere would show another layer's share
+    assert len({f"{v:.1f}" for v in per_layer.values()}) == 2, per_layer
+    closing = proc.stdout[proc.stdout.index("done: 60 steps"):].strip().splitlines()
+    named = {int(i): share for i, share in re.findall(r"layer (\d+) ([\d.]+)% of its heads", closing[1])}
+    assert named and named == {i: f"{v:.1f}" for i, v in per_layer.items() if v > 0}, (closing[1], per_layer)
+
+    png = Image.open(out / "sink_heatmaps" / "alpha1_step0000060.png")
+    assert png.text["Title"] == f"alpha_1 at step 60 (Sink_1 = {float(logged['sink/sink1']):.2f}%)"
+    heat_rows = dict(re.findall(r"(\d+): ([\d.]+)%", png.text["Description"].split("rows: ", 1)[1]))
+    assert heat_rows == {str(i): f"{v:.1f}" for i, v in per_layer.items()}, png.text
+
+    rc, text, err = run_sinklab(capsys, "measure", str(out), "--eps", EPS, "--batch-size", "50")
+    assert rc == 0, err
+    table = text[text.index("alpha_1 per layer and head"):].splitlines()[2:4]
+    measured = {int(line.split()[0]): line.split()[2] for line in table}
+    assert measured == {i: f"{v:.1f}" for i, v in per_layer.items()}, table
 
 
 def test_throughput_and_mfu_are_logged(run):
@@ -319,7 +357,7 @@ def test_closing_lines_say_where_the_sink_is_and_what_to_try():
     lines = closing_lines(1500, final, {0: 0.0, 1: 75.0, 2: 0.0}, "the BOS token 'B'", 0.3, 24, Path("/r"))
     assert lines[0] == "done: 1500 steps, val/loss 4.2500, Sink_1 25.00% (alpha_1 0.151)"
     assert lines[1] == ("sink: 6.0 of 24 heads (mean over the probe sequences) put > 0.3 of their attention on "
-                        "token 1, the BOS token 'B'; by layer: layer 2 75.0% of its heads")
+                        "token 1, the BOS token 'B'; by layer: layer 1 75.0% of its heads")  # from 0, as the log keys
     assert lines[2].startswith("next: sinklab-train model/bias=k") and "model/attn=sigmoid" in lines[2]
     assert lines[-1] == "run dir: /r"  # no heatmap file in /r: no heatmap line
     none = closing_lines(10, {"sink/sink1": 0.0, "sink/alpha1": 0.07}, {0: 0.0}, "the BOS token 'B'", 0.3, 8,
