@@ -15,17 +15,24 @@ A metric is one module (`sinklab/metrics/<name>.py`) with one class registered h
 - `bounds`: the physical range of each of its log keys (regexes over the full name, e.g. `^act/(layer\\d+/)?x$`);
 - `log(result)`: the scalars the training callback logs (full names, `sink/...` or `act/...`);
 - `json(result)`: its part of `sinklab measure --json` (under `json_key`, or merged at the top level when None);
-- `headline`: the log keys `sinklab report --metrics NAME` shows.
+- `headline`: the log keys `sinklab report --metrics NAME` shows;
+- `text(part, res)`: its lines in `sinklab measure`'s text, from its JSON part (default: its log scalars, per layer
+  as a table);
+- `heatmap(result)`: a layer x head grid the training callback draws at each validation (the sink metric's alpha_1);
+- `fill_final(finals)`: values a sweep report derives from the jobs' final logged values (the sink metric's Sink*_k
+  for jobs whose rows sum to one).
 The training callback (`SinkCallback`), `sinklab measure` (sinklab checkpoints and Hugging Face models,
-`sinklab.metrics.record.measure_all`) and `sinklab report --metrics` iterate the registry;
+`sinklab.metrics.record.measure_all`, and its text `sinklab.analysis.measurement.format_tables`) and
+`sinklab report` iterate the registry, with no branch on a metric's name;
 tests/metrics/test_metric_contracts.py checks every registered metric. A metric in a researcher's own package registers with
 `@METRICS.register("name")` and is measured once its module is imported.
 """
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Iterator, Optional
+from typing import Any, ClassVar, Iterator, Optional, Sequence
 
 import torch
 
@@ -104,6 +111,39 @@ class Metric:
     def json(self, result: dict[str, Any]) -> Any:
         """Its part of `sinklab measure --json`."""
         return result
+
+    def heatmap(self, result: dict[str, Any]) -> Optional[torch.Tensor]:
+        """A (L, H) grid, layer by head, that the training callback draws at each validation; None: none. The
+        callback draws the first that a registered metric gives (the sink metric's alpha_1)."""
+        return None
+
+    @classmethod
+    def fill_final(cls, finals: Sequence[dict[str, float]]) -> None:
+        """Fill in values derived from a sweep's jobs' final logged values (one dict per job, updated in place), so
+        that `sinklab report` compares the jobs on one column; nothing by default."""
+
+    @classmethod
+    def part(cls, res: dict[str, Any]) -> Any:
+        """Its part of a `sinklab measure --json` object `res`: res[json_key] (None where it was not measured), or
+        `res` itself for a metric whose part is merged at the top level (json_key None)."""
+        return res if cls.json_key is None else res.get(cls.json_key)
+
+    @classmethod
+    def text(cls, part: Any, res: dict[str, Any]) -> list[str]:
+        """Its lines in `sinklab measure`'s text, from its JSON part `part` (`Metric.part`) and, for what every
+        metric shares (model, eps, k), the whole object `res`; [] shows nothing. The default, for a metric that
+        declares no text of its own: its log scalars where its part is its result (`flatten`, when `json` is not
+        overridden), else the numbers of its part by their paths, overall ones on a line and per-layer ones
+        (`layer<i>/...`, or lists of n_layer numbers) as a table by layer, under its name and the first line of its
+        docstring; nothing for an empty part."""
+        if part in ({}, []):
+            return []
+        values = cls.flatten(part) if cls.json is Metric.json else {}
+        if not values and cls.json_key is not None:
+            values = json_scalars(part, (res.get("model") or {}).get("n_layer"))
+        doc = (cls.__doc__ or "").strip()
+        title = f"{cls.name}: {doc.splitlines()[0]}" if doc else cls.name
+        return scalar_text(title, values) or [title, "(no numbers to show here: see `sinklab measure --json`)"]
 
 
 class MetricRegistry:
@@ -186,6 +226,77 @@ class LayerMeans:
 
     def mean(self, name: str) -> torch.Tensor:
         return self.sums[name] / self.n
+
+
+# ---------------------------------------------------------------------------------- text (`sinklab measure`)
+def cell(x: Any, width: int = 7, prec: Optional[int] = 2) -> str:
+    """One value of a text table, right-aligned in `width`: a number with `prec` decimals (None: as it is, e.g. an
+    index); a missing or non-finite value as '-'."""
+    if x is None or isinstance(x, float) and not math.isfinite(x):
+        return f"{'-':>{width}}"
+    return f"{x:{width}.{prec}f}" if prec is not None else f"{x:>{width}}"
+
+
+def layer_table(columns: Sequence[tuple[str, Sequence, int, Optional[int]]],
+                overall: Optional[Sequence] = None) -> list[str]:
+    """A table by layer: columns (header, per-layer values, width, decimals as `cell`) after the layer's index, one
+    space apart; with `overall`, a last row `all` of one value per column."""
+    lines = [f"{'layer':>5} " + " ".join(f"{head:>{width}}" for head, _, width, _ in columns)]
+    for layer in range(max((len(values) for _, values, _, _ in columns), default=0)):
+        lines.append(f"{layer:>5} " + " ".join(cell(values[layer] if layer < len(values) else None, width, prec)
+                                               for _, values, width, prec in columns))
+    if overall is not None:
+        lines.append(f"{'all':>5} " + " ".join(cell(x, width, prec)
+                                               for x, (_, _, width, prec) in zip(overall, columns)))
+    return lines
+
+
+LAYER_KEY = re.compile(r"(^|/)layer(\d+)/")  # a per-layer log key: act/layer3/x is layer 3's act/x
+
+
+def is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def json_scalars(part: Any, n_layer: Optional[int] = None, path: str = "") -> dict[str, float]:
+    """A JSON part's numbers by their paths (`by_layer/induction`), a list of n_layer numbers (or nulls) as
+    per-layer values (`layer<i>/<path>`); other lists (per head, per position) and strings are left out."""
+    name = path or "value"
+    if is_number(part):
+        return {name: float(part)}
+    if isinstance(part, dict):
+        return {k: v for key, value in part.items()
+                for k, v in json_scalars(value, n_layer, f"{path}/{key}" if path else str(key)).items()}
+    if isinstance(part, list) and len(part) == n_layer and all(x is None or is_number(x) for x in part):
+        return {f"layer{i}/{name}": float(x) for i, x in enumerate(part) if x is not None}
+    return {}
+
+
+def scalar_text(title: str, values: dict[str, float]) -> list[str]:
+    """`title`, then the overall values on one line and the per-layer ones (`LAYER_KEY`) as a table by layer, in
+    4 significant digits; [] without values."""
+    if not values:
+        return []
+    overall, by_layer = {}, {}
+    for name, value in values.items():
+        m = LAYER_KEY.search(name)
+        if m is None:
+            overall[name] = value
+        else:
+            column = name[:m.start()] + m.group(1) + name[m.end():]
+            by_layer.setdefault(column, {})[int(m.group(2))] = value
+    lines = [title]
+    if overall:
+        lines.append(", ".join(f"{name} {value:.4g}" for name, value in overall.items()))
+    if by_layer:
+        n = 1 + max(i for column in by_layer.values() for i in column)
+        widths = {name: max(len(name), 9) for name in by_layer}
+        lines.append(f"{'layer':>5} " + " ".join(f"{name:>{widths[name]}}" for name in by_layer))
+        for layer in range(n):
+            lines.append(f"{layer:>5} " + " ".join(
+                f"{column[layer]:{widths[name]}.4g}" if math.isfinite(column.get(layer, math.nan))
+                else f"{'-':>{widths[name]}}" for name, column in by_layer.items()))
+    return lines
 
 
 def all_bounds() -> list[tuple[str, tuple[float, float]]]:

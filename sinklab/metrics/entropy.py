@@ -14,7 +14,7 @@ import torch
 
 from sinklab.keys import ACT_PREFIX
 
-from .base import METRICS, NON_NEGATIVE, Context, Metric
+from .base import METRICS, NON_NEGATIVE, Context, Metric, layer_table
 from .sink import renormalise
 
 
@@ -58,3 +58,13 @@ class AttentionEntropy(Metric):
     def flatten(result: dict[str, Any]) -> dict[str, float]:
         return {ACT_PREFIX + "attn_entropy": result["mean"],
                 **{f"{ACT_PREFIX}layer{i}/attn_entropy": v for i, v in enumerate(result["by_layer"])}}
+
+    @classmethod
+    def text(cls, part: dict[str, Any], res: dict[str, Any]) -> list[str]:
+        """Per layer the mean over heads and the lowest and highest head (a sink head is low); over all layers."""
+        heads = part["by_head"]  # [[per head] per layer]
+        every = [h for layer in heads for h in layer]
+        return ["attention entropy per layer (nats, mean over queries and sequences): heads' mean, lowest, highest",
+                *layer_table([("mean", part["by_layer"], 7, 3), ("lowest", [min(layer) for layer in heads], 7, 3),
+                              ("highest", [max(layer) for layer in heads], 7, 3)],
+                             overall=[part["mean"], min(every, default=None), max(every, default=None)])]

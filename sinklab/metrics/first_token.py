@@ -31,3 +31,8 @@ class FirstTokenAttention(SinkMetric):
     def json(self, result: dict[str, Any]) -> dict[str, Any]:
         alpha = result["scores"].alpha  # (N, L, H, 1)
         return {"mean": alpha[..., 0].mean().item(), "by_layer": alpha[..., 0].mean(dim=(0, 2)).tolist()}
+
+    @classmethod
+    def text(cls, part: dict[str, Any], res: dict[str, Any]) -> list[str]:
+        """The mean over layers (per layer it is the sink metric's alpha_1 table's mean column)."""
+        return [f"first-token attention (alpha_1) {part['mean']:.4f}"]

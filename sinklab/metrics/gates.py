@@ -27,7 +27,7 @@ from torch import nn
 
 from sinklab.keys import ACT_PREFIX
 
-from .base import METRICS, UNIT, Context, Metric
+from .base import METRICS, UNIT, Context, Metric, layer_table
 
 GATE_KEYS = ("gate_mean", "gate_low_share", "gate_first_token")
 LOW = 0.1  # a score below this counts as (nearly) closed
@@ -137,3 +137,15 @@ class GateScores(Metric):
         return {**{key.removeprefix("gate_"): result[key] for key in GATE_KEYS},
                 "by_layer": {key.removeprefix("gate_"): [result[f"layer{i}/{key}"] for i in range(n_layers)]
                              for key in GATE_KEYS}}
+
+    @classmethod
+    def text(cls, part: dict[str, Any], res: dict[str, Any]) -> list[str]:
+        """Per layer and over all layers; nothing for a model without gates."""
+        if not part:
+            return []
+        model, g = res.get("model") or {}, part["by_layer"]
+        kind = f"model.gate={model.get('gate')}, gate_act={model.get('gate_act')}"
+        return [f"gate scores act(X W_theta) per layer ({kind}; real tokens)",
+                *layer_table([("mean", g["mean"], 8, 4), ("< 0.1 %", [100 * x for x in g["low_share"]], 8, 1),
+                              ("token 1", g["first_token"], 8, 4)],
+                             overall=[part["mean"], 100 * part["low_share"], part["first_token"]])]

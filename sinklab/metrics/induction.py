@@ -24,7 +24,7 @@ import torch
 
 from sinklab.keys import ACT_PREFIX
 
-from .base import METRICS, UNIT, Context, Metric
+from .base import METRICS, UNIT, Context, Metric, layer_table
 from .sink import renormalise
 
 NUM_SEQS = 8
@@ -100,3 +100,12 @@ class InductionScores(Metric):
             out[f"{ACT_PREFIX}{name}_score"] = float(result[name])
             out.update({f"{ACT_PREFIX}layer{i}/{name}_score": float(v) for i, v in enumerate(result["by_layer"][name])})
         return out
+
+    @classmethod
+    def text(cls, part: dict[str, Any], res: dict[str, Any]) -> list[str]:
+        """The best head's scores per layer and over all layers."""
+        return [f"induction and previous-token scores of the best head per layer ({part['num_seqs']} sequences of "
+                f"{part['repeat']} random tokens repeated)",
+                *layer_table([("induction", part["by_layer"]["induction"], 9, 3),
+                              ("prev tok", part["by_layer"]["prev_token"], 8, 3)],
+                             overall=[part["induction"], part["prev_token"]])]

@@ -10,7 +10,7 @@ import torch
 from sinklab.keys import ACT_PREFIX
 
 from .activations import top_and_median
-from .base import METRICS, LayerMeans, NON_NEGATIVE, Context, Metric, per_layer
+from .base import METRICS, LayerMeans, NON_NEGATIVE, Context, Metric, layer_table, per_layer
 
 KEYS = ("massive_top", "massive_median", "massive_ratio", "massive_token", "massive_channel")
 
@@ -58,3 +58,10 @@ class MassiveActivations(Metric):
 
     def json(self, result: dict[str, Any]) -> dict[str, Any]:
         return {key.removeprefix("massive_"): result[key] for key in KEYS}
+
+    @classmethod
+    def text(cls, part: dict[str, Any], res: dict[str, Any]) -> list[str]:
+        return ["massive activations per layer (residual stream of the real tokens; token 1-indexed)",
+                *layer_table([("top |h|", part["top"], 10, 3), ("median", part["median"], 9, 4),
+                              ("ratio", part["ratio"], 9, 1), ("token", part["token"], 6, None),
+                              ("channel", part["channel"], 8, None)])]

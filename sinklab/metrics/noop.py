@@ -27,7 +27,7 @@ import torch
 
 from sinklab.keys import ACT_PREFIX
 
-from .base import METRICS, NON_NEGATIVE, UNIT, Context, Metric, per_layer
+from .base import METRICS, NON_NEGATIVE, UNIT, Context, Metric, layer_table, per_layer
 from .secondary_sinks import ColumnMeans
 
 SINKING = 0.5  # a query sinks when at least this share of its attention is on the head's sink positions
@@ -118,3 +118,17 @@ class NoOpSignature(Metric):
         for key in keys:
             out.update({ACT_PREFIX + k: v for k, v in per_layer(result["by_layer"], key).items()})
         return out
+
+    @classmethod
+    def text(cls, part: dict[str, Any], res: dict[str, Any]) -> list[str]:
+        """Per layer and pooled over layers; '-' where a ratio's parts were not seen (a layer without sinks)."""
+        share = lambda x: None if x is None else 100 * x  # noqa: E731
+        g = part["by_layer"]
+        return [f"no-op signature per layer: v drain = the sinks' ||v|| / the median token's; sinking % = queries "
+                f"with >= {part['sinking']:g}", "of their attention on the sinks; out ratio = their output norm / the "
+                "other queries'",
+                *layer_table([("v drain", g.get("value_drain_ratio", []), 8, 3),
+                              ("sinking %", [share(x) for x in g.get("sink_query_share", [])], 9, 2),
+                              ("out ratio", g.get("sink_output_ratio", []), 9, 3)],
+                             overall=[part["value_drain_ratio"], share(part["sink_query_share"]),
+                                      part["sink_output_ratio"]])]

@@ -7,15 +7,18 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
 from sinklab.keys import ACT_PREFIX
 
 from .activations import h1_ratio, qkv_stats
-from .base import METRICS, LayerMeans, NON_NEGATIVE, Context, Metric, per_layer
+from .base import METRICS, LayerMeans, NON_NEGATIVE, Context, Metric, layer_table, per_layer
 
 NAMES = {"h1": "h1_norm_ratio", "k1": "k1_norm_ratio", "v1": "v1_norm_ratio", "cos1": "cos_q_k1", "cosj": "cos_q_kj"}
 KEYS = tuple(NAMES.values())
+COLUMNS = {"h1_norm_ratio": ("||h1||/mean", 11), "k1_norm_ratio": ("||k1||/mean", 11),
+           "v1_norm_ratio": ("||v1||/mean", 11), "cos_q_k1": ("cos(q,k1)", 9), "cos_q_kj": ("cos(q,kj)", 9)}
 
 
 @METRICS.register("norms")
@@ -56,3 +59,14 @@ class FirstTokenNorms(Metric):
 
     def json(self, result: dict[str, Any]) -> dict[str, Any]:
         return {key: result[key] for key in KEYS if key in result}
+
+    @classmethod
+    def text(cls, part: dict[str, Any], res: dict[str, Any]) -> list[str]:
+        """Per layer every ratio and angle measured, then the key statistics' means over layers."""
+        lines = ["first-token norms (against the mean of the other tokens') and angles per layer",
+                 *layer_table([(head, part[key], width, 3) for key, (head, width) in COLUMNS.items() if key in part])]
+        extra = [key for key in KEYS[1:] if key in part]
+        if extra:
+            lines += ["first-token keys and values (mean over layers): "
+                      + ", ".join(f"{key} {float(np.mean(part[key])):.3f}" for key in extra)]
+        return lines

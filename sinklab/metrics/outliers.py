@@ -29,7 +29,7 @@ from torch import nn
 
 from sinklab.keys import ACT_PREFIX
 
-from .base import METRICS, LayerMeans, NON_NEGATIVE, Context, Metric, per_layer
+from .base import METRICS, LayerMeans, NON_NEGATIVE, Context, Metric, layer_table, per_layer
 
 KURTOSIS_EPS = 1e-6  # Bondarenko's
 
@@ -139,3 +139,11 @@ class Outliers(Metric):
 
     def json(self, result: dict[str, Any]) -> dict[str, Any]:
         return {key: result[key] for key in KEYS if key in result}
+
+    @classmethod
+    def text(cls, part: dict[str, Any], res: dict[str, Any]) -> list[str]:
+        columns = (("|h| inf", "resid_inf_norm", 9, 3), ("kurt h", "resid_kurtosis", 8, 1),
+                   ("|a| inf", "attn_inf_norm", 9, 3), ("kurt a", "attn_kurtosis", 8, 1),
+                   ("a top/med", "attn_top_median", 9, 1))
+        return ["outliers per layer (means over sequences; h: residual stream, a: attention output)",
+                *layer_table([(head, part.get(key) or [], width, prec) for head, key, width, prec in columns])]

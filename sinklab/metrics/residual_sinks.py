@@ -12,7 +12,7 @@ import torch
 
 from sinklab.keys import ACT_PREFIX
 
-from .base import METRICS, LayerMeans, NON_NEGATIVE, UNIT, Context, Metric, per_layer
+from .base import METRICS, LayerMeans, NON_NEGATIVE, UNIT, Context, Metric, layer_table, per_layer
 from .outliers import channel_means, norm_weight_minima, residual_sink_summary
 
 PER_LAYER = ("resid_sink_top", "resid_sink_channel", "resid_sink_ratio", "attn_norm_min", "ffn_norm_min")
@@ -66,3 +66,17 @@ class ResidualSinks(Metric):
 
     def json(self, result: dict[str, Any]) -> dict[str, Any]:
         return {key.removeprefix("resid_sink_"): result[key] for key in JSON_KEYS if key in result}
+
+    @classmethod
+    def text(cls, part: dict[str, Any], res: dict[str, Any]) -> list[str]:
+        """Per layer the top channel of H_avg, its ratio to the median channel and (sinklab models) the norms' min
+        |w|; the share of layers with the most common top channel, and the final norm's min |w|."""
+        norms = [(head, part[key], width, 4) for head, key, width in
+                 (("min|w| attn", "attn_norm_min", 11), ("min|w| ffn", "ffn_norm_min", 10)) if key in part]
+        which = "; min |w| of the norms" if norms else ""
+        lines = [f"residual sinks per layer (top channel of H_avg = mean |h_j| over tokens{which})",
+                 *layer_table([("channel", part["channel"], 8, None), ("top/med", part["ratio"], 8, 1), *norms]),
+                 f"top channel shared by {100 * part['channel_share']:.0f}% of layers"]
+        if part.get("final_norm_min") is not None:
+            lines.append(f"final norm min|w| {part['final_norm_min']:.4f}")
+        return lines

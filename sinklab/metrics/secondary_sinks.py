@@ -29,7 +29,7 @@ import torch
 
 from sinklab.keys import ACT_PREFIX
 
-from .base import METRICS, NON_NEGATIVE, PERCENT, Context, Metric, per_layer
+from .base import METRICS, NON_NEGATIVE, PERCENT, Context, Metric, layer_table, per_layer
 from .sink import renormalise, seen_column_sums
 
 MIN_QUERIES = 16
@@ -120,3 +120,16 @@ class SecondarySinks(Metric):
             if result[f"{end}_layer"] is not None:
                 out[f"{ACT_PREFIX}secondary_sink_{end}_layer"] = float(result[f"{end}_layer"])
         return out
+
+    @classmethod
+    def text(cls, part: dict[str, Any], res: dict[str, Any]) -> list[str]:
+        """Per layer and over all layers; the layers where secondary sinks are."""
+        first, last = part["first_layer"], part["last_layer"]
+        where = "no secondary sink in any layer" if first is None else \
+            f"secondary sinks in layer {first}" if first == last else f"secondary sinks in layers {first} to {last}"
+        return [f"sinks at any position k <= {part['scored_positions']} (alpha_k > {part['eps']:g}) per layer: % of "
+                "heads with one at k > 1, distinct positions",
+                *layer_table([("2nd sink%", part["by_layer"]["secondary_sink_heads"], 9, 2),
+                              ("positions", part["by_layer"]["sink_positions"], 9, 2)],
+                             overall=[part["secondary_sink_heads"], part["sink_positions"]]),
+                where]

@@ -12,14 +12,16 @@ The efficient route walks query rows in chunks and accumulates column sums, so m
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
+import numpy as np
 import torch
 
 from sinklab.keys import SINK_PREFIX
 
-from .base import ANY, METRICS, PERCENT, Context, Metric
+from .base import ANY, METRICS, PERCENT, Context, Metric, cell
 from .record import slot_names  # noqa: F401  (sinklab.metrics exports it from here)
 
 
@@ -87,6 +89,11 @@ def attention_scores(model, tokens: torch.Tensor, k: int = 4, batch_size: int = 
 
     (metric,) = measure_model(model, tokens, ["sink"], k=k, batch_size=batch_size, chunk=chunk, extra_mask=extra_mask)
     return metric.scores()
+
+
+SINK_K = re.compile(rf"{re.escape(SINK_PREFIX)}sink\d+")  # Sink_k's log key (sink/sink1, ...), first eps
+SLOT_KEY = re.compile(rf"^{re.escape(SINK_PREFIX)}(slot(?:_[A-Za-z0-9_]+)?)$")  # a slot score's (sink/slot_bias, ...)
+MAX_HEADS = 16  # heads shown in `sinklab measure`'s alpha_1 table
 
 
 @METRICS.register("sink")
@@ -183,6 +190,56 @@ class SinkMetric(Metric):
             res[f"{name}_by_eps"] = {f"{e:g}": slot_rates(e) for e in eps}
             res[f"{name}_alpha"] = {n: slot[..., i].mean(0).tolist() for i, n in enumerate(names)}  # (L, H)
         return res
+
+    @classmethod
+    def text(cls, part: dict[str, Any], res: dict[str, Any]) -> list[str]:
+        """Sink_k per eps (and Sink* where rows do not sum to one), mean alpha_k, the slot scores, and alpha_1 per
+        layer and head (the first MAX_HEADS heads) with each layer's mean and Sink_1."""
+        K = part["k"]
+        lines = ["Sink_k (%): heads with alpha_k > eps, per sequence, averaged",
+                 f"{'':<14}" + "".join(f"{'k=' + str(j + 1):>9}" for j in range(K))]
+        for e, r in part["sink_by_eps"].items():
+            lines.append(f"{'eps=' + e:<14}" + "".join(f"{r[str(j + 1)]:9.2f}" for j in range(K)))
+        for e, r in (part["sink_star_by_eps"] if not part["row_normalised"] else {}).items():  # else equal to Sink
+            lines.append(f"{'Sink* eps=' + e:<14}" + "".join(f"{r[str(j + 1)]:9.2f}" for j in range(K)))
+        lines.append(f"{'mean alpha_k':<14}" + "".join(f"{part['alpha_mean'][str(j + 1)]:9.4f}" for j in range(K)))
+        for name in ("slot", "slot_star"):
+            if f"{name}_by_eps" not in part:
+                continue
+            lines += ["", f"{'bias slot / sink tokens' if name == 'slot' else 'slots, renormalised (Sink*)'} (%):"]
+            for e, r in part[f"{name}_by_eps"].items():
+                lines.append(f"{'eps=' + e:<14}" + "".join(f"{n}={v:.2f}  " for n, v in r.items()))
+            lines.append(f"{'mean score':<14}" + "".join(f"{n}={float(np.mean(grid)):.4f}  "
+                                                         for n, grid in part[f"{name}_alpha"].items()))
+        alpha = part["alpha"]
+        H = len(alpha[0]) if alpha else 0
+        shown = min(H, MAX_HEADS)
+        which = "" if shown == H else f"; first {shown} of {H} heads"
+        lines += ["", f"alpha_1 per layer and head (mean over sequences{which})",
+                  f"{'layer':>5} {'mean':>7} {'Sink_1%':>7} |" + "".join(f"{'h' + str(h):>6}" for h in range(shown))]
+        for layer, row in enumerate(alpha):
+            lines.append(f"{layer:>5} {float(np.mean(row)):7.3f} {cell(part['sink1_by_layer'][layer], 7, 1)} |"
+                         + "".join(f"{a:6.2f}" for a in row[:shown]))
+        return lines
+
+    def heatmap(self, result: dict[str, Any]) -> torch.Tensor:
+        """alpha_1 per layer and head, the mean over sequences (L, H)."""
+        return result["scores"].alpha[..., 0].mean(0).cpu()
+
+    @classmethod
+    def fill_final(cls, finals: Sequence[dict[str, float]]) -> None:
+        """In a sweep where some jobs log Sink*_k (the renormalised map's, logged only where rows do not sum to one:
+        sigmoid, differential attention, ...), a job that logs Sink_k but no Sink* has rows that sum to one, where
+        renormalising changes nothing: its Sink*_k is its Sink_k, so the two kinds of operation compare on one
+        column."""
+        def logs_star(final: dict[str, float]) -> bool:
+            return any(k.startswith(SINK_PREFIX) and k.endswith("_star") for k in final)
+
+        if not any(logs_star(final) for final in finals):
+            return
+        for final in finals:
+            if not logs_star(final):
+                final.update({f"{k}_star": v for k, v in list(final.items()) if SINK_K.fullmatch(k)})
 
 
 def rates(alpha: torch.Tensor, eps: float) -> dict[str, float]:

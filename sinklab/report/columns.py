@@ -8,8 +8,8 @@ from typing import Any, Iterable
 
 from sinklab.keys import ANY, NON_NEGATIVE, PERCENT, SINK1, SINK_PREFIX, TRAIN_LOSS, UNIT, VAL_LOSS
 from sinklab.metrics.base import bounds as metric_bounds
+from sinklab.metrics.sink import SLOT_KEY
 
-_SLOT = re.compile(rf"^{re.escape(SINK_PREFIX)}(slot(?:_[A-Za-z0-9_]+)?)$")
 # the columns of the evaluation CSVs (`jobs.read_evaluations`); differences (gap, dppl) may have either sign
 _EVAL = r"^(quant|streaming|intervene)/"
 EVAL_BOUNDS = (
@@ -57,7 +57,7 @@ def metric_columns(logged: Iterable[str], extra: Iterable[str] = ()) -> list[Met
     (sink/slot, sink/slot_<name>), then the losses, then the `extra` logged names asked for (`sinklab report
     --metrics`, a preset's experiment.report_metrics), each under its own name."""
     logged = set(logged)
-    slots = [m for m in map(_SLOT.match, sorted(logged)) if m]
+    slots = [m for m in map(SLOT_KEY.match, sorted(logged)) if m]
     chosen = [m for m in SINK_METRICS if m.always or m.src in logged] + \
         [Metric(m.group(1), m.group(0), f"{m.group(1).replace('_', ' ')} score (%)") for m in slots] + \
         [m for m in LOSS_METRICS if m.always or m.src in logged]

@@ -10,7 +10,6 @@ from __future__ import annotations
 import io
 import logging
 import math
-import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,7 +21,7 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 
 from sinklab.errors import UserError
-from sinklab.keys import SINK_PREFIX
+from sinklab.metrics import METRICS
 from sinklab.report.columns import ANY, bounds
 from sinklab.runs.status import Status, read_status
 
@@ -283,7 +282,7 @@ def load_sweep(sweep_dir: Path, now: Optional[float] = None, stale_minutes: floa
                         "promising any")
     cfg = mr if mr is not None else next((j.cfg for j in jobs if j.cfg is not None), None)
     read_evaluations(sweep_dir, jobs)
-    fill_normalised_star(jobs)
+    fill_derived(jobs)
     return Sweep(sweep_dir, jobs, swept, cfg)
 
 
@@ -311,19 +310,12 @@ def fixed_overrides(sweep: Sweep) -> list[str]:
     return out
 
 
-def fill_normalised_star(jobs: list[Job]) -> None:
-    """In a sweep where some jobs log Sink*_k (the renormalised map's, logged only where rows do not sum to one:
-    sigmoid, differential attention, ...), a job that logs Sink_k but no Sink* has rows that sum to one, where
-    renormalising changes nothing: its Sink*_k is its Sink_k, so the two kinds of operation compare on one column."""
-    def logs_star(job: Job) -> bool:
-        return any(k.startswith(SINK_PREFIX) and k.endswith("_star") for k in job.final)
-
-    if not any(logs_star(j) for j in jobs):
-        return
-    sink_k = re.compile(rf"{re.escape(SINK_PREFIX)}sink\d+")
-    for job in jobs:
-        if not logs_star(job):
-            job.final.update({f"{k}_star": v for k, v in list(job.final.items()) if sink_k.fullmatch(k)})
+def fill_derived(jobs: list[Job]) -> None:
+    """The values every registered metric derives from the jobs' final values (`Metric.fill_final`), e.g. the sink
+    metric's Sink*_k of a job whose rows sum to one, in a sweep where others log it."""
+    finals = [job.final for job in jobs]
+    for metric in METRICS:
+        metric.fill_final(finals)
 
 
 def read_evaluations(sweep_dir: Path, jobs: list[Job]) -> None:

@@ -60,14 +60,14 @@ class SinkCallback(L.Callback):
             metrics = METRICS.build(target.context(self.eps, self.k), None if self.activations else ["sink"])
             measure_all(target, tokens, metrics, batch_size=self.batch_size)
             out: dict[str, float] = {}
+            grid = None  # the heatmap: the first that a metric gives (`Metric.heatmap`: the sink metric's alpha_1)
             for metric in metrics:
                 result = metric.result()
                 out.update(metric.log(result))
-                if metric.name == "sink":
-                    scores = result["scores"]
+                grid = metric.heatmap(result) if grid is None else grid
         finally:
             net.train(was_training)
-        self._alpha1 = scores.alpha[..., 0].mean(0).cpu()  # (N, L, H) -> (L, H), for the heatmap
+        self._alpha1 = grid  # (L, H), for the heatmap
         self._alpha1_step = trainer.global_step
         self.seconds += time.perf_counter() - t0
         return out

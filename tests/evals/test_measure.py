@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from sinklab.cli.measure import main
 from sinklab.analysis.probe_inputs import make_tokens
 from sinklab.metrics import activation_stats, attention_scores, brute_force_alpha, sink_rate
-from sinklab.metrics import massive, norms, outliers, residual_sinks
+from sinklab.metrics import METRICS, Metric, massive, norms, outliers, residual_sinks
+from sinklab.metrics.base import NON_NEGATIVE
 from sinklab.model import ModelConfig, Transformer
 from tests.helpers import HF_KINDS, MHA_KINDS, REPO, natural_run, save_ckpt, tiny_hf
 
@@ -38,6 +39,15 @@ def run_main(capsys, *args: str) -> tuple[int, str, str]:
     rc = main(list(args))
     out, err = capsys.readouterr()
     return rc, out, err
+
+
+def json_and_text(capsys, *args) -> tuple[dict, str]:
+    """`sinklab measure ARGS` in this process, with --json and without: (its JSON, its text)."""
+    rc, out, err = run_main(capsys, *map(str, args), "--json")
+    assert rc == 0, err
+    rc, text, err = run_main(capsys, *map(str, args))
+    assert rc == 0, err
+    return json.loads(out), text
 
 
 def planted(where: str = "token1", **overrides) -> Transformer:
@@ -190,6 +200,116 @@ def test_random_and_repeat_inputs_and_table(capsys, planted_ckpt):
     assert "Sink_k (%)" in out and "eps=0.3" in out and "eps=0.5" in out
     assert "alpha_1 per layer and head" in out and "massive activations" in out and "residual sinks" in out
     assert len([line for line in out.splitlines() if line.strip().startswith("0 ") and "|" in line]) == 1
+
+
+def test_the_text_shows_every_metric_with_its_json_values(capsys, planted_ckpt):
+    """Every registered metric has its own lines in the text, in the registry's order, with the values of the JSON:
+    attention entropy, secondary sinks, the no-op signature and induction scores too (gates: none without a gate)."""
+    _, ckpt, tokens = planted_ckpt
+    res, text = json_and_text(capsys, ckpt, "--tokens", str(tokens))
+    lines = text.splitlines()
+    titles = {"sink": "Sink_k (%): heads with alpha_k > eps, per sequence, averaged",
+              "outliers": "outliers per layer", "entropy": "attention entropy per layer",
+              "first_token_attn": "first-token attention (alpha_1)", "induction": "induction and previous-token",
+              "massive": "massive activations per layer", "secondary_sinks": "sinks at any position k <= 17",
+              "noop": "no-op signature per layer", "norms": "first-token norms",
+              "residual_sinks": "residual sinks per layer"}
+    assert res["gates"] == {} and "gate scores" not in text
+    starts = [next(i for i, line in enumerate(lines) if line.startswith(titles[name]) and lines[i - 1] == "")
+              for name in METRICS.names() if name != "gates"]
+    assert starts == sorted(starts) and len(starts) == len(METRICS.names()) - 1
+    e = res["entropy"]
+    planted_head = e["by_head"][PLANT_LAYER][PLANT_HEAD]
+    assert planted_head < 0.01 and planted_head == min(min(layer) for layer in e["by_head"])  # all on token 1
+    assert f"{'all':>5} {e['mean']:7.3f} {planted_head:7.3f} {max(max(h) for h in e['by_head']):7.3f}" in lines
+    ind = res["induction"]["by_layer"]
+    for layer in range(2):
+        assert f"{layer:>5} {ind['induction'][layer]:9.3f} {ind['prev_token'][layer]:8.3f}" in lines
+    sec, noop = res["secondary_sinks"], res["noop"]
+    assert sec["first_layer"] is None and "no secondary sink in any layer" in lines
+    # the planted head's sink drains its value in layer 0; layer 1 has no sink: no ratio, '-'
+    drain = noop["by_layer"]["value_drain_ratio"]
+    assert drain[1] is None and f"{0:>5} {drain[0]:8.3f}" in text and f"{1:>5} {'-':>8}" in text
+    assert f"first-token attention (alpha_1) {res['first_token_attn']['mean']:.4f}" in lines
+
+
+@pytest.fixture
+def throwaway_metrics(monkeypatch):
+    """Two metrics registered for one test only (a copy of the registry, put back afterwards), neither with a text
+    of its own: `peak_h` logs act/peak_h and act/layer<i>/peak_h, `column0` writes a JSON part of its own."""
+    monkeypatch.setattr(METRICS, "_classes", dict(METRICS._classes))
+
+    @METRICS.register("peak_h")
+    class PeakH(Metric):
+        """The largest |h| leaving each layer."""
+
+        records = frozenset({"h"})
+        bounds = ((r"^act/(layer\d+/)?peak_h$", NON_NEGATIVE),)
+        json_key = "peak_h"
+
+        def __init__(self, ctx):
+            super().__init__(ctx)
+            self.peak = [0.0] * ctx.n_layer
+
+        def update(self, layer, rec):
+            self.peak[layer] = max(self.peak[layer], rec["h"].abs().max().item())
+
+        def result(self):
+            return {"max": max(self.peak), "by_layer": self.peak}
+
+        @staticmethod
+        def flatten(result):
+            return {"act/peak_h": result["max"],
+                    **{f"act/layer{i}/peak_h": v for i, v in enumerate(result["by_layer"])}}
+
+    @METRICS.register("column0")
+    class Column0(Metric):
+        records = frozenset({"maps"})
+        json_key = "column0"
+
+        def __init__(self, ctx):
+            super().__init__(ctx)
+            self.sums, self.count = [0.0] * ctx.n_layer, [0] * ctx.n_layer
+
+        def update_maps(self, layer, rows, maps):
+            self.sums[layer] += maps[..., self.ctx.n_extra].double().sum().item()  # (B, H, R): token 1's column
+            self.count[layer] += maps[..., 0].numel()
+
+        def result(self):
+            return [s / n for s, n in zip(self.sums, self.count)]
+
+        def json(self, result):
+            return {"by_layer": {"token1": result}, "first_layer": result[0], "by_head": [[0.0]]}
+
+    return PeakH, Column0
+
+
+def test_a_new_metric_shows_in_the_text_without_a_text_of_its_own(capsys, planted_ckpt, throwaway_metrics):
+    """A metric registered from outside sinklab appears in `sinklab measure`'s text by `Metric.text`'s default:
+    its log scalars (a per-layer table of act/layer<i>/...), or the numbers of a JSON part of its own."""
+    model, ckpt, tokens = planted_ckpt
+    res, text = json_and_text(capsys, ckpt, "--tokens", str(tokens))
+    lines = text.splitlines()
+    # the values equal the residual stream's own largest |h| per layer
+    h = {}
+    handles = [b.hook_resid.register_forward_hook(lambda _m, _i, out, i=i: h.__setitem__(i, out.abs().max().item()))
+               for i, b in enumerate(model.blocks)]
+    with torch.no_grad():
+        model(torch.from_numpy(np.load(tokens)))
+    for handle in handles:
+        handle.remove()
+    assert res["peak_h"]["by_layer"] == pytest.approx([h[0], h[1]], rel=1e-6)
+    i = lines.index("peak_h: The largest |h| leaving each layer.")
+    assert lines[i - 1] == "" and lines[i + 1] == f"act/peak_h {res['peak_h']['max']:.4g}"
+    assert lines[i + 2:i + 5] == [f"{'layer':>5} {'act/peak_h':>10}",
+                                  *(f"{layer:>5} {v:10.4g}" for layer, v in enumerate(res["peak_h"]["by_layer"]))]
+    # a JSON part of its own: its numbers by their paths; lists of n_layer numbers per layer, others left out
+    token1 = res["column0"]["by_layer"]["token1"]
+    assert token1 == pytest.approx(res["first_token_attn"]["by_layer"], rel=1e-5)
+    i = lines.index("column0")
+    assert lines[i + 1:i + 5] == [f"first_layer {token1[0]:.4g}", f"{'layer':>5} {'by_layer/token1':>15}",
+                                  *(f"{layer:>5} {value:15.4g}" for layer, value in enumerate(token1))]
+    assert lines.index("peak_h: The largest |h| leaving each layer.") < i and i + 4 == len(lines) - 1  # registry order
 
 
 def test_eps_values_before_or_after_target(capsys, planted_ckpt):

@@ -250,7 +250,9 @@ def test_a_bad_knob_or_plugin_is_one_line(user_package):
     assert missing.stderr.strip() == "error: plugin module 'labext.nope' (named by SINKLAB_PLUGINS) cannot be " \
         "imported: No module named 'labext.nope'; pip install its package or put it on PYTHONPATH"
     assert nothing.stderr.startswith("sinklab check-component: error: json registers no component and no metric; "
-                                     "allowed: a module that registers with @ATTENTION_OPS.register(...)")
+                                     "allowed: a module that registers a component with @<REGISTRY>.register(...)")
+    from sinklab.model.registry import FAMILIES  # every family is named, from the registries (QK-norms included)
+    assert all(f"{family.what} (model.{family.key})" in nothing.stderr for family in FAMILIES)
     assert clash.stderr.strip() == "error: model/attn=relu of a plugin has the name of sinklab's " \
         "model/attn/relu.yaml; rename the component or the plugin's yaml"
 

@@ -91,9 +91,9 @@ def test_measure_json_returns_gate_stats_of_the_probe_set(gated, capsys):
     assert int(last["step"]) == STEPS
     for key in GATE_KEYS:
         assert float(last[f"act/{key}"]) == pytest.approx(direct[key], rel=1e-5, abs=1e-7), key
-    text = measure(capsys, str(gated))
-    assert "gate scores act(X W_theta) per layer (model.gate=elementwise, gate_act=sigmoid; real tokens)" in text
-    all_row = next(line for line in text.splitlines() if line.split()[:1] == ["all"])  # over all layers
+    lines = measure(capsys, str(gated)).splitlines()
+    gates = lines.index("gate scores act(X W_theta) per layer (model.gate=elementwise, gate_act=sigmoid; real tokens)")
+    all_row = next(line for line in lines[gates:] if line.split()[:1] == ["all"])  # over all layers
     assert all_row.split() == ["all", f"{direct['gate_mean']:.4f}", f"{100 * direct['gate_low_share']:.1f}",
                                f"{direct['gate_first_token']:.4f}"]
 

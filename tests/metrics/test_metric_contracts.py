@@ -5,16 +5,23 @@
   the direct computation (every sequence at once, every layer's whole explicit map from one forward);
 - a sinklab model exported to Hugging Face gives the same values through the Hugging Face path (`HFRecorder`) as
   through the sinklab one, for every metric that does not read the sinklab model's own weights;
-- its JSON part is strict JSON, under its own key.
+- its JSON part is strict JSON, under its own key;
+- `sinklab measure`'s text shows it: its own lines (`Metric.text`), from that JSON, on every switch.
 The checks live in sinklab/contracts/metrics.py, where `sinklab check-component` runs them on a user's module."""
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
 
+from sinklab.analysis.measurement import format_tables, measure_target
+from sinklab.analysis.probe_inputs import InputSpec
+from sinklab.cli.base import finite
 from sinklab.contracts import metrics as contract
 from sinklab.contracts.metrics import SWITCHES, assert_within_bounds, logged
 from sinklab.metrics import METRICS
+from sinklab.targets.native import SinklabTarget
 from tests.helpers import small_model, token_ids
 
 NAMES = METRICS.names()
@@ -41,6 +48,26 @@ def test_the_streamed_value_equals_the_direct_computation(switch):
 @pytest.mark.parametrize("name", NAMES)
 def test_a_metric_records_only_what_it_declares_and_writes_strict_json(name):
     contract.records_only_what_it_declares_and_writes_strict_json(name)
+
+
+@pytest.mark.parametrize("switch", SWITCHES)
+def test_every_measured_metric_shows_in_the_measure_text(switch):
+    """The text has, after the header, each measured metric's own block from the strict JSON the command prints,
+    in the registry's order, a blank line before each; only a metric whose text is empty (gates without a gate)
+    is left out."""
+    target = SinklabTarget.of_model(small_model(**SWITCHES[switch]), switch)
+    res = measure_target(target, InputSpec("random", seq_len=24, num_seqs=3), eps=(0.3, 0.5), k=3, batch_size=2)
+    res = json.loads(json.dumps(finite(res), allow_nan=False))
+    blocks = [(cls.name, cls.text(cls.part(res), res)) for cls in METRICS if cls.part(res) is not None]
+    assert [name for name, _ in blocks] == NAMES  # every metric applies to a sinklab model
+    assert {name for name, block in blocks if not block} == ({"gates"} if switch != "gated" else set())
+    shown = [block for _, block in blocks if block]
+    expected = [f"sinklab model {switch}", f"input random: 3 sequences x 24 tokens; rows "
+                f"{'sum to 1' if res['row_normalised'] else 'do not sum to 1 (Sink* on |A| / sum |A|)'}"]
+    for block in shown:
+        assert all(isinstance(line, str) and "\n" not in line for line in block)
+        expected += ["", *block]
+    assert format_tables(res).splitlines() == expected
 
 
 def test_an_exported_model_gives_the_same_values_through_the_hugging_face_path(tmp_path):
