@@ -13,7 +13,8 @@ peak resident memory of whole `sinklab-train` runs at T = 2048 x 1 against T = 2
 Prints one line per figure (`name: value  (details)`); see docs/performance.md for measured figures and method.
 `--set` takes Hydra overrides of the composed config (an attention path: `--set model/attn=sink_logit
 model.attn_backend=flex`); `--data random --vocab 50432` times the paper's shape (its padded GPT-NeoX vocabulary) on
-random tokens, with no corpus. On a GPU, MFU is also given against the datasheet's dense bf16 peak (sinklab.train.throughput).
+random tokens, with no corpus. On a GPU that Lightning knows, MFU is also given against the datasheet's dense peak at
+the dtype (sinklab.train.throughput.datasheet_peak).
 Timings are wall clock; on a shared machine read the ratios (each taken within one round of alternating runs in
 the same process), not the absolute tokens/s. Not part of the unit tests.
 """
@@ -161,13 +162,16 @@ def spread(xs) -> str:
 
 
 def median_ci(xs) -> str:
-    """Distribution-free ~95% confidence interval of the median (order statistics, normal approximation)."""
-    n = len(xs)
-    k = int(math.floor(n / 2 - 0.98 * math.sqrt(n)))  # 0-based index of the lower bound
-    if k < 0:
+    """Distribution-free 95% confidence interval of the median: the order statistics that scipy's quantile test
+    (binomial, p = 0.5) puts around it; at least 6 rounds are needed."""
+    from scipy.stats import quantile_test
+
+    if not xs:
         return "n/a (too few rounds)"
-    v = sorted(xs)
-    return f"{v[k]:.3f}..{v[n - 1 - k]:.3f}"
+    ci = quantile_test(xs, p=0.5).confidence_interval(0.95)
+    if math.isnan(ci.low) or math.isnan(ci.high):
+        return "n/a (too few rounds)"
+    return f"{ci.low:.3f}..{ci.high:.3f}"
 
 
 FIGURES: dict[str, dict[str, str]] = {}  # every emitted line, for --json
@@ -463,7 +467,7 @@ def main(argv=None) -> int:
     sheet = datasheet_peak(device, dtype)
     if sheet is not None:
         emit("MFU sinklab (datasheet)", f"{100 * fpt * tokens / med(ts) / sheet:.1f}% of {sheet / 1e12:.1f} TFLOP/s",
-             f"{dev_name}'s dense 16-bit datasheet peak (sinklab.train.throughput.DATASHEET_16BIT); reference "
+             f"{dev_name}'s dense {args.dtype} datasheet peak (Lightning's get_available_flops); reference "
              f"{100 * fpt * tokens / med(tr) / sheet:.1f}%")
     if meter is not None:
         meter.report({i: t / ts[i] for i, t in cb_t.items()}, med(ts))
@@ -674,7 +678,8 @@ def compile_section(lit, mc, optim, cfg, eager: Run, steps: int, device, dtype, 
     if sheet is not None:
         emit("MFU compiled (datasheet)", f"{100 * fpt * tokens / med(times['compiled']) / sheet:.1f}% of "
              f"{sheet / 1e12:.1f} TFLOP/s", f"eager {100 * fpt * tokens / med(times['sinklab']) / sheet:.1f}% in the "
-             f"same rounds; {torch.cuda.get_device_name(device)}'s dense 16-bit datasheet peak")
+             f"same rounds; {torch.cuda.get_device_name(device)}'s dense {str(dtype).replace('torch.', '')} "
+             "datasheet peak")
 
 
 def metric_section(Ts: list[int], device: torch.device) -> None:

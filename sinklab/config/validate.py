@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import logging
 from typing import Any, Iterator, Optional, Sequence
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
@@ -83,11 +84,18 @@ def _check_keys(node: Any, prefix: str, allowed: Sequence[str]) -> None:
 
 def _target_arguments(key: str, target: str) -> Optional[list[str]]:
     """The keyword arguments a `_target_` accepts, or None when it takes **kwargs (or cannot be inspected)."""
+    from hydra.utils import get_object
+
+    hydra_log = logging.getLogger("hydra.utils")  # get_object logs its error on several lines: the UserError says it
+    quiet, hydra_log.disabled = hydra_log.disabled, True
     try:
-        obj = _import_object(target)
+        obj = get_object(target)
     except Exception as err:
-        raise UserError(f"{key}._target_={target!r} cannot be imported ({type(err).__name__}: "
-                        f"{str(err).splitlines()[0] if str(err) else ''}); check the class path") from None
+        cause = err.__cause__ or err  # what failed, under Hydra's "Error loading ..." ImportError
+        raise UserError(f"{key}._target_={target!r} cannot be imported ({type(cause).__name__}: "
+                        f"{str(cause).splitlines()[0] if str(cause) else ''}); check the class path") from None
+    finally:
+        hydra_log.disabled = quiet
     try:
         params = inspect.signature(obj).parameters
     except (TypeError, ValueError):
@@ -95,24 +103,6 @@ def _target_arguments(key: str, target: str) -> Optional[list[str]]:
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
         return None
     return [n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and n != "self"]
-
-
-def _import_object(path: str) -> Any:
-    """'package.module.Class' -> the object (the longest importable module prefix, then attributes)."""
-    import importlib
-
-    parts = path.split(".")
-    for i in range(len(parts), 0, -1):
-        try:
-            obj = importlib.import_module(".".join(parts[:i]))
-        except ModuleNotFoundError as err:
-            if err.name is not None and not ".".join(parts[:i]).startswith(err.name):
-                raise  # the module exists but one of its own imports is missing
-            continue
-        for attr in parts[i:]:
-            obj = getattr(obj, attr)
-        return obj
-    raise ModuleNotFoundError(f"no module named {parts[0]!r}")
 
 
 def _check_target_keys(cfg: DictConfig, key: str) -> None:

@@ -189,9 +189,8 @@ def kv_cache_decoding(case: dict, mask: str) -> None:
     cache = m.new_cache()
     steps = []
     for i, (a, b) in enumerate(cuts(idx.shape[1])):
-        for block in m.blocks:
-            block.attn.use_fused = m.cfg.can_fuse and not i % 2
-        steps.append(m(idx[:, a:b], cache=cache))
+        with explicit_paths(m, explicit=bool(i % 2)):
+            steps.append(m(idx[:, a:b], cache=cache))
     assert cache.length == m.cfg.n_sink_tokens + idx.shape[1] and cache.seen == idx.shape[1]
     torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=2e-5, rtol=1e-5)
 

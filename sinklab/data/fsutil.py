@@ -19,7 +19,7 @@ from typing import Any, Iterator
 
 from filelock import FileLock
 
-from sinklab.io import atomic_write
+from sinklab.io import atomic_write, atomic_write_json  # noqa: F401  (the data package's JSON writer)
 
 from .errors import UserError
 
@@ -41,10 +41,6 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     atomic_write_bytes(path, text.encode("utf-8"))
-
-
-def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
-    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
 
 def read_json(path: str | os.PathLike) -> Any:

@@ -32,7 +32,6 @@ import hashlib
 import logging
 import os
 import shutil
-import signal
 from pathlib import Path
 
 import datasets
@@ -41,11 +40,11 @@ import pyarrow.compute as pc
 from tokenizers import Tokenizer
 from tqdm.auto import tqdm
 
-from sinklab.io import atomic_write, stale_temporaries
+from sinklab.io import atomic_write, atomic_write_json, stale_temporaries
 
 from .documents import quiet_datasets
 from .errors import DataFileNotFoundError, StoreDamagedError, StoreMismatchError
-from .fsutil import atomic_write_json, atomic_write_text, locked, read_json
+from .fsutil import atomic_write_text, locked, read_json
 from .tokenizer import tokenizer_fingerprint, tokenizer_size
 
 log = logging.getLogger(__name__)
@@ -53,7 +52,6 @@ log = logging.getLogger(__name__)
 FORMAT = 1
 MANIFEST = "manifest.json"
 SPLITS = ("train", "val")
-FAULT_ENV = "SINKLAB_PREPARE_FAULT"  # "<point>:<chunk>" kills the build there (crash-recovery tests)
 
 
 def dtype_for(vocab_size: int) -> np.dtype:
@@ -190,24 +188,10 @@ def encode_chunk(docs: datasets.Dataset, tokenizer: Tokenizer, eos_id: int, dtyp
     return out
 
 
-def _fault(point: str, chunk: int) -> None:
-    """Crash-recovery tests: SIGKILL this process at `point` of chunk `chunk` if $SINKLAB_PREPARE_FAULT says so."""
-    if os.environ.get(FAULT_ENV) == f"{point}:{chunk}":
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
-def _write_shard(path: Path, tokens: np.ndarray, chunk: int) -> str:
+def _write_shard(path: Path, tokens: np.ndarray) -> str:
     """Write a shard atomically (sinklab.io.atomic_write); returns its sha256."""
     data = tokens.tobytes()
-
-    def write(f) -> None:
-        if os.environ.get(FAULT_ENV) == f"mid_write:{chunk}":  # leave a half-written temporary file behind
-            f.write(data[: len(data) // 2])
-            f.flush()
-            _fault("mid_write", chunk)
-        f.write(data)
-
-    atomic_write(path, write)
+    atomic_write(path, data)
     return hashlib.sha256(data).hexdigest()
 
 
@@ -328,9 +312,8 @@ def build_store(corpus, tokenizer: Tokenizer, root: str | Path, *, eos_id: int, 
             entry = {"index": k, "docs": len(docs)}
             for split in SPLITS:
                 file = f"{split}/shard_{k:05d}.bin"
-                sha = _write_shard(root / file, ids[split], k)
+                sha = _write_shard(root / file, ids[split])
                 entry[split] = {"file": file, "tokens": int(len(ids[split])), "sha256": sha}
-            _fault("before_manifest", k)
             manifest["chunks"].append(entry)  # recorded only once both shards are complete on disk
             for split in SPLITS:
                 manifest["tokens"][split] += entry[split]["tokens"]

@@ -44,7 +44,8 @@ class Attention(nn.Module):
         self.op = ATTENTION_OPS.selected(cfg)(cfg)
         self.op.bind_layer(layer)
         self.backend = select_backend(cfg)
-        self.use_fused = self.backend.fuses
+        # whether the op's fused path runs at all: its fusable(cfg), the one place that says "no fused path"
+        self.use_fused = self.backend.fuses and self.op.fusable(cfg)
         self.recompute = cfg.memory == "linear"
         self.rotates = POSITIONS.selected(cfg).rotates(cfg, layer)  # False in a NoPE layer (model.nope_every)
         self.layer = layer  # its index in a KV cache

@@ -42,9 +42,9 @@ except ImportError:  # torch < 2.9
 
 
 def select_backend(cfg: Any) -> "AttentionBackend":
-    """The backend a model runs: model.attn_backend, or explicit where model.fused=false (the switch that came before
-    attn_backend, kept so that older configs and checkpoints load)."""
-    return ATTN_BACKENDS.get(cfg.attn_backend if cfg.fused else "explicit")()
+    """The backend a model runs: the one ModelConfig.backend names (model.attn_backend, or explicit under the legacy
+    model.fused=false)."""
+    return ATTN_BACKENDS.get(cfg.backend)()
 
 
 class AttentionBackend(Component):

@@ -1,7 +1,8 @@
 """Which key each query sees, composed from small mask functions, and the per-sequence `Layout`.
 
 Mask functions take FlexAttention's `mask_mod` signature (batch, head, q_idx, kv_idx) -> bool and broadcast over
-index tensors, so the same functions build the explicit path's boolean mask and a fused kernel's block mask.
+index tensors, so the same functions build the explicit path's boolean mask and a fused kernel's block mask; they
+are composed with FlexAttention's own `and_masks` / `or_masks` (which need batch and head as tensors).
 Sequence layout inside a layer: keys are [bias slots (0 or 1)] + [sink tokens (S)] + [real tokens (T)]; queries are
 the S + T sequence positions; mask functions index sequence positions (the slots are prepended, always visible).
 With a KV cache (`cache.py`) the queries are the new positions start .. start + n_pos - 1 and the keys every position
@@ -14,6 +15,7 @@ from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.flex_attention import and_masks, or_masks
 
 MaskMod = Callable[[Any, Any, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -40,24 +42,6 @@ def sink_tokens_visible(n_sink: int) -> MaskMod:
     """The first `n_sink` positions (learned sink tokens) stay visible to every later query."""
     def mask(b, h, q_idx, kv_idx):
         return (kv_idx < n_sink) & (kv_idx <= q_idx)
-    return mask
-
-
-def and_masks(*mods: MaskMod) -> MaskMod:
-    def mask(b, h, q_idx, kv_idx):
-        out = mods[0](b, h, q_idx, kv_idx)
-        for m in mods[1:]:
-            out = out & m(b, h, q_idx, kv_idx)
-        return out
-    return mask
-
-
-def or_masks(*mods: MaskMod) -> MaskMod:
-    def mask(b, h, q_idx, kv_idx):
-        out = mods[0](b, h, q_idx, kv_idx)
-        for m in mods[1:]:
-            out = out | m(b, h, q_idx, kv_idx)
-        return out
     return mask
 
 
@@ -121,7 +105,8 @@ class Layout:
 
     def mask(self, rows: torch.Tensor) -> torch.Tensor:
         """rows: (R,) query positions -> (R, n_keys) bool, True where the query sees the key."""
-        seen = self.mask_mod(None, None, rows[:, None], torch.arange(self.n_key_pos, device=self.device)[None, :])
+        b = h = torch.zeros((), dtype=torch.long, device=self.device)  # every batch row and head sees the same keys
+        seen = self.mask_mod(b, h, rows[:, None], torch.arange(self.n_key_pos, device=self.device)[None, :])
         if self.n_slots:
             seen = torch.cat([torch.ones(len(rows), self.n_slots, dtype=torch.bool, device=self.device), seen], 1)
         return seen

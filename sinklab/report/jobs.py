@@ -8,6 +8,7 @@ have no dir yet are ``pending``.
 from __future__ import annotations
 
 import io
+import itertools
 import logging
 import math
 import time
@@ -237,18 +238,26 @@ def _multirun_overrides(mr: Any) -> list[str]:
 
 
 def _expected_jobs(mr: Any, lines: list[str]) -> Optional[list[list[str]]]:
-    """Override lists of all jobs of a BasicSweeper sweep, in job-number order; None for other sweepers."""
+    """Override lists of all jobs of a BasicSweeper sweep, in job-number order; None for other sweepers. The
+    BasicSweeper's order: one list of `key=value` per key (a later override of a key takes the earlier one's place),
+    every combination, the last key varying fastest (itertools.product)."""
     target = str(select(mr, "hydra.sweeper._target_") or "")
     if not lines or not target.endswith("BasicSweeper"):
         return None
-    try:
-        from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
-        from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.overrides_parser import OverridesParser
 
-        overrides = OverridesParser.create().parse_overrides(lines)
-        return [list(b) for b in BasicSweeper.split_arguments(overrides, None)[0]]
+    choices: dict[str, list[str]] = {}
+    try:
+        for override in OverridesParser.create().parse_overrides(lines):
+            key = override.get_key_element()
+            if override.is_sweep_override() and not override.is_discrete_sweep():
+                return None  # an interval: the BasicSweeper refuses it, no job ran
+            values = override.sweep_string_iterator() if override.is_sweep_override() else \
+                [override.get_value_element_as_str()]
+            choices[key] = [f"{key}={value}" for value in values]
     except Exception:
         return None
+    return [list(job) for job in itertools.product(*choices.values())]
 
 
 def load_sweep(sweep_dir: Path, now: Optional[float] = None, stale_minutes: float = STALE_MINUTES) -> Sweep:

@@ -11,6 +11,7 @@ import lightning as L
 import numpy as np
 import torch
 import torch.nn.functional as F
+from lightning.fabric.utilities.throughput import Throughput
 
 from sinklab import plugins
 from sinklab.runs.checkpoints import TOKENS_SEEN
@@ -65,10 +66,13 @@ class LitLM(L.LightningModule):
         if self.cfg.compile:
             self.model = compile_model(self.model, self.cfg, compile_backend)
         self.max_steps = max_steps
-        # peak dense FLOP/s of one device for perf/mfu: a number, None (no perf/mfu), or "auto" (measured when
-        # training starts, sinklab.train.throughput.peak_matmul_flops at the training precision's matmul dtype)
+        # peak dense FLOP/s of one device for perf/mfu: a number, None (no perf/mfu), or "auto" (resolved when
+        # training starts, peak_flops_per_device: the datasheet's, else measured, at the training precision)
         self.peak_flops = peak_flops
-        self._t_last: Optional[float] = None
+        # perf/tokens_per_sec and perf/mfu: Lightning's Throughput over a window of two steps (one step's time), made
+        # again when training starts, with the peak and the world size
+        self.throughput = Throughput(window_size=2)
+        self._seen = (0, 0, 0)  # this device's steps, sequences and tokens so far: the running counts Throughput takes
 
     @property
     def net(self) -> Transformer:
@@ -103,33 +107,56 @@ class LitLM(L.LightningModule):
         return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), ignore_index=IGNORE)
 
     def on_fit_start(self) -> None:
-        if self.peak_flops == "auto":
-            from sinklab.train.throughput import datasheet_peak, matmul_dtype, peak_matmul_flops
+        world = self.trainer.world_size if self._trainer is not None else 1
+        self.throughput = Throughput(available_flops=self.peak_flops_per_device(), world_size=world, window_size=2)
 
-            dtype = matmul_dtype(self.trainer.precision if self._trainer is not None else None)
-            self._peak = datasheet_peak(self.device, dtype)
-            if self._peak is not None:
-                log.info("peak_flops=auto: %.4g FLOP/s (the datasheet's, %s) for perf/mfu", self._peak,
-                         torch.cuda.get_device_name(self.device))
-                return
-            t0 = time.perf_counter()
-            self._peak = peak_matmul_flops(self.device, dtype)
-            log.info("peak_flops=auto: %.4g FLOP/s (%s matmuls on %s, measured in %.2f s) for perf/mfu", self._peak,
-                     str(dtype).replace("torch.", ""), self.device, time.perf_counter() - t0)
-        else:
-            self._peak = self.peak_flops
+    def peak_flops_per_device(self) -> Optional[float]:
+        """peak_flops as a number (None: no perf/mfu). "auto": the datasheet's FLOP/s of a GPU Lightning knows at the
+        training precision's matmul dtype (sinklab.train.throughput.datasheet_peak), else this machine's, measured
+        (sinklab.train.throughput.peak_matmul_flops)."""
+        if self.peak_flops != "auto":
+            return self.peak_flops
+        from sinklab.train.throughput import datasheet_peak, matmul_dtype, peak_matmul_flops
 
-    def log_mfu(self, flops_per_sec: float) -> None:
+        dtype = matmul_dtype(self.trainer.precision if self._trainer is not None else None)
+        peak = datasheet_peak(self.device, dtype)
+        if peak is not None:
+            log.info("peak_flops=auto: %.4g FLOP/s (the datasheet's, %s) for perf/mfu", peak,
+                     torch.cuda.get_device_name(self.device))
+            return peak
+        t0 = time.perf_counter()
+        peak = peak_matmul_flops(self.device, dtype)
+        log.info("peak_flops=auto: %.4g FLOP/s (%s matmuls on %s, measured in %.2f s) for perf/mfu", peak,
+                 str(dtype).replace("torch.", ""), self.device, time.perf_counter() - t0)
+        return peak
+
+    def log_throughput(self, batch: torch.Tensor) -> None:
+        """perf/tokens_per_sec (every device's) and perf/mfu (one device's FLOP/s / its peak) of the step since the
+        previous call: Lightning's Throughput over a window of two calls, so nothing at the first step of training or
+        after a validation (on_validation_start empties the window)."""
+        B, T = batch.shape[0], batch.shape[1] - 1
+        steps, seqs, tokens = self._seen
+        self._seen = (steps + 1, seqs + B, tokens + B * T)
+        meter = self.throughput
+        meter.update(time=time.perf_counter(), batches=steps + 1, samples=seqs + B, lengths=tokens + B * T,
+                     flops=self.net.flops_per_token(T) * B * T if meter.available_flops else None)
+        rates = meter.compute()
+        if "device/items_per_sec" in rates:
+            self.log("perf/tokens_per_sec", rates["device/items_per_sec"] * meter.world_size, prog_bar=True)
+        if "device/mfu" in rates:
+            self.log_mfu(rates["device/mfu"])
+
+    def log_mfu(self, mfu: float) -> None:
         """perf/mfu = achieved / peak FLOP/s, never above 1: a step faster than the peak means the peak was measured
         while the machine was busy, and perf/mfu is dropped for the rest of the run, with one warning."""
-        mfu = flops_per_sec / self._peak
         if mfu <= 1.0:
             self.log("perf/mfu", mfu)
             return
-        warnings.warn(f"perf/mfu dropped: a step ran at {flops_per_sec:.3g} FLOP/s, above the peak {self._peak:.3g} "
+        peak = self.throughput.available_flops
+        warnings.warn(f"perf/mfu dropped: a step ran at {mfu * peak:.3g} FLOP/s, above the peak {peak:.3g} "
                       f"(peak_flops={self.peak_flops}; measured on a busy machine?); set peak_flops to the device's "
                       "datasheet FLOP/s to log it", PeakFlopsWarning, stacklevel=2)
-        self._peak = None
+        self.throughput.available_flops = None
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         loss = self.loss(batch)
@@ -141,14 +168,7 @@ class LitLM(L.LightningModule):
                 f"non-finite training loss ({loss.item()}) at step {self.global_step}; training stopped, "
                 f"the last good checkpoint is kept{self._last_checkpoint_note()}")
         self.log("train/loss", loss, prog_bar=True)
-        now = time.perf_counter()
-        if self._t_last is not None:
-            world = self.trainer.world_size if self._trainer is not None else 1
-            tps = batch.shape[0] * (batch.shape[1] - 1) * world / (now - self._t_last)
-            self.log("perf/tokens_per_sec", tps, prog_bar=True)
-            if getattr(self, "_peak", None):
-                self.log_mfu(self.net.flops_per_token(batch.shape[1] - 1) * tps / world)
-        self._t_last = now
+        self.log_throughput(batch)
         return loss
 
     def _last_checkpoint_note(self) -> str:
@@ -179,7 +199,7 @@ class LitLM(L.LightningModule):
         checkpoint["state_dict"] = {model_key(k, compiled): v for k, v in state.items()}
 
     def on_validation_start(self) -> None:
-        self._t_last = None
+        self.throughput.reset()  # a validation's time is no training step's
 
     def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
         self.log("val/loss", self.loss(batch), prog_bar=True, sync_dist=True)

@@ -1,11 +1,12 @@
 """The dense matmul FLOP/s that MFU is measured against (training's perf/mfu with peak_flops=auto, and
-scripts/bench.py): the datasheet figure of a known GPU at 16-bit precision, else this machine's measured limit; and
-the peak tensor memory of a training step (scripts/bench.py memory)."""
+scripts/bench.py): the datasheet figure of a GPU that Lightning knows at the matmul dtype, else this machine's
+measured limit; and the peak tensor memory of a training step (scripts/bench.py memory)."""
 from __future__ import annotations
 
 import json
 import tempfile
 import time
+import warnings
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -17,17 +18,16 @@ PRECISION_DTYPES = {"64": torch.float64, "64-true": torch.float64, "32": torch.f
                     "bf16": torch.bfloat16, "bf16-mixed": torch.bfloat16, "bf16-true": torch.bfloat16}
 
 
-# dense (not sparse) bf16 / fp16 tensor-core FLOP/s from NVIDIA's datasheets; the first name found in the device name
-DATASHEET_16BIT = (("H200", 989.4e12), ("H100 PCIe", 756.0e12), ("H100", 989.4e12), ("A100", 312.0e12),
-                   ("L40S", 362.1e12), ("A10G", 70.0e12), ("A10", 125.0e12), ("L4", 121.0e12))
-
-
 def datasheet_peak(device: torch.device, dtype: torch.dtype) -> Optional[float]:
-    """The datasheet's dense 16-bit FLOP/s of a known NVIDIA GPU, None for other devices and dtypes."""
-    if torch.device(device).type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
-        return None
-    name = torch.cuda.get_device_name(device)
-    return next((flops for key, flops in DATASHEET_16BIT if key in name), None)
+    """The datasheet's dense FLOP/s of `device` at `dtype` from Lightning's table of accelerators
+    (lightning.fabric.utilities.throughput.get_available_flops); None for a CPU and for a chip or dtype the table
+    lacks, where the caller measures the peak instead (so Lightning's warning that it lacks them is silenced)."""
+    from lightning.fabric.utilities.throughput import get_available_flops
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"FLOPs not found|.* does not support ")
+        flops = get_available_flops(torch.device(device), dtype)
+    return None if flops is None else float(flops)
 
 
 def matmul_dtype(precision: Optional[str]) -> torch.dtype:

@@ -83,9 +83,9 @@ def test_prepared_directory_layout_and_training_reads_it(env, capsys):
 @pytest.mark.parametrize("fault", ["mid_write:2", "before_manifest:2"])
 def test_killed_build_resumes_to_identical_shards(env, tmp_path, fault):
     out = tmp_path / "out"
-    cmd = [sys.executable, str(REPO / "scripts" / "prepare_data.py"), *env.args, "--out", str(out)]
-    proc = subprocess.run(cmd, env={**os.environ, "SINKLAB_PREPARE_FAULT": fault, "HF_HUB_OFFLINE": "1",
-                                    "HF_DATASETS_OFFLINE": "1"}, capture_output=True, text=True, timeout=300)
+    cmd = [sys.executable, "-m", "tests.helpers.faults", fault, *env.args, "--out", str(out)]  # prepare, killed
+    proc = subprocess.run(cmd, cwd=REPO, env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"},
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
     m = manifest(out)
     assert [c["index"] for c in m["chunks"]] == [0, 1] and not m["complete"]

@@ -1,8 +1,9 @@
 """Fault injectors for the reliability tests: Lightning callbacks a test adds through the config
-(`+callbacks.x._target_=tests.helpers.faults.X`), as a user could add their own. Test-only: production code has no
-debug knobs."""
+(`+callbacks.x._target_=tests.helpers.faults.X`), as a user could add their own, and a data build killed at a chosen
+point (`python -m tests.helpers.faults FAULT PREPARE_ARGS...`). Test-only: production code has no debug knobs."""
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -76,3 +77,44 @@ class Pace(L.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         time.sleep(self.seconds)
+
+
+# ---------------------------------------------------------------------------------------------- a killed data build
+PREPARE_FAULTS = ("mid_write", "before_manifest")
+
+
+def kill_prepare_at(fault: str) -> None:
+    """From now on, this process's token-store builds die by SIGKILL at `fault`, "<point>:<chunk>": `mid_write` with
+    half of chunk `chunk`'s first shard in its temporary file; `before_manifest` once both of the chunk's shards are
+    on disk, before the manifest records them. Replaces sinklab.data.token_store._write_shard, which build_store calls for
+    each shard of each chunk (train, then val)."""
+    from sinklab.data import token_store as cache
+    from sinklab.io import atomic_write
+
+    point, chunk = fault.split(":")
+    assert point in PREPARE_FAULTS, fault
+    chunk, write_shard = int(chunk), cache._write_shard
+
+    def faulty_write_shard(path: Path, tokens) -> str:
+        at_chunk = int(path.name[len("shard_"):-len(".bin")]) == chunk  # shard_00002.bin: chunk 2
+        if at_chunk and point == "mid_write":
+            data = tokens.tobytes()
+
+            def half_then_die(f) -> None:
+                f.write(data[: len(data) // 2])
+                f.flush()
+                os.kill(os.getpid(), signal.SIGKILL)
+            atomic_write(path, half_then_die)
+        sha = write_shard(path, tokens)
+        if at_chunk and point == "before_manifest" and path.parent.name == cache.SPLITS[-1]:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return sha
+
+    cache._write_shard = faulty_write_shard
+
+
+if __name__ == "__main__":  # python -m tests.helpers.faults FAULT ARGS...: `sinklab prepare ARGS...` killed at FAULT
+    from sinklab.cli.prepare import main
+
+    kill_prepare_at(sys.argv[1])
+    sys.exit(main(sys.argv[2:]))

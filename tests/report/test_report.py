@@ -3,6 +3,7 @@ import csv
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -349,6 +350,16 @@ def test_real_hydra_multirun_is_read(tmp_path, capsys):
     diff = next(d for d in out["differences"] if d["metric"] == "sink1")
     assert (diff["optim.weight_decay"], diff["pairs"], diff["diff_mean"], diff["higher"]) == (0.5, 2, 50.0, 2)
     assert out["aggregate"][1]["sink1_median"] == 50.5 and out["claims"] == []
+
+    # jobs not started yet come from multirun.yaml alone, in Hydra's own job numbering (the last key fastest)
+    pending = tmp_path / "pending"
+    shutil.copytree(sweep, pending)
+    for i in (1, 2, 3):
+        shutil.rmtree(pending / str(i))
+    jobs = report.load_sweep(pending).jobs
+    assert [str(j.status) for j in jobs] == ["completed", "pending", "pending", "pending"]
+    ran = [yaml.safe_load((sweep / str(i) / ".hydra" / "overrides.yaml").read_text()) for i in range(4)]
+    assert [j.override_text for j in jobs] == [dict(line.split("=", 1) for line in lines) for lines in ran]
 
 
 def test_two_swept_keys_match_the_paper_on_both(tmp_path):

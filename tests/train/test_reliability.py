@@ -125,7 +125,7 @@ BAD_OVERRIDES = [
     ("callbacks.preemption.signals=[SIGFOO]", "callbacks.preemption.signals=['SIGFOO'] is not allowed; allowed: "),
     ("data=local", "data.corpus=local needs data.files: set it on the command line, e.g. data.files=[a.txt,b.jsonl]"),
     ("+callbacks.x._target_=foo.Bar", "callbacks.x._target_='foo.Bar' cannot be imported (ModuleNotFoundError: "
-                                      "no module named 'foo'); check the class path"),
+                                      "No module named 'foo'); check the class path"),
     ("ckpt_path=last", "ckpt_path=last: no checkpoint at "),
     ("ckpt_path=/nonexistent/x.ckpt", "ckpt_path=/nonexistent/x.ckpt: no such file; allowed: null, last, auto or "
                                       "a .ckpt path"),

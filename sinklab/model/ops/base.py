@@ -18,8 +18,10 @@ class AttentionOp(Component, torch.nn.Module):
     `probs` for an operation without logits. It declares:
       row_normalised(cfg)  whether every row of its map sums to one (else the metric also reports Sink*)
       has_logits           whether it has logits that ALiBi / relative biases can be added to
-      fusable(cfg)         whether `fused` computes it with this config (backend, masks, model.attn_memory)
-      fused(...)           a fused kernel's output (softmax: through the backend), or None to use the explicit map
+      fusable(cfg)         whether it has a fused path with this config (backend, masks, model.attn_memory): the
+                           layer calls `fused` only then
+      fused(...)           a fused kernel's output (softmax: through the backend), or None where this call cannot
+                           take it (the backend refuses, an intervention's mask): the explicit map then
       llama_ok(cfg)        whether transformers' LLaMA can represent it (export-hf asks)
       output(o)            what the op does to the heads' output after the map (differential attention's norm)
       bind_layer(layer)    told its layer's index once, when the layer is built (a depth-dependent constant)
@@ -39,12 +41,14 @@ class AttentionOp(Component, torch.nn.Module):
 
     @classmethod
     def fusable(cls, cfg: Any) -> bool:
-        """Whether `fused` computes this operation under this config (checked without building it)."""
+        """Whether this operation has a fused path under this config (checked without building it); the layer calls
+        `fused` only where it has."""
         return False
 
     def fused(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Layout, scale: float,
               backend: AttentionBackend) -> Optional[torch.Tensor]:
-        """q (B, H, N, hd), k and v (B, H, n_keys, hd) -> (B, H, N, hd), or None where there is no fused path."""
+        """q (B, H, N, hd), k and v (B, H, n_keys, hd) -> (B, H, N, hd), or None where this call has no fused path.
+        Called only where `fusable(cfg)`."""
         return None
 
     def bind_layer(self, layer: int) -> None:

@@ -59,7 +59,6 @@ class DifferentialAttention(AttentionOp):
         self.lambda_q1, self.lambda_k1, self.lambda_q2, self.lambda_k2 = (nn.Parameter(torch.zeros(d))
                                                                           for _ in range(4))
         self.subln = nn.RMSNorm(cfg.hd, eps=cfg.norm_eps)
-        self.fuse = cfg.backend == "sdpa"
         self.lambda_init = lambda_init(0)
         self.init_parameters()
 
@@ -90,8 +89,6 @@ class DifferentialAttention(AttentionOp):
 
     def fused(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Layout, scale: float,
               backend: AttentionBackend) -> Optional[torch.Tensor]:
-        if not self.fuse:
-            return None
         (q1, q2), (k1, k2) = halves(q), halves(k)
         o1 = backend.softmax(q1, k1, v, layout, scale * math.sqrt(2))  # (B, H, N, hd)
         o2 = backend.softmax(q2, k2, v, layout, scale * math.sqrt(2))

@@ -50,10 +50,6 @@ class KernelAttention(NormalisableOp):
     class Knobs(NormalisableOp.Knobs):
         kernel_map: str = dataclasses.field(default="elu", metadata={"choices": ("identity", "elu", "mlp")})
 
-    def __init__(self, cfg: Any):
-        super().__init__(cfg)
-        self.linear_form = cfg.memory == "linear"
-
     @classmethod
     def resolve(cls, cfg: Any) -> type:
         return {"identity": KernelAttention, "elu": EluKernel, "mlp": MLPKernel}[cfg.kernel_map]
@@ -83,7 +79,7 @@ class KernelAttention(NormalisableOp):
 
     def fused(self, q, k, v, layout, scale, backend):
         """The causal linear form (module docstring) where the mask is plain causal, else None."""
-        if not self.linear_form or not layout.plain_causal:
+        if not layout.plain_causal:
             return None
         o, z = causal_linear_attention(self.feature_map(q), self.feature_map(k), v, layout.n_slots + layout.start)
         o, z = o * scale, z * scale
