@@ -150,6 +150,23 @@ def check_measure_args(args, *counts: tuple[str, Optional[int]]) -> None:
         raise UserError(f"--k {args.k} must be a positive integer")
 
 
+def input_kind(args, run_dir: Optional[Path]) -> str:
+    """--input (natural, the probe set, by default for a run), refused in one line when it needs the probe set of a
+    run there is none of (checked before a model is loaded, and again by `choose_tokens`)."""
+    kind = args.input
+    if kind is None:
+        if run_dir is None:
+            where = "an HF model has no probe set" if args.hf_model else \
+                f"{args.target} has no run config (.hydra/config.yaml) to read the probe set from"
+            raise UserError(f"choose the input: {where}; pass --tokens FILE.npy or --input random|repeat")
+        kind = "natural"
+    if kind == "natural" and run_dir is None:
+        where = "an HF model has no probe set" if args.hf_model else \
+            f"{args.target} has no run config (.hydra/config.yaml)"
+        raise UserError(f"--input natural: {where}; pass --tokens FILE.npy or --input random|repeat")
+    return kind
+
+
 def choose_tokens(args, vocab_size: int, context: Optional[int], run_dir: Optional[Path]) -> tuple[torch.Tensor, str]:
     """The (N, T) tokens to measure and the input's name."""
     if args.tokens is not None:
@@ -163,18 +180,8 @@ def choose_tokens(args, vocab_size: int, context: Optional[int], run_dir: Option
         return tokens, kind
     if context is not None and args.seq_len is not None and args.seq_len > context:
         raise UserError(f"--seq-len {args.seq_len} exceeds the model context {context}")
-    kind = args.input
-    if kind is None:
-        if run_dir is None:
-            where = "an HF model has no probe set" if args.hf_model else \
-                f"{args.target} has no run config (.hydra/config.yaml) to read the probe set from"
-            raise UserError(f"choose the input: {where}; pass --tokens FILE.npy or --input random|repeat")
-        kind = "natural"
+    kind = input_kind(args, run_dir)
     if kind == "natural":
-        if run_dir is None:
-            where = "an HF model has no probe set" if args.hf_model else \
-                f"{args.target} has no run config (.hydra/config.yaml)"
-            raise UserError(f"--input natural: {where}; pass --tokens FILE.npy or --input random|repeat")
         tokens = probe_tokens(run_dir, args.num_seqs, args.seq_len)
         if context is not None and tokens.shape[1] > context:
             raise UserError(f"--seq-len {tokens.shape[1]} (the probe set's) exceeds the model context {context}")

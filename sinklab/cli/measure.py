@@ -67,10 +67,11 @@ from typing import Optional, Sequence
 import torch
 
 from sinklab import measure
-from sinklab.cli.base import (OneLineParser, add_device_json_args, add_target_args, check_one_target, command_main,
-                              pick_device)
+from sinklab.cli.base import (OneLineParser, add_device_json_args, add_target_args, check_files, check_one_target,
+                              command_main, pick_device)
 from sinklab.errors import UserError
-from sinklab.probe_inputs import DEFAULT_NUM_SEQS, DEFAULT_SEQ_LEN, INPUTS, check_measure_args
+from sinklab.probe_inputs import (DEFAULT_NUM_SEQS, DEFAULT_SEQ_LEN, INPUTS, check_measure_args,
+                                  checkpoint_and_run_dir, input_kind)
 
 PROG = "sinklab measure"
 
@@ -150,9 +151,10 @@ def run(args) -> dict:
             raise UserError(f"{flag} {path}: allowed: a {suffix} file name")
     if args.text and (args.hf_model is None or "natural" not in (args.input or [])):
         raise UserError("--text goes with --hf-model and --input natural (the text the model's tokenizer reads)")
-    device = pick_device(args.device)
     targets = list(dict.fromkeys(args.hf_model)) if args.hf_model is not None else [args.target]
     inputs = list(dict.fromkeys(args.input)) if args.input else [None]
+    check_inputs(args, inputs)
+    device = pick_device(args.device)
     t0 = time.perf_counter()
     with torch.no_grad():
         if len(targets) == 1 and len(inputs) == 1 and args.csv is None and args.markdown is None:
@@ -161,6 +163,18 @@ def run(args) -> dict:
             res = model_table(args, device, targets, inputs)
     res["seconds"] = round(time.perf_counter() - t0, 3)
     return res
+
+
+def check_inputs(args, inputs: list) -> None:
+    """Before any model is loaded: the files named exist, and each input has what it reads (a run's probe set for
+    natural; a transformers model reads natural text through its tokenizer instead)."""
+    check_files(("--tokens", args.tokens), *(("--text", f) for f in args.text or []))
+    if args.tokens is not None:
+        return
+    run_dir = checkpoint_and_run_dir(args.target)[1] if args.target is not None else None
+    for kind in inputs:
+        if not (args.hf_model is not None and kind == "natural"):
+            input_kind(argparse.Namespace(**{**vars(args), "input": kind}), run_dir)
 
 
 def measure_one(args, device, target: str, kind: Optional[str], model=None) -> dict:

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from sinklab import plugins
-from sinklab.checkpoint import TOKENS_SEEN
+from sinklab.checkpoint import PLUGINS, TOKENS_SEEN
 from sinklab.errors import UserError
 from sinklab.lm import IGNORE, next_token_targets
 from sinklab.model import ModelConfig, Transformer
@@ -166,8 +166,8 @@ class LitLM(L.LightningModule):
         checkpoint["sinklab_rng"] = rng_states()
         if self._trainer is not None:  # what `sinklab trajectory` puts the checkpoint at
             checkpoint[TOKENS_SEEN] = tokens_seen(self.trainer)
-        if plugins.LOADED:  # the modules of the user's components: loading the checkpoint imports them
-            checkpoint["sinklab_plugins"] = list(plugins.LOADED)
+        if plugins.LOADED:  # the modules of the user's components: loading the checkpoint needs them loaded
+            checkpoint[PLUGINS] = list(plugins.LOADED)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         if "sinklab_rng" in checkpoint:
