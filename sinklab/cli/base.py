@@ -114,6 +114,29 @@ def data_run_dir(args, run_dir: Optional[Path],
     return run_dir, "TARGET"
 
 
+def check_files(*given: tuple[str, Optional[str]]) -> None:
+    """Each (flag, path) given names an existing file: checked before a model is loaded, one line otherwise."""
+    for flag, path in given:
+        if path is not None and not Path(path).is_file():
+            raise UserError(f"{flag} {path}: no such file")
+
+
+def check_data_args(args) -> None:
+    """The data of a command that reads a run's blocks or token files (quant, eval streaming, eval intervene),
+    checked before the model is loaded: --data or --tokens (not both), the files named exist, --calib-tokens only
+    with --tokens, and without --tokens a run to read: --data RUN_DIR, or TARGET's own run dir."""
+    from sinklab.runs.run_data import checkpoint_and_run_dir
+
+    calib = getattr(args, "calib_tokens", None)
+    if args.tokens is not None and args.data is not None:
+        raise UserError("pass either --data RUN_DIR or --tokens FILE.npy, not both")
+    if calib is not None and args.tokens is None:
+        raise UserError("--calib-tokens goes with --tokens (a run's data calibrates on its training blocks)")
+    check_files(("--tokens", args.tokens), ("--calib-tokens", calib))
+    if args.tokens is None:
+        data_run_dir(args, checkpoint_and_run_dir(args.target)[1] if args.target is not None else None)
+
+
 def finite(obj: Any) -> Any:
     """NaN / inf (e.g. a norm ratio with T = 1) -> null, so the output is strict JSON."""
     if isinstance(obj, float):
@@ -156,12 +179,15 @@ def dispatch(prog: str, commands: dict[str, tuple[str, str]], footer: str,
     if name not in commands:
         print(f"{prog}: unknown command {name!r}; allowed: {', '.join(commands)}", file=sys.stderr)
         return 2
-    try:
-        from sinklab.plugins import load_plugins
+    from sinklab.plugins import PluginImportError, load_plugins, show_import_failure
 
+    try:
         load_plugins()  # components and metrics of the user's packages (entry points, SINKLAB_PLUGINS)
         module = importlib.import_module(commands[name][0])
         return int(module.main(rest) or 0)
     except UserError as err:
         print(f"{prog} {name}: error: {err}", file=sys.stderr)
         return 2
+    except PluginImportError as err:  # the plugin's own bug: named, then its traceback
+        show_import_failure(f"{prog} {name}", err)
+        return 1

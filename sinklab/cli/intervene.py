@@ -44,8 +44,8 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
-from sinklab.cli.base import (OneLineParser, add_device_json_args, add_target_args, check_one_target, command_main,
-                              data_run_dir, pick_device, target_spec)
+from sinklab.cli.base import (OneLineParser, add_device_json_args, add_target_args, check_data_args, check_one_target,
+                              command_main, data_run_dir, pick_device, target_spec)
 from sinklab.errors import UserError
 from sinklab.evals.interventions import INTERVENTIONS, evaluate, find_massive
 from sinklab.analysis.probe_inputs import DEFAULT_NUM_SEQS, load_tokens, positive
@@ -76,13 +76,12 @@ def build_parser() -> OneLineParser:
 def run(args) -> dict:
     check_one_target(args)
     positive("--val-batches", args.val_batches)
+    check_data_args(args)
     device = pick_device(args.device)
     t0 = time.perf_counter()
     target = load_target(target_spec(args, device))
     meta = target.meta
     if args.tokens is not None:
-        if args.data is not None:
-            raise UserError("pass either --data RUN_DIR or --tokens FILE.npy, not both")
         tokens = load_tokens(args.tokens, meta.vocab_size)
         if meta.context is not None and tokens.shape[1] - 1 > meta.context:
             raise UserError(f"--tokens {args.tokens}: sequences of {tokens.shape[1]} tokens exceed the model context "
@@ -90,9 +89,6 @@ def run(args) -> dict:
         val = list(tokens.split(32))[:args.val_batches]
         probe = tokens[:DEFAULT_NUM_SEQS, :-1]
     else:
-        if args.hf_model is None and meta.run_dir is None and args.data is None:
-            raise UserError(f"{args.target} has no run config (.hydra/config.yaml): intervene reads the run's "
-                            "validation blocks and probe set; pass a run dir or a checkpoint inside one")
         run_dir, flag = data_run_dir(args, meta.run_dir)
         val = read_run_data(Path(run_dir), {"num_workers": 0}, lambda dm: val_blocks(dm, args.val_batches),
                             flag, "the validation blocks", "check the run's data config")

@@ -66,11 +66,11 @@ from typing import Optional, Sequence
 import torch
 
 from sinklab.analysis import measurement as measure
-from sinklab.cli.base import (OneLineParser, add_device_json_args, add_target_args, check_one_target, command_main,
-                              pick_device)
-from sinklab.errors import UserError
 from sinklab.analysis.probe_inputs import (DEFAULT_NUM_SEQS, DEFAULT_SEQ_LEN, INPUTS, InputSpec, check_thresholds,
                                           positive)
+from sinklab.cli.base import (OneLineParser, add_device_json_args, add_target_args, check_files, check_one_target,
+                              command_main, pick_device)
+from sinklab.errors import UserError
 from sinklab.targets import TargetSpec, load_target
 
 PROG = "sinklab measure"
@@ -159,11 +159,12 @@ def run(args) -> dict:
             raise UserError(f"{flag} {path}: allowed: a {suffix} file name")
     if args.text and (args.hf_model is None or "natural" not in (args.input or [])):
         raise UserError("--text goes with --hf-model and --input natural (the text the model's tokenizer reads)")
-    device = pick_device(args.device)
     names = list(dict.fromkeys(args.hf_model)) if args.hf_model is not None else [args.target]
     inputs = list(dict.fromkeys(args.input)) if args.input else [None]
     if args.tokens is not None and len(names) > 1:
         raise UserError("--tokens holds ids of one vocabulary: measure one --hf-model with it, or use --input")
+    check_inputs(args, inputs)
+    device = pick_device(args.device)
     source = "hf" if args.hf_model is not None else "sinklab"
     specs = [TargetSpec(str(name), source, args.revision, args.dtype, device) for name in names]
     t0 = time.perf_counter()
@@ -175,6 +176,25 @@ def run(args) -> dict:
             res = model_table(args, specs, inputs)
     res["seconds"] = round(time.perf_counter() - t0, 3)
     return res
+
+
+def check_inputs(args, inputs: list) -> None:
+    """Before any model is loaded: the files named exist, and each input has what it reads (a run's probe set for
+    natural, by default for a run; a transformers model reads natural text through its tokenizer instead)."""
+    from sinklab.runs.run_data import checkpoint_and_run_dir
+
+    check_files(("--tokens", args.tokens), *(("--text", f) for f in args.text or []))
+    if args.tokens is not None or args.hf_model is not None:
+        return
+    if checkpoint_and_run_dir(args.target)[1] is not None:
+        return
+    for kind in inputs:
+        if kind is None:
+            raise UserError(f"choose the input: {args.target} has no run config (.hydra/config.yaml) to read the probe "
+                            "set from; pass --tokens FILE.npy or --input random|repeat")
+        if kind == "natural":
+            raise UserError(f"--input natural: {args.target} has no run config (.hydra/config.yaml); pass --tokens "
+                            "FILE.npy or --input random|repeat")
 
 
 def model_table(args, specs: list[TargetSpec], inputs: list) -> dict:

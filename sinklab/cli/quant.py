@@ -27,8 +27,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from sinklab.cli.base import (OneLineParser, add_device_json_args, add_target_args, check_one_target, command_main,
-                              data_run_dir, pick_device, target_spec)
+from sinklab.cli.base import (OneLineParser, add_device_json_args, add_target_args, check_data_args, check_one_target,
+                              command_main, data_run_dir, pick_device, target_spec)
 from sinklab.errors import UserError
 from sinklab.analysis.probe_inputs import load_tokens, positive
 from sinklab.runs.run_data import read_run_data, val_blocks
@@ -103,14 +103,10 @@ def run_batches(run_dir: Path, flag: str, args, meta: TargetMeta) -> tuple[list[
 def choose_data(args, meta: TargetMeta, run_dir: Optional[Path]) -> tuple[list, list, str]:
     """(validation batches, calibration batches, "run" | "tokens")."""
     if args.tokens is not None:
-        if args.data is not None:
-            raise UserError("pass either --data RUN_DIR or --tokens FILE.npy, not both")
         size = args.batch_size or DEFAULT_TOKENS_BATCH
         val = token_batches(args.tokens, "--tokens", meta, size)[:args.val_batches]
         calib_file, flag = (args.calib_tokens, "--calib-tokens") if args.calib_tokens else (args.tokens, "--tokens")
         return val, token_batches(calib_file, flag, meta, size)[:args.calib_batches], "tokens"
-    if args.calib_tokens is not None:
-        raise UserError("--calib-tokens goes with --tokens (a run's data calibrates on its training blocks)")
     data, flag = data_run_dir(args, run_dir)
     return (*run_batches(data, flag, args, meta), "run")
 
@@ -123,6 +119,7 @@ def run(args) -> dict:
         positive(name, value)
     if not 0 <= args.momentum < 1:
         raise UserError(f"--momentum {args.momentum:g} must be in [0, 1) (0: the last batch's range only)")
+    check_data_args(args)
     device = pick_device(args.device)
     t0 = time.perf_counter()
     target = load_target(target_spec(args, device))

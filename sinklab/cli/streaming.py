@@ -30,8 +30,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from sinklab.cli.base import (OneLineParser, add_device_json_args, add_target_args, check_one_target, command_main,
-                              data_run_dir, pick_device, target_spec)
+from sinklab.cli.base import (OneLineParser, add_device_json_args, add_target_args, check_data_args, check_one_target,
+                              command_main, data_run_dir, pick_device, target_spec)
 from sinklab.errors import UserError
 from sinklab.evals import streaming_ppl as pp
 from sinklab.model.lm_loss import perplexity
@@ -98,8 +98,6 @@ def build_parser() -> OneLineParser:
 def choose_text(args, vocab_size: int, run_dir: Optional[Path]) -> tuple[torch.Tensor, str, str]:
     """(tokens (N,), "run" | "tokens", where the text comes from, in words)."""
     if args.tokens is not None:
-        if args.data is not None:
-            raise UserError("pass either --data RUN_DIR or --tokens FILE.npy, not both")
         tokens = load_tokens(args.tokens, vocab_size, flat=True)
         if args.n_tokens is not None and args.n_tokens > tokens.shape[0]:
             raise UserError(f"--n-tokens {args.n_tokens} exceeds the {tokens.shape[0]} tokens of --tokens "
@@ -146,6 +144,7 @@ def run(args) -> dict:
         raise UserError(f"--plot {args.plot}: allowed: a .png file name")
     if args.n_tokens is not None and args.n_tokens < 2:
         raise UserError(f"--n-tokens {args.n_tokens}: allowed: >= 2 (a token and the next one to predict)")
+    check_data_args(args)
     device = pick_device(args.device)
     t0 = time.perf_counter()
     target = load_target(target_spec(args, device))

@@ -21,6 +21,7 @@ checkpoint has, e.g. a gate statistic of a model without gates]}.
 from __future__ import annotations
 
 import argparse
+import difflib
 import math
 import re
 import sys
@@ -28,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
-from sinklab.cli.base import OneLineParser, add_device_json_args, command_main, pick_device
+from sinklab.cli.base import OneLineParser, add_device_json_args, check_files, command_main, pick_device
 from sinklab.errors import UserError
 from sinklab.targets.hub_models import DTYPES, pick_dtype
 from sinklab.analysis.probe_inputs import INPUTS, InputSpec, check_thresholds, positive
@@ -95,9 +96,11 @@ def metric_keys(names: Sequence[str]) -> list[str]:
     keys = expand_metric_names([n for arg in names for n in arg.split(",") if n])
     for key in keys:
         if not any(re.search(pattern, key) for pattern, _ in METRICS.bounds()):
+            near = difflib.get_close_matches(key, [k for metric in METRICS for k in metric.headline], n=1)
             raise UserError(f"--metrics {key}: no registered metric logs it; allowed: a metric name "
                             f"({', '.join(METRICS.names())}) or a logged name such as sink/sink1, sink/alpha1, "
-                            "act/attn_entropy, act/layer0/attn_entropy")
+                            "act/attn_entropy, act/layer0/attn_entropy"
+                            + (f"; did you mean {near[0]}?" if near else ""))
     if not keys:
         raise UserError("--metrics: name at least one metric, e.g. --metrics sink/sink1")
     return keys
@@ -129,6 +132,7 @@ def run(args) -> dict:
 
     check_args(args)
     keys = metric_keys(args.metrics)
+    check_files(("--tokens", args.tokens), ("--text", args.text))  # before any checkpoint is read
     series = [tj.run_series(r) for r in args.runs]
     series += [tj.hf_series(names, revs, args.tokens_per_step) for names, revs in args.hf_groups or []]
     tj.unique_labels(series)

@@ -92,6 +92,15 @@ def llama_config(cfg: ModelConfig, transformers, dtype: torch.dtype, eos_id: Opt
 
 
 # ------------------------------------------------------------------------------------------------ tokenizer
+def tokenizer_file(explicit: str) -> Path:
+    """--tokenizer: a tokenizer.json, or a dir holding one; one line when there is none."""
+    p = Path(explicit)
+    f = p / "tokenizer.json" if p.is_dir() else p
+    if not f.is_file():
+        raise UserError(f"--tokenizer {explicit}: no tokenizer.json there")
+    return f
+
+
 def find_tokenizer(ckpt: Path, explicit: Optional[str]):
     """(tokenizers.Tokenizer, where) or (None, why not)."""
     from tokenizers import Tokenizer
@@ -101,10 +110,7 @@ def find_tokenizer(ckpt: Path, explicit: Optional[str]):
         return (Tokenizer.from_file(str(f)), str(f)) if f.is_file() else (None, None)
 
     if explicit is not None:
-        tok, where = from_path(Path(explicit))
-        if tok is None:
-            raise UserError(f"--tokenizer {explicit}: no tokenizer.json there")
-        return tok, where
+        return from_path(tokenizer_file(explicit))
     run_dir = next((d for d in (ckpt.parent, ckpt.parent.parent) if (d / ".hydra" / "config.yaml").is_file()), None)
     for d in (ckpt.parent, ckpt.parent.parent):
         for p in (d / "tokenizer.json", d / "tokenizer" / "tokenizer.json"):
@@ -150,21 +156,23 @@ def save_tokenizer(tok, out_dir: Path, transformers) -> Optional[int]:
 def export(ckpt_path: str, out_dir: str, dtype: str = "float32", check: bool = True,
            tokenizer: Optional[str] = None, with_tokenizer: bool = True, log=print) -> dict:
     """Write OUT_DIR; returns {"out_dir", "max_abs_diff" (None without check), "tokenizer"}."""
-    from sinklab.runs.checkpoints import find_checkpoint, read_checkpoint
+    from sinklab.runs.checkpoints import find_checkpoint, model_config, read_checkpoint
 
     if not Path(ckpt_path).exists():
         raise UserError(f"CKPT {ckpt_path}: no such checkpoint or run dir")
-    ckpt_file = find_checkpoint(ckpt_path)
-    ckpt = read_checkpoint(ckpt_file)
-    cfg = ModelConfig.from_dict(dict(ckpt["hyper_parameters"]["model"]))
-    bad = unrepresentable(cfg)
-    if bad:
-        raise UserError(f"{ckpt_file} cannot be exported as LLaMA: {'; '.join(bad)}")
     if dtype not in DTYPES:
         raise UserError(f"--dtype {dtype}: allowed: {', '.join(DTYPES)}")
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UserError(f"OUT_DIR {out_dir}: exists and is not an empty directory; choose a new one")
+    if tokenizer is not None:
+        tokenizer_file(tokenizer)  # before the checkpoint is read
+    ckpt_file = find_checkpoint(ckpt_path)
+    ckpt = read_checkpoint(ckpt_file)
+    cfg = model_config(ckpt, ckpt_file)
+    bad = unrepresentable(cfg)
+    if bad:
+        raise UserError(f"{ckpt_file} cannot be exported as LLaMA: {'; '.join(bad)}")
 
     from sinklab.targets.transformers_lm import dtype_kwargs, require_transformers
 

@@ -24,8 +24,8 @@ COLUMNS = {"h1_norm_ratio": ("||h1||/mean", 11), "k1_norm_ratio": ("||k1||/mean"
 @METRICS.register("norms")
 class FirstTokenNorms(Metric):
     records = frozenset({"h", "q", "k", "v"})
-    bounds = ((r"^act/(layer\d+/)?cos_", (-1.0, 1.0)),
-              (r"^act/(layer\d+/)?\w+_norm_ratio$", NON_NEGATIVE))
+    bounds = ((r"^act/(layer\d+/)?cos_q_k[1j]$", (-1.0, 1.0)),
+              (r"^act/(layer\d+/)?[hkv]1_norm_ratio$", NON_NEGATIVE))
     json_key = "norms"
     headline = ("act/h1_norm_ratio", "act/cos_q_k1")
 

@@ -102,8 +102,10 @@ class SinkMetric(Metric):
     batch the columns of real tokens 1..K (counting query rows i >= k) and of the extra keys are summed in float64."""
 
     records = frozenset({"maps"})
-    bounds = ((r"^sink/(layer\d+/)?(sink|slot)", PERCENT),  # Sink_k, Sink*_k and slot scores, in %
-              (r"^sink/(layer\d+/)?alpha", ANY))  # mean attention on token k: [0, 1] for softmax, any for kernels
+    # the exact names `summarise` logs: Sink_k, Sink*_k and the slot scores (bias, token<i>, sink_logit) in %, at the
+    # first eps or @eps; alpha_k, the mean attention on token k: [0, 1] for softmax, any for kernels
+    bounds = ((r"^sink/(layer\d+/)?(sink\d+(_star)?|slot(_star)?_\w+)(@[0-9.e+-]+)?$", PERCENT),
+              (r"^sink/(layer\d+/)?alpha\d+$", ANY))
     headline = ("sink/sink1", "sink/alpha1")
 
     def __init__(self, ctx: Context):

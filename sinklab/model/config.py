@@ -68,19 +68,30 @@ class BaseModelConfig:
 
 
 def knob_fields() -> dict[str, tuple[dataclasses.Field, list[Any]]]:
-    """knob name -> (its field, the component classes that declare it), over every registered component."""
+    """knob name -> (its field, the component classes that declare it), over every registered component. Components
+    share a knob by declaring it with the same default; a knob named like a base field, or declared again with
+    another default, is refused in one line naming the component that declares it and the one that owns the name
+    (sinklab's own components come first, so a plugin's component is the one named as declaring it)."""
     knobs: dict[str, tuple[dataclasses.Field, list[Any]]] = {}
     base = {f.name for f in fields(BaseModelConfig)}
-    for registry in FAMILIES:
-        for cls in registry:
-            for f in fields(cls.Knobs):
-                if f.name in base:
-                    raise TypeError(f"knob {f.name} of {cls.__module__}.{cls.__qualname__} is a field of "
-                                    f"ModelConfig already; give the knob another name")
-                if f.name in knobs and knobs[f.name][0].default != f.default:
-                    raise TypeError(f"knob {f.name} is declared with two defaults")
-                knobs.setdefault(f.name, (f, []))[1].append(cls)
+    classes = [cls for registry in FAMILIES for cls in registry]
+    for cls in sorted(classes, key=lambda c: c.__module__.split(".")[0] != "sinklab"):  # sinklab's own first
+        for f in fields(cls.Knobs):
+            if f.name in base:
+                raise ConfigError(f"{_declared(cls)} declares the knob {f.name}, the name of ModelConfig's own field "
+                                  f"model.{f.name}; give the knob another name")
+            if f.name in knobs and knobs[f.name][0].default != f.default:
+                owner, theirs = knobs[f.name][1][0], knobs[f.name][0].default
+                raise ConfigError(f"{_declared(cls)} declares the knob {f.name} with default {f.default!r}, but "
+                                  f"{_declared(owner)} owns model.{f.name} with default {theirs!r}; give the knob "
+                                  f"another name (components share a knob only with the same default)")
+            knobs.setdefault(f.name, (f, []))[1].append(cls)
     return knobs
+
+
+def _declared(cls: type) -> str:
+    """'module mypkg.ops.myop (model.attn_op=myop)': where a component comes from and what selects it."""
+    return f"module {cls.__module__} (model.{cls.registry.key}={cls.name})"
 
 
 KNOBS = knob_fields()

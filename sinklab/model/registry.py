@@ -116,11 +116,16 @@ class Registry(Generic[C]):
     def register(self, name: str) -> Callable[[C], C]:
         def add(cls: C) -> C:
             if name in self._classes:
-                raise ValueError(f"{self.what} {name!r} is registered twice ({self._classes[name]} and {cls})")
+                raise ConfigError(f"{self.what} {name!r} is registered twice ({self._classes[name]} and {cls}); "
+                                  "give one of them another name")
             cls.name, cls.registry = name, self
             self._classes[name] = cls
-            for listener in Registry.listeners:
-                listener(cls)
+            try:
+                for listener in Registry.listeners:
+                    listener(cls)
+            except Exception:
+                del self._classes[name]  # refused (e.g. a knob that clashes): the registry stays as it was
+                raise
             return cls
         return add
 

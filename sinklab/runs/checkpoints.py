@@ -1,7 +1,10 @@
-"""Loading sinklab checkpoints safely: no code from the file is run (weights_only), clear errors otherwise."""
+"""Loading sinklab checkpoints safely: no code from the file is run (weights_only), and no module it names is
+imported (its plugins are the user's to load); clear errors otherwise."""
 from __future__ import annotations
 
+import logging
 import re
+import sys
 from pathlib import Path
 from typing import Union
 
@@ -9,10 +12,14 @@ import torch
 
 from sinklab.errors import UserError
 from sinklab.model import ModelConfig, Transformer
-from sinklab.plugins import load_plugins
+from sinklab.plugins import ENV, load_plugins
+
+log = logging.getLogger("sinklab")
 
 KEPT_DIR = "kept"  # <checkpoint dir>/kept/: the checkpoints of callbacks.checkpoint.keep
 TOKENS_SEEN = "sinklab_tokens_seen"  # a checkpoint's key: training tokens seen up to its global_step
+PLUGINS = "sinklab_plugins"  # a checkpoint's key: the plugin modules its run had loaded (sinklab.plugins)
+_NOTED: set[tuple[str, ...]] = set()  # plugin modules a checkpoint names that were noted as not loaded
 _KEPT_NAME = re.compile(r"^step(\d+)-tokens(\d+)\.ckpt$")
 
 
@@ -94,7 +101,7 @@ def read_training_checkpoint(path: Union[str, Path]) -> dict:
 
 def check_same_model(ckpt: dict, model: dict, path: Union[str, Path]) -> None:
     """Refuse resuming a checkpoint with another architecture than the config's (one line naming the keys)."""
-    saved = ModelConfig.from_dict(dict(ckpt["hyper_parameters"]["model"])).to_dict()
+    saved = model_config(ckpt, path).to_dict()
     model = ModelConfig.from_dict(dict(model)).to_dict()
     diff = [k for k in sorted(set(saved) | set(model)) if k not in EXECUTION_KEYS and saved.get(k) != model.get(k)]
     if diff:
@@ -103,10 +110,48 @@ def check_same_model(ckpt: dict, model: dict, path: Union[str, Path]) -> None:
                         f"or start a new run (ckpt_path=null, or a new paths.output_dir)")
 
 
+def model_config(ckpt: dict, path: Union[str, Path]) -> ModelConfig:
+    """A checkpoint's model config, built from the components registered by sinklab and by the plugins the user
+    named (entry points, SINKLAB_PLUGINS, plugins=: `sinklab.plugins`). The plugin modules the checkpoint lists are
+    never imported: a file must not choose the code that runs. When its model needs one of them that is not loaded
+    (a component or knob unknown here), it is refused in one line naming the modules and how to load them; when its
+    model builds without them (e.g. a plugin of metrics only), a note says so once."""
+    load_plugins()
+    model = dict(ckpt["hyper_parameters"]["model"])
+    absent = tuple(str(m) for m in ckpt.get(PLUGINS) or () if str(m) not in sys.modules)
+    if absent:
+        needs = plugin_needs(model)
+        names = ", ".join(absent)
+        if needs:
+            raise UserError(f"{path} needs plugin module(s) that are not loaded: {names} ({needs}); a checkpoint "
+                            f"never chooses the code that runs, so load them yourself: {ENV}={','.join(absent)} "
+                            f"sinklab ..., or install the package that declares them in the entry-point group "
+                            f"sinklab.plugins")
+        if absent not in _NOTED:
+            _NOTED.add(absent)
+            log.warning("note: %s was written with plugin module(s) %s, not loaded here (its model does not need "
+                        "them; a metric they register is not measured): %s=%s loads them", path, names, ENV,
+                        ",".join(absent))
+    return ModelConfig.from_dict(model)
+
+
+def plugin_needs(model: dict) -> str:
+    """What a checkpoint's model config needs that the registered components do not provide, '' when it builds:
+    the error of building it (e.g. an attn_op not registered) and its unknown keys (knobs of such components)."""
+    from dataclasses import fields
+
+    unknown = sorted(set(model) - {f.name for f in fields(ModelConfig)} - {"_target_"})
+    needs = [f"model key(s) {', '.join('model.' + k for k in unknown)} unknown here"] if unknown else []
+    try:
+        ModelConfig.from_dict({k: v for k, v in model.items() if k not in unknown})
+    except UserError as err:
+        needs.insert(0, str(err).split(";")[0])
+    return ", ".join(needs)
+
+
 def load_model(path: Union[str, Path]) -> Transformer:
     ckpt = read_checkpoint(path)
-    load_plugins(ckpt.get("sinklab_plugins", ()), where=str(path))  # a component from the user's package
-    cfg = ModelConfig.from_dict(dict(ckpt["hyper_parameters"]["model"]))
+    cfg = model_config(ckpt, path)
     model = Transformer(cfg)
     prefix = "model."
     state = {}

@@ -101,14 +101,17 @@ def main() -> None:
     from omegaconf.errors import OmegaConfBaseException
 
     from sinklab.config import hydra_error_message, register_configs
-    from sinklab.plugins import use_from_command_line
+    from sinklab.plugins import PluginImportError, show_import_failure, use_from_command_line
 
     try:
         sys.argv[1:] = use_from_command_line(sys.argv[1:])  # plugins=..., before the schemas are stored
         register_configs()
-    except UserError as err:  # a plugin that cannot be imported, or whose option clashes with sinklab's
+    except UserError as err:  # a plugin that cannot be imported, or whose option or knob clashes with sinklab's
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
+    except PluginImportError as err:  # a plugin that raised while imported: named, then its own traceback
+        show_import_failure("sinklab-train", err)
+        sys.exit(1)
     if os.environ.get("HYDRA_FULL_ERROR"):
         hydra_main()
         return

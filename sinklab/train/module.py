@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from lightning.fabric.utilities.throughput import Throughput
 
 from sinklab import plugins
-from sinklab.runs.checkpoints import TOKENS_SEEN
+from sinklab.runs.checkpoints import PLUGINS, TOKENS_SEEN
 from sinklab.errors import UserError
 from sinklab.model.lm_loss import IGNORE, next_token_targets
 from sinklab.model import ModelConfig, Transformer
@@ -186,8 +186,8 @@ class LitLM(L.LightningModule):
         checkpoint["sinklab_rng"] = rng_states()
         if self._trainer is not None:  # what `sinklab trajectory` puts the checkpoint at
             checkpoint[TOKENS_SEEN] = tokens_seen(self.trainer)
-        if plugins.LOADED:  # the modules of the user's components: loading the checkpoint imports them
-            checkpoint["sinklab_plugins"] = list(plugins.LOADED)
+        if plugins.LOADED:  # the modules of the user's components: loading the checkpoint needs them loaded
+            checkpoint[PLUGINS] = list(plugins.LOADED)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         if "sinklab_rng" in checkpoint:

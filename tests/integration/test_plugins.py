@@ -2,8 +2,9 @@
 directory and put on PYTHONPATH, brings an attention operation with a knob, a yaml option of its own and a metric.
 It trains through `sinklab-train` (the op found through the entry-point group `sinklab.plugins` of an installed
 distribution's metadata, the metric through `plugins=` on the command line), its checkpoint loads in a process that
-names no plugin, `sinklab check-component` (and the same checks in the user's own pytest suite) passes it and fails
-a broken one, one line per failed check; a sweep of it runs under the submitit launcher (slow)."""
+names the plugins and is refused in one that does not, `sinklab check-component` (and the same checks in the user's
+own pytest suite) passes it and fails a broken one, one line per failed check; a knob that clashes with sinklab's is
+one line, a module that raises on import is named above its traceback; a sweep runs under submitit (slow)."""
 from __future__ import annotations
 
 import math
@@ -19,7 +20,7 @@ from omegaconf import OmegaConf
 
 from sinklab.contracts.metrics import SWITCHES as METRIC_SWITCHES
 from sinklab.plugins import from_argv
-from tests.helpers import FAST, train
+from tests.helpers import FAST, run_sinklab, train
 
 OPS = '''
 """Scaled sigmoid attention: sigmoid(scaled_alpha * logit - 2) on the visible keys."""
@@ -113,6 +114,33 @@ class Unbounded(Metric):
 '''
 
 
+def op_with_knob(name: str, knob: str) -> str:
+    """A plugin module registering the attention operation `name` with the knob `knob` (a float, default 1.5); a
+    knob named like one of sinklab's is one line (tests/integration/test_plugins_checkpoints.py in this process)."""
+    return textwrap.dedent(f'''
+        import dataclasses
+
+        import torch
+
+        from sinklab.model.ops.base import AttentionOp
+        from sinklab.model.registry import ATTENTION_OPS
+
+
+        @ATTENTION_OPS.register("{name}")
+        class Op(AttentionOp):
+            @dataclasses.dataclass
+            class Knobs:
+                {knob}: float = 1.5
+
+            def normalise(self, s, seen):
+                return torch.sigmoid(s) * seen
+        ''')
+
+
+RAISES = {"boom": 'raise RuntimeError("boom at import")\n',  # the plugin's own code fails
+          "needs_missing": "import labext_missing_dependency  # noqa: F401\n"}  # a package it needs is missing
+
+
 @pytest.fixture(scope="module")
 def user_package(tmp_path_factory) -> Path:
     """A directory for PYTHONPATH: the package `labext` (ops, metrics, broken, conf/model/attn/scaled_sharp.yaml)
@@ -123,6 +151,9 @@ def user_package(tmp_path_factory) -> Path:
     (pkg / "__init__.py").write_text("")
     for name, source in (("ops", OPS), ("metrics", METRIC), ("broken", BROKEN)):
         (pkg / f"{name}.py").write_text(textwrap.dedent(source))
+    (pkg / "knob_window.py").write_text(op_with_knob("windowed", "window"))  # a field of ModelConfig
+    for name, source in RAISES.items():
+        (pkg / f"{name}.py").write_text(source)
     (pkg / "conf" / "model" / "attn" / "scaled_sharp.yaml").write_text(
         "# @package model\nattn_op: scaled_sigmoid\nscaled_alpha: 4.0\n")
     clash = root / "clashpkg"  # an option named like one of sinklab's files
@@ -172,8 +203,9 @@ def test_an_external_op_and_metric_train_from_the_command_line(user_package, tmp
     assert "act/resid_rms" in logged and "act/layer1/resid_rms" in logged
     values = logged["act/resid_rms"].dropna()
     assert len(values) >= 1 and all(math.isfinite(v) and v > 0 for v in values)
-    # the checkpoint names its plugins: a process that names none measures the run with the user's metric
-    # (`sinklab measure RUN --json`) and loads the op with the knob's value
+    # the checkpoint records its plugins, and loading it imports none: a process that names them (SINKLAB_PLUGINS)
+    # measures the run with the user's metric (`sinklab measure RUN --json`) and loads the op with the knob's value;
+    # one that names none is refused in one line naming them
     probe = textwrap.dedent(f"""
         import contextlib, io, json, sinklab
         from sinklab.cli import main
@@ -181,14 +213,19 @@ def test_an_external_op_and_metric_train_from_the_command_line(user_package, tmp
             rc = main(["measure", {str(out)!r}, "--json", "--num-seqs", "4"])
         op = sinklab.load_model({str(out)!r}).blocks[0].attn.op
         print(rc, json.loads(measured.getvalue())["resid_rms"]["mean"] > 0, type(op).__name__, op.alpha)""")
-    env = user_env(user_package)  # the package importable, its entry point taken away
     (user_package / "labext-0.1.dist-info" / "entry_points.txt").rename(tmp_path / "entry_points.txt")
-    try:
-        loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, env=env)
+    try:  # the package importable, its entry point taken away
+        named = start(user_package, "-c", probe, SINKLAB_PLUGINS="labext.ops,labext.metrics")
+        unnamed = start(user_package, "-m", "sinklab.cli", "measure", str(out), "--num-seqs", "4")
+        loaded, refused = done(named), done(unnamed)
     finally:
         (tmp_path / "entry_points.txt").rename(user_package / "labext-0.1.dist-info" / "entry_points.txt")
     assert loaded.returncode == 0, loaded.stderr[-2000:]
     assert loaded.stdout.split() == ["0", "True", "ScaledSigmoid", "2.5"], loaded.stdout
+    assert refused.returncode == 2 and len(refused.stderr.strip().splitlines()) == 1, refused.stderr[-2000:]
+    assert "needs plugin module(s) that are not loaded: labext.ops, labext.metrics (model.attn_op=" \
+           "'scaled_sigmoid' is not supported, model key(s) model.scaled_alpha unknown here)" in refused.stderr
+    assert "SINKLAB_PLUGINS=labext.ops,labext.metrics sinklab ..." in refused.stderr
 
 
 USER_TEST = '''
@@ -241,9 +278,10 @@ def test_a_bad_knob_or_plugin_is_one_line(user_package):
                start(user_package, "-m", "sinklab.train.entry", "model.scaled_alpha=2"),  # the op is not selected
                start(user_package, "-m", "sinklab.train.entry", SINKLAB_PLUGINS="labext.nope"),
                start(user_package, "-m", "sinklab", "check-component", "json"),
-               start(user_package, "-m", "sinklab.train.entry", "plugins=clashpkg")]
-    typo, owner, missing, nothing, clash = (done(p) for p in started)
-    for proc in (typo, owner, missing, nothing, clash):
+               start(user_package, "-m", "sinklab.train.entry", "plugins=clashpkg"),
+               start(user_package, "-m", "sinklab.train.entry", "plugins=labext.knob_window")]
+    typo, owner, missing, nothing, clash, window = (done(p) for p in started)
+    for proc in (typo, owner, missing, nothing, clash, window):
         assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr[-2000:]
     assert "model.scaled_alpah" in typo.stderr
     assert "model.scaled_alpha=2.0 applies to model.attn_op=scaled_sigmoid only" in owner.stderr
@@ -255,6 +293,39 @@ def test_a_bad_knob_or_plugin_is_one_line(user_package):
     assert all(f"{family.what} (model.{family.key})" in nothing.stderr for family in FAMILIES)
     assert clash.stderr.strip() == "error: model/attn=relu of a plugin has the name of sinklab's " \
         "model/attn/relu.yaml; rename the component or the plugin's yaml"
+    assert window.stderr.strip() == "error: module labext.knob_window (model.attn_op=windowed) declares the knob " \
+        "window, the name of ModelConfig's own field model.window; give the knob another name"
+
+
+def test_a_plugin_that_raises_on_import_is_named_above_its_traceback(user_package, tmp_path, monkeypatch, capsys):
+    """Named by SINKLAB_PLUGINS (`sinklab`), by plugins= (`sinklab-train`), each in a process of its own, and by an
+    entry point (an installed distribution of its own, put on this process's path): the line naming the module and
+    where, then its own traceback (from its own frame), exit code 1."""
+    started = [start(user_package, "-m", "sinklab.cli", "components", SINKLAB_PLUGINS="labext.boom"),
+               start(user_package, "-m", "sinklab.train.entry", "plugins=labext.needs_missing")]
+    (tmp_path / "boomext").mkdir()
+    (tmp_path / "boomext" / "__init__.py").write_text(RAISES["boom"])
+    (tmp_path / "boomext-0.1.dist-info").mkdir()
+    (tmp_path / "boomext-0.1.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: boomext\nVersion: 0.1\n")
+    (tmp_path / "boomext-0.1.dist-info" / "entry_points.txt").write_text("[sinklab.plugins]\nboom = boomext\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delenv("SINKLAB_PLUGINS", raising=False)
+    rc, out, err = run_sinklab(capsys, "eval", "streaming", "--help")
+    entry = subprocess.CompletedProcess([], rc, out, err)
+    env, argv = (done(p) for p in started)
+    cases = [(env, "sinklab components", "'labext.boom' (named by SINKLAB_PLUGINS) raised RuntimeError",
+              "labext/boom.py", "RuntimeError: boom at import"),
+             (argv, "sinklab-train", "'labext.needs_missing' (named by plugins= on the command line) raised "
+                                     "ModuleNotFoundError", "labext/needs_missing.py",
+              "ModuleNotFoundError: No module named 'labext_missing_dependency'"),
+             (entry, "sinklab eval", "'boomext' (named by entry point 'boom' of group sinklab.plugins) raised "
+                                     "RuntimeError", "boomext/__init__.py", "RuntimeError: boom at import")]
+    for proc, prog, named, frame, last in cases:
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 1 and proc.stdout == "", proc.stderr[-3000:]
+        assert lines[0] == f"{prog}: error: plugin module {named} while it was imported; its traceback follows"
+        assert lines[1] == "Traceback (most recent call last):" and frame in lines[2] and lines[-1] == last, lines
+    assert "boomext" not in sys.modules
 
 
 def test_plugins_on_the_command_line_are_taken_out_of_hydras_arguments():
