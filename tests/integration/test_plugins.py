@@ -216,7 +216,7 @@ def test_an_external_op_and_metric_train_from_the_command_line(user_package, tmp
     (user_package / "labext-0.1.dist-info" / "entry_points.txt").rename(tmp_path / "entry_points.txt")
     try:  # the package importable, its entry point taken away
         named = start(user_package, "-c", probe, SINKLAB_PLUGINS="labext.ops,labext.metrics")
-        unnamed = start(user_package, "-m", "sinklab.cli", "measure", str(out), "--num-seqs", "4")
+        unnamed = start(user_package, "-m", "sinklab", "measure", str(out), "--num-seqs", "4")
         loaded, refused = done(named), done(unnamed)
     finally:
         (tmp_path / "entry_points.txt").rename(user_package / "labext-0.1.dist-info" / "entry_points.txt")
@@ -301,7 +301,7 @@ def test_a_plugin_that_raises_on_import_is_named_above_its_traceback(user_packag
     """Named by SINKLAB_PLUGINS (`sinklab`), by plugins= (`sinklab-train`), each in a process of its own, and by an
     entry point (an installed distribution of its own, put on this process's path): the line naming the module and
     where, then its own traceback (from its own frame), exit code 1."""
-    started = [start(user_package, "-m", "sinklab.cli", "components", SINKLAB_PLUGINS="labext.boom"),
+    started = [start(user_package, "-m", "sinklab", "components", SINKLAB_PLUGINS="labext.boom"),
                start(user_package, "-m", "sinklab.train.entry", "plugins=labext.needs_missing")]
     (tmp_path / "boomext").mkdir()
     (tmp_path / "boomext" / "__init__.py").write_text(RAISES["boom"])
