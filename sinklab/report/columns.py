@@ -6,25 +6,17 @@ import re
 from dataclasses import dataclass
 from typing import Any, Iterable
 
-from sinklab.keys import ANY, NON_NEGATIVE, PERCENT, SINK1, SINK_PREFIX, TRAIN_LOSS, UNIT, VAL_LOSS
+from sinklab.evals import EVALUATIONS
+from sinklab.keys import ANY, SINK1, SINK_PREFIX, TRAIN_LOSS, VAL_LOSS
 from sinklab.metrics.base import bounds as metric_bounds
 
 _SLOT = re.compile(rf"^{re.escape(SINK_PREFIX)}(slot(?:_[A-Za-z0-9_]+)?)$")
-# the columns of the evaluation CSVs (`jobs.read_evaluations`); differences (gap, dppl) may have either sign
-_EVAL = r"^(quant|streaming|intervene)/"
-EVAL_BOUNDS = (
-    (_EVAL + r".*_ppl$", (1.0, math.inf)),  # a perplexity
-    (_EVAL + r".*(_loss|_keys|n_tokens|val_targets|calib_batches|massive_layer|massive_token|massive_ratio)$",
-     NON_NEGATIVE),
-    (_EVAL + r".*_sink1(_star)?$", PERCENT),
-    (_EVAL + r".*_alpha1$", UNIT),
-)
 
 
 def bounds(name: str) -> tuple[float, float]:
-    """Physical range of a logged value (sinklab.keys.BOUNDS) or an evaluation's column (EVAL_BOUNDS); any number
-    for a name no family covers."""
-    return next((b for pattern, b in EVAL_BOUNDS if re.search(pattern, name)), None) or metric_bounds(name) or ANY
+    """Physical range of a logged value (sinklab.keys.BOUNDS) or of an evaluation's column (quant/w4a4_gap: the
+    bounds its evaluation declares, `sinklab.evals.registry`); any number for a name no family covers."""
+    return EVALUATIONS.bounds(name) or metric_bounds(name) or ANY
 
 
 @dataclass(frozen=True)
