@@ -14,7 +14,7 @@
 # with them RESULTS.md section 6 used no_bos_seed1 4 (~13 min), no_bos_ctx1024 1 (~8 min) and the BOS controls
 # no_bos_with_bos 2 (~18 min) and no_bos_with_bos_long 1 (~12 min).
 # outliers_quant's jobs are then evaluated by `sinklab quant`, and its and sink_uses' jobs by `sinklab eval streaming`
-# and `sinklab eval intervene`, into OUT_DIR/NAME/{quant,streaming,intervene}.csv (eval_sweep.sh). Each sweep goes to
+# and `sinklab eval intervene`, into OUT_DIR/NAME/{quant,streaming,intervene}.csv (`--sweep`). Each sweep goes to
 # OUT_DIR/NAME and its `sinklab report` to OUT_DIR/NAME/report; the window sweep is also measured on probes as long as
 # its windows. Every other sweep runs on scale=cpu. RESULTS.md names, for each
 # number, the sweep it came from; tests/cli/test_readme.py composes and validates every job listed here.
@@ -86,14 +86,13 @@ for name in no_bos_map no_bos_tokens no_bos_big no_bos_seed1 no_bos_ctx1024 no_b
     done
   fi
 done
-EVAL="$(dirname "$0")/eval_sweep.sh"
 if named outliers_quant; then
-  bash "$EVAL" "$OUT/outliers_quant" quant   # sinklab quant --json per job -> quant.csv
+  sinklab quant --sweep "$OUT/outliers_quant"   # sinklab quant per job -> JOB/quant.json, quant.csv
 fi
 for name in outliers_quant sink_uses; do
   if named "$name"; then
-    bash "$EVAL" "$OUT/$name" intervene
-    bash "$EVAL" "$OUT/$name" streaming --first 0,1,4 --recent 16,60
+    sinklab eval intervene --sweep "$OUT/$name"
+    sinklab eval streaming --sweep "$OUT/$name" --first 0,1,4 --recent 16,60
   fi
 done
 

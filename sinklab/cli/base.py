@@ -1,5 +1,6 @@
 """What every `sinklab` command shares: the one-line-error parser, the run-and-print main, the device choice, the
-TARGET / --hf-model arguments, strict JSON, and the dispatcher of `sinklab` and `sinklab eval`.
+TARGET / --hf-model arguments, an evaluation's --sweep, strict JSON, and the dispatcher of `sinklab` and `sinklab
+eval`.
 
 A command module (`sinklab.cli.<command>`) builds its parser here, checks its options, calls the library (never
 another command) and formats the result. User errors are one line on stderr and exit code 2.
@@ -148,12 +149,57 @@ def finite(obj: Any) -> Any:
     return obj
 
 
+def add_sweep_args(parser: argparse.ArgumentParser, evaluation: str) -> None:
+    """--sweep SWEEP_DIR and --jobs N ...: the registered evaluation `evaluation` (`sinklab.evals.registry`) over
+    every finished job of a sweep instead of one TARGET (`run_sweep`)."""
+    parser.add_argument("--sweep", metavar="SWEEP_DIR", default=None,
+                        help=f"instead of TARGET: every job dir of this sweep with checkpoints/last.ckpt, each "
+                             f"result (what --json prints) into JOB/{evaluation}.json, then SWEEP_DIR/{evaluation}.csv"
+                             " with one row per job (job, its overrides, the result's columns), which `sinklab "
+                             "report` reads")
+    parser.add_argument("--jobs", nargs="+", metavar="N", default=None,
+                        help="with --sweep: only these job dirs, e.g. --jobs 0 1 2 (default: all); the CSV has every "
+                             f"job with a {evaluation}.json")
+    parser.set_defaults(evaluation=evaluation)
+
+
+def run_sweep(prog: str, args, run: Callable[[Any], dict]) -> str:
+    """`--sweep SWEEP_DIR`: run(args) with TARGET = each finished job dir of the sweep (or of --jobs), in this
+    process, each result written as JOB/NAME.json (what --json prints), then SWEEP_DIR/NAME.csv from every job's
+    NAME.json (`sinklab.evals.registry.write_table`). A job dir without checkpoints/last.ckpt is skipped with a line
+    on stderr. Returns the line saying what was written."""
+    from sinklab.evals.registry import EVALUATIONS, finished_jobs, write_table
+    from sinklab.io import atomic_write
+
+    if args.target is not None or args.hf_model is not None:
+        raise UserError(f"--sweep {args.sweep}: pass either --sweep SWEEP_DIR or one model (TARGET, --hf-model), "
+                        "not both")
+    evaluation, sweep = EVALUATIONS.get(args.evaluation), Path(args.sweep)
+    done, skipped = finished_jobs(sweep, args.jobs)
+    for job in skipped:
+        print(f"== {job}: no checkpoints/last.ckpt (not finished?), skipped", file=sys.stderr)
+    for job in done:
+        print(f"== {prog} {job} -> {job / evaluation.name}.json", flush=True)
+        try:
+            res = run(argparse.Namespace(**{**vars(args), "target": str(job), "json": True}))
+        except UserError as err:
+            raise UserError(f"job {job}: {err}") from None
+        atomic_write(job / f"{evaluation.name}.json", json.dumps(finite(res), allow_nan=False) + "\n")
+    path, rows = write_table(evaluation, sweep)
+    return f"wrote {path} ({rows} job{'s' if rows != 1 else ''})"
+
+
 def command_main(prog: str, parser: argparse.ArgumentParser, run: Callable[[Any], dict],
                  text: Callable[[dict], str], argv: Optional[Sequence[str]]) -> int:
-    """Parse argv, res = run(args), print res as one JSON object (--json) or as text(res); a UserError is one line
-    on stderr and exit code 2."""
+    """Parse argv, res = run(args), print res as one JSON object (--json) or as text(res); with --sweep SWEEP_DIR
+    (`add_sweep_args`), `run_sweep`. A UserError is one line on stderr and exit code 2."""
     args = parser.parse_args(argv)
     try:
+        if getattr(args, "sweep", None) is not None:
+            print(run_sweep(prog, args, run))
+            return 0
+        if getattr(args, "jobs", None) is not None:
+            raise UserError(f"--jobs {' '.join(args.jobs)}: goes with --sweep SWEEP_DIR")
         # in JSON mode stdout carries exactly one object: anything printed while running goes to stderr
         with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
             res = run(args)

@@ -1,16 +1,29 @@
-"""`sinklab eval SUBCOMMAND`: evaluations of a checkpoint, a run dir or a transformers model."""
+"""`sinklab eval NAME`: the registered evaluations (`sinklab.evals.registry`: sinklab's quant, streaming and intervene,
+and a plugin's) of a checkpoint, a run dir, a transformers model, or every finished job of a sweep (--sweep)."""
 from __future__ import annotations
 
+import sys
 from typing import Optional, Sequence
 
 from sinklab.cli.base import dispatch
+from sinklab.errors import UserError
 
-SUBCOMMANDS = {
-    "streaming": ("sinklab.cli.streaming", "perplexity over a long text with a KV cache of x first + y recent tokens"),
-    "intervene": ("sinklab.cli.intervene", "perplexity and Sink_1 after zeroing massive channels / masking keys"),
-    "quant": ("sinklab.cli.quant", "perplexity with simulated W8A8 / W4A4 / W8A16 quantization (= sinklab quant)"),
-}
+FOOTER = "`sinklab eval NAME --help` for its options; with --sweep SWEEP_DIR, over every finished job of a sweep"
+
+
+def subcommands() -> dict[str, tuple[str, str]]:
+    """NAME -> (its command module, its line) for every registered evaluation, a plugin's too (loaded first)."""
+    from sinklab.evals import EVALUATIONS
+    from sinklab.plugins import load_plugins
+
+    load_plugins()
+    return {evaluation.name: (evaluation.command, evaluation.summary) for evaluation in EVALUATIONS}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    return dispatch("sinklab eval", SUBCOMMANDS, "`sinklab eval SUBCOMMAND --help` for its options", argv)
+    try:
+        commands = subcommands()
+    except UserError as err:
+        print(f"sinklab eval: error: {err}", file=sys.stderr)
+        return 2
+    return dispatch("sinklab eval", commands, FOOTER, argv)

@@ -9,6 +9,7 @@ unchanged and under each of:
     sinklab eval intervene RUN_DIR_OR_CKPT [--interventions zero mean mask_first mask_random] [--channels 2]
                                             [--val-batches N] [--json]
     sinklab eval intervene --hf-model NAME_OR_DIR (--data RUN_DIR | --tokens FILE.npy) [--revision R] [--dtype D]
+    sinklab eval intervene --sweep SWEEP_DIR [--jobs 0 1 ...] [options]   (every finished job of a sweep, one CSV)
 
 A transformers model has no run: --data RUN_DIR takes that run's validation blocks and probe set (a model exported
 from it with `sinklab export-hf`, or one with the same tokenizer), --tokens FILE.npy (N, T) sequences that are the
@@ -32,11 +33,12 @@ it is reported to show where the attention went (alpha_1 of the other rows is 0)
 Validation: the run's validation blocks, with the BOS token at position 1 if its training blocks have one
 (data.bos), so that token 1 is what the model always saw there (its probe set has it too, data.probe_bos).
 
---json prints one object: target, val_batches, val_targets, probe (num_seqs, seq_len), massive {layer (from 0, as in
-every output), token (from 1), channels, values (mean |h|), mean_values (signed), ratio (top mean |h| / median |h|)},
-seconds, and rows {name: {ppl, loss, dppl (ppl - the unchanged model's), sink1, alpha1, sink1_star (operations without row
-normalisation)}}. User errors are one line on stderr and exit code 2. The interventions and their evaluation:
-`sinklab.evals.interventions`.
+--json prints one object: target, val_batches, val_targets, probe (num_seqs, seq_len), massive {layer (from 0, as
+in every output), token (from 1), channels, values (mean |h|), mean_values (signed), ratio (top mean |h| / median |h|)}, seconds,
+and rows {name: {ppl, loss, dppl (ppl - the unchanged model's), sink1, alpha1, sink1_star (operations without row
+normalisation)}}. --sweep SWEEP_DIR writes that object into JOB/intervene.json for every finished job, then
+SWEEP_DIR/intervene.csv, one row per job (its columns: `sinklab.evals.interventions.Interventions`). User errors are
+one line on stderr and exit code 2. The interventions and their evaluation: `sinklab.evals.interventions`.
 """
 from __future__ import annotations
 
@@ -44,8 +46,8 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
-from sinklab.cli.base import (OneLineParser, add_device_json_args, add_target_args, check_data_args, check_one_target,
-                              command_main, data_run_dir, pick_device, target_spec)
+from sinklab.cli.base import (OneLineParser, add_device_json_args, add_sweep_args, add_target_args, check_data_args,
+                              check_one_target, command_main, data_run_dir, pick_device, target_spec)
 from sinklab.errors import UserError
 from sinklab.evals.interventions import INTERVENTIONS, evaluate, find_massive
 from sinklab.analysis.probe_inputs import DEFAULT_NUM_SEQS, load_tokens, positive
@@ -68,6 +70,7 @@ def build_parser() -> OneLineParser:
     ap.add_argument("--channels", type=int, default=2, help="massive channels to set (default 2)")
     ap.add_argument("--val-batches", type=int, default=None, help="validation batches (default: all)")
     ap.add_argument("--seed", type=int, default=0, help="the random keys of mask_random (default 0)")
+    add_sweep_args(ap, "intervene")
     add_device_json_args(ap)
     return ap
 

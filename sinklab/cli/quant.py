@@ -3,7 +3,8 @@
     sinklab quant RUN_DIR_OR_CKPT [--schemes w8a8 w4a4 ...] [--weights per-tensor|per-channel] [--json]
     sinklab quant CKPT --data RUN_DIR              (validation and calibration data of another run)
     sinklab quant --hf-model NAME_OR_DIR (--data RUN_DIR | --tokens FILE.npy) [--revision R] [--dtype D]
-    python -m sinklab quant ...                    (the same)
+    sinklab quant --sweep SWEEP_DIR [--jobs 0 1 ...] [...]   (every finished job of a sweep -> SWEEP_DIR/quant.csv)
+    python -m sinklab quant ...                    (the same; = sinklab eval quant)
 
 Data: a run's validation blocks (its data config in RUN_DIR/.hydra/config.yaml: data.val_num_blocks blocks of
 block_size + 1 tokens, all of them unless --val-batches, with the BOS token at position 1 when its training blocks
@@ -16,7 +17,8 @@ the same sequences when that is not given. What is quantized and how: `sinklab.q
 seq_len, val_targets (scored predictions), calib_batches, momentum, weights ("per-tensor" | "per-channel"),
 quantize_head, dtype (the model's), layers [quantized layer names], ranges {layer: [lo, hi]}, seconds, and
 schemes {"fp32" | scheme: {w_bits, a_bits, loss, ppl, gap (ppl - fp32 ppl), rel_gap (gap / fp32 ppl)}}.
-User errors are one line on stderr and exit code 2.
+--sweep SWEEP_DIR writes that object into JOB/quant.json for every finished job, then SWEEP_DIR/quant.csv, one row
+per job (its columns: `sinklab.evals.quantization`). User errors are one line on stderr and exit code 2.
 """
 from __future__ import annotations
 
@@ -27,8 +29,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from sinklab.cli.base import (OneLineParser, add_device_json_args, add_target_args, check_data_args, check_one_target,
-                              command_main, data_run_dir, pick_device, target_spec)
+from sinklab.cli.base import (OneLineParser, add_device_json_args, add_sweep_args, add_target_args, check_data_args,
+                              check_one_target, command_main, data_run_dir, pick_device, target_spec)
 from sinklab.errors import UserError
 from sinklab.analysis.probe_inputs import load_tokens, positive
 from sinklab.runs.run_data import read_run_data, val_blocks
@@ -67,6 +69,7 @@ def build_parser() -> OneLineParser:
                          "--tokens)")
     ap.add_argument("--quantize-head", action="store_true",
                     help="quantize the LM head too (kept in fp32 by default, as Bondarenko et al.)")
+    add_sweep_args(ap, "quant")
     add_device_json_args(ap)
     return ap
 

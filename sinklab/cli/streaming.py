@@ -6,6 +6,7 @@ baselines: dense attention and sliding window with re-computation.
     sinklab eval streaming CKPT --data RUN_DIR | --tokens FILE.npy      (another run's text, or one text (N,))
     sinklab eval streaming --hf-model NAME_OR_DIR (--data RUN_DIR | --tokens FILE.npy)   (a transformers RoPE model)
     ... [--baselines dense,recompute | none] [--bucket 256] [--plot FILE.png]
+    sinklab eval streaming --sweep SWEEP_DIR [--jobs 0 1 ...] [options]   (every finished job of a sweep, one CSV)
 
 Text: the first --n-tokens tokens (default 10000) of the run's validation split, contiguous (documents joined by the
 separator), with the BOS token first when the run's data uses one (data.bos); or a 1-D token file (all of it unless
@@ -17,8 +18,9 @@ learned absolute positions, GPT-2 and OPT).
 --json prints one object: target, source ("sinklab" | "hf"), data ("run" | "tokens"), text (where it comes from),
 n_tokens, targets (n_tokens - 1 scored predictions), context, bucket, bucket_ends (the last target position of each
 bucket), notes [...], seconds, and settings [{name, kind ("streaming" | "dense" | "recompute"), first, recent, keys
-(the most keys a prediction attends to), loss, ppl, bucket_ppl [...], seconds}]. User errors are one line on stderr
-and exit code 2.
+(the most keys a prediction attends to), loss, ppl, bucket_ppl [...], seconds}]. --sweep SWEEP_DIR writes that
+object into JOB/streaming.json for every finished job, then SWEEP_DIR/streaming.csv, one row per job (its columns:
+`sinklab.evals.streaming_ppl.StreamingPerplexity`). User errors are one line on stderr and exit code 2.
 """
 from __future__ import annotations
 
@@ -30,8 +32,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from sinklab.cli.base import (OneLineParser, add_device_json_args, add_target_args, check_data_args, check_one_target,
-                              command_main, data_run_dir, pick_device, target_spec)
+from sinklab.cli.base import (OneLineParser, add_device_json_args, add_sweep_args, add_target_args, check_data_args,
+                              check_one_target, command_main, data_run_dir, pick_device, target_spec)
 from sinklab.errors import UserError
 from sinklab.evals import streaming_ppl as pp
 from sinklab.model.lm_loss import perplexity
@@ -90,6 +92,7 @@ def build_parser() -> OneLineParser:
     ap.add_argument("--bucket", type=int, default=256, help="targets per position bucket of the plot (default 256)")
     ap.add_argument("--batch-size", type=int, default=32, help="windows per forward of the recompute baseline")
     ap.add_argument("--plot", metavar="FILE.png", default=None, help="draw perplexity vs position, one line a setting")
+    add_sweep_args(ap, "streaming")
     add_device_json_args(ap)
     return ap
 

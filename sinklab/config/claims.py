@@ -14,7 +14,9 @@ A claim's jobs are those of ``{**baseline, **setting}``; each is paired with the
 of the same seed (and the same value of every other swept key). With ``against_metric`` the compared quantity of a
 job is ``metric - against_metric``; a setting that equals the baseline then tests that quantity itself (two metrics
 of the same jobs). ``baseline`` in a claim replaces the preset's for that claim; ``requires`` is a precondition on
-the baseline jobs' mean (``above`` and / or ``below``), e.g. "there must be a sink to remove".
+the baseline jobs' mean (``above`` and / or ``below``), e.g. "there must be a sink to remove". A metric may be any
+logged name (sink/sink1) or a column of a registered evaluation's sweep CSV (quant/w4a4_gap: ``sinklab eval quant
+--sweep``), which must be one that evaluation writes (the columns it declares, `sinklab.evals.registry`).
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from sinklab.errors import UserError, word
+from sinklab.evals import EVALUATIONS
 
 from .messages import unknown_key_message
 from .schema import not_allowed
@@ -104,6 +107,17 @@ def _text(value: Any, key: str) -> str:
     return value
 
 
+def _metric(value: Any, key: str) -> str:
+    """A claim's metric: a logged name, or ``NAME/<column>`` of a registered evaluation that writes that column."""
+    name = _text(value, key)
+    owner = EVALUATIONS.owner(name)
+    if owner is not None and owner[0].column_bounds(owner[1]) is None:
+        evaluation = owner[0]
+        raise UserError(not_allowed(key, name, f"a column of the {evaluation.name} evaluation: {evaluation.name}/"
+                                               "<a name matching " + " or ".join(p for p, _ in evaluation.bounds) + ">"))
+    return name
+
+
 def _number(value: Any, key: str) -> Optional[float]:
     if value is None:
         return None
@@ -121,7 +135,7 @@ def _requirement(value: Any, key: str, metric: str) -> Optional[Requirement]:
     for k in value:
         if k not in REQUIRES_KEYS:
             raise UserError(unknown_key_message(f"{key}.{k}", REQUIRES_KEYS))
-    req = Requirement(_text(value.get("metric", metric), f"{key}.metric"),
+    req = Requirement(_metric(value.get("metric", metric), f"{key}.metric"),
                       _number(value.get("above"), f"{key}.above"), _number(value.get("below"), f"{key}.below"))
     if req.above is None and req.below is None:
         raise UserError(f"{key} has neither above nor below; allowed: a number for at least one of them")
@@ -163,9 +177,9 @@ def parse_claims(experiment: Any) -> tuple[dict, list[Claim]]:
             raise UserError(f"{where} has no baseline; allowed: experiment.baseline or the claim's own baseline, a "
                             "mapping of swept keys to values")
         against = raw.get("against_metric")
-        claim = Claim(cid, _setting(raw["setting"], f"{where}.setting"), base, _text(raw["metric"], f"{where}.metric"),
-                      raw["direction"], str(raw.get("text") or ""),
-                      _text(against, f"{where}.against_metric") if against is not None else None,
+        claim = Claim(cid, _setting(raw["setting"], f"{where}.setting"), base,
+                      _metric(raw["metric"], f"{where}.metric"), raw["direction"], str(raw.get("text") or ""),
+                      _metric(against, f"{where}.against_metric") if against is not None else None,
                       _requirement(raw.get("requires"), f"{where}.requires", raw["metric"]))
         if claim.within and claim.against_metric is None:
             raise UserError(f"{where}.setting {{{settings_text(claim.setting)}}} is its baseline "

@@ -1,7 +1,8 @@
 """The interventions of `sinklab eval intervene` (the command, and what each intervention is: `sinklab.cli.intervene`):
 the probe set's massive activations, the mask functions that drop a key, the hook that sets activations, and the
 validation perplexity and Sink_1 of the model unchanged and under each. The model is a `sinklab.targets.Target` of
-any source: interventions are opened on it (`Target.masked`, `Target.set_output`), never set on it.
+any source: interventions are opened on it (`Target.masked`, `Target.set_output`), never set on it. Registered as the
+evaluation `intervene` (`Interventions`: its sweep columns).
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import Callable, Iterator, Optional, Sequence
 import torch
 
 from sinklab.errors import UserError
+from sinklab.evals.registry import ANY, EVALUATIONS, NON_NEGATIVE, PERCENT, PERPLEXITY, UNIT, Evaluation
 from sinklab.metrics.base import Metric
 from sinklab.model.lm_loss import perplexity
 from sinklab.model.masks import MaskMod
@@ -140,3 +142,29 @@ def evaluate(target: Target, val: list[torch.Tensor], probe: torch.Tensor, names
     for row in rows.values():
         row["dppl"] = row["ppl"] - rows["none"]["ppl"]
     return rows, count
+
+
+# ----------------------------------------------------------------------------------------------------- in sweeps
+_ROWS = "|".join(("none", *INTERVENTIONS))
+
+
+@EVALUATIONS.register("intervene")
+class Interventions(Evaluation):
+    """`sinklab eval intervene`; in a sweep's intervene.csv: massive_layer (0-based, as every layer number),
+    massive_token (1-based), massive_ratio, then for the unchanged model (`none`) and each intervention <row>_ppl,
+    _dppl, _sink1, _alpha1 (and _sink1_star where the operation is unnormalised)."""
+
+    command = "sinklab.cli.intervene"
+    summary = "perplexity and Sink_1 after zeroing massive channels / masking keys"
+    bounds = ((r"^massive_(layer|token|ratio)$", NON_NEGATIVE),
+              (rf"^({_ROWS})_ppl$", PERPLEXITY),
+              (rf"^({_ROWS})_dppl$", ANY),
+              (rf"^({_ROWS})_sink1(_star)?$", PERCENT),
+              (rf"^({_ROWS})_alpha1$", UNIT))
+
+    @staticmethod
+    def row(result: dict) -> dict:
+        m = result["massive"]
+        row = {"massive_layer": m["layer"], "massive_token": m["token"], "massive_ratio": m["ratio"]}
+        row.update({f"{name}_{k}": v for name, r in result["rows"].items() for k, v in r.items() if k != "loss"})
+        return row

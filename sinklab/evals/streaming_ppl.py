@@ -28,8 +28,8 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from sinklab.evals.registry import EVALUATIONS, NON_NEGATIVE, PERPLEXITY, Evaluation
 from sinklab.model.lm_loss import perplexity
-
 from sinklab.targets.interface import Step, Target
 
 
@@ -87,3 +87,26 @@ def bucket_ppl(nll: torch.Tensor, ends: list[int]) -> list[float]:
     """Perplexity of the targets of each bucket (`bucket_ends`; `sinklab.model.lm_loss.perplexity`)."""
     return [perplexity(nll[a:b]) for a, b in zip([0] + ends[:-1], ends)]
 
+
+
+# ----------------------------------------------------------------------------------------------------- in sweeps
+_SETTING = r"(x\d+_y\d+|dense|recompute)"
+
+
+@EVALUATIONS.register("streaming")
+class StreamingPerplexity(Evaluation):
+    """`sinklab eval streaming`; in a sweep's streaming.csv: for each setting <setting>_ppl and <setting>_keys (the
+    setting: x4_y60 for a cache of the first 4 + 60 recent tokens, dense and recompute for the baselines), then
+    n_tokens."""
+
+    command = "sinklab.cli.streaming"
+    summary = "perplexity over a long text with a KV cache of x first + y recent tokens"
+    bounds = ((rf"^{_SETTING}_ppl$", PERPLEXITY), (rf"^({_SETTING}_keys|n_tokens)$", NON_NEGATIVE))
+
+    @staticmethod
+    def row(result: dict) -> dict:
+        def setting(s: dict) -> str:
+            return f"x{s['first']}_y{s['recent']}" if s["kind"] == "streaming" else s["kind"]
+
+        row = {f"{setting(s)}_{k}": s[k] for s in result["settings"] for k in ("ppl", "keys")}
+        return {**row, "n_tokens": result["n_tokens"]}

@@ -6,29 +6,20 @@ import re
 from dataclasses import dataclass
 from typing import Any, Iterable
 
-from sinklab.keys import ANY, NON_NEGATIVE, PERCENT, SINK1, SINK_PREFIX, TRAIN_LOSS, UNIT, VAL_LOSS
+from sinklab.evals import EVALUATIONS
+from sinklab.keys import ANY, SINK1, SINK_PREFIX, TRAIN_LOSS, VAL_LOSS
 from sinklab.metrics.base import bounds as metric_bounds
 from sinklab.metrics.sink import SLOT_KEY
 
-# the columns of the evaluation CSVs (`jobs.read_evaluations`); differences (gap, dppl) may have either sign
-_EVAL = r"^(quant|streaming|intervene)/"
-EVAL_BOUNDS = (
-    (_EVAL + r".*_ppl$", (1.0, math.inf)),  # a perplexity
-    (_EVAL + r".*(_loss|_keys|n_tokens|val_targets|calib_batches|massive_layer|massive_token|massive_ratio)$",
-     NON_NEGATIVE),
-    (_EVAL + r".*_sink1(_star)?$", PERCENT),
-    (_EVAL + r".*_alpha1$", UNIT),
-)
-
 
 def bounds(name: str) -> tuple[float, float]:
-    """Physical range of a logged value (sinklab.keys.BOUNDS) or an evaluation's column (EVAL_BOUNDS); any number
-    for a name no family covers."""
-    return next((b for pattern, b in EVAL_BOUNDS if re.search(pattern, name)), None) or metric_bounds(name) or ANY
+    """Physical range of a logged value (the metric that logs it declares it: `sinklab.metrics.base.bounds`) or of an evaluation's column (quant/w4a4_gap: the
+    bounds its evaluation declares, `sinklab.evals.registry`); any number for a name no family covers."""
+    return EVALUATIONS.bounds(name) or metric_bounds(name) or ANY
 
 
 @dataclass(frozen=True)
-class Metric:
+class Column:
     """A final value per job: ``col`` in report.csv, ``src`` in metrics.csv / status.json, ``label`` in report.md;
     ``always`` ones are shown even before any job logged them."""
 
@@ -42,27 +33,27 @@ class Metric:
         return bounds(self.src)
 
 
-def _sink(k: int, star: str = "") -> Metric:
-    return Metric(f"sink{k}{star}", f"{SINK_PREFIX}sink{k}{star}", f"Sink{'*' if star else ''}_{k} (%)")
+def _sink(k: int, star: str = "") -> Column:
+    return Column(f"sink{k}{star}", f"{SINK_PREFIX}sink{k}{star}", f"Sink{'*' if star else ''}_{k} (%)")
 
 
-SINK1_METRIC = Metric("sink1", SINK1, "Sink_1 (%)", always=True)
-VAL_LOSS_METRIC = Metric("val_loss", VAL_LOSS, "val loss (nats)", always=True)
+SINK1_METRIC = Column("sink1", SINK1, "Sink_1 (%)", always=True)
+VAL_LOSS_METRIC = Column("val_loss", VAL_LOSS, "val loss (nats)", always=True)
 SINK_METRICS = (SINK1_METRIC, *(_sink(k) for k in (2, 3, 4)), _sink(1, "_star"))
-LOSS_METRICS = (VAL_LOSS_METRIC, Metric("train_loss", TRAIN_LOSS, "train loss (nats)"))
+LOSS_METRICS = (VAL_LOSS_METRIC, Column("train_loss", TRAIN_LOSS, "train loss (nats)"))
 
 
-def metric_columns(logged: Iterable[str], extra: Iterable[str] = ()) -> list[Metric]:
+def metric_columns(logged: Iterable[str], extra: Iterable[str] = ()) -> list[Column]:
     """The metrics to report, given every metric name some job logged: the Sink_k, then slot scores
     (sink/slot, sink/slot_<name>), then the losses, then the `extra` logged names asked for (`sinklab report
     --metrics`, a preset's experiment.report_metrics), each under its own name."""
     logged = set(logged)
     slots = [m for m in map(SLOT_KEY.match, sorted(logged)) if m]
     chosen = [m for m in SINK_METRICS if m.always or m.src in logged] + \
-        [Metric(m.group(1), m.group(0), f"{m.group(1).replace('_', ' ')} score (%)") for m in slots] + \
+        [Column(m.group(1), m.group(0), f"{m.group(1).replace('_', ' ')} score (%)") for m in slots] + \
         [m for m in LOSS_METRICS if m.always or m.src in logged]
     shown = {m.src for m in chosen}
-    return chosen + [Metric(name, name, name, always=True) for name in dict.fromkeys(extra) if name not in shown]
+    return chosen + [Column(name, name, name, always=True) for name in dict.fromkeys(extra) if name not in shown]
 
 
 def fmt(v: Any, col: str = "") -> str:

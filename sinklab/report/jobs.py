@@ -22,6 +22,7 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 
 from sinklab.errors import UserError
+from sinklab.evals import EVALUATIONS
 from sinklab.metrics import METRICS
 from sinklab.report.columns import ANY, bounds
 from sinklab.runs.status import Status, read_status
@@ -29,7 +30,6 @@ from sinklab.runs.status import Status, read_status
 log = logging.getLogger(__name__)
 STALE_MINUTES = 10.0
 JOB_FILES = (".hydra", "metrics.csv", "status.json")
-EVALUATIONS = ("quant", "streaming", "intervene")  # SWEEP_DIR/<eval>.csv of experiments/cpu/eval_sweep.sh
 _SUFFIX = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9}
 
 
@@ -328,23 +328,25 @@ def fill_derived(jobs: list[Job]) -> None:
 
 
 def read_evaluations(sweep_dir: Path, jobs: list[Job]) -> None:
-    """Add the evaluations of a sweep's jobs to their final values: each ``SWEEP_DIR/<eval>.csv`` of EVALUATIONS (one
-    row per job, keyed by ``job``, as experiments/cpu/eval_sweep.sh writes them) gives every numeric column that is
-    not one of the jobs' overrides as ``<eval>/<column>`` (quant/w4a4_gap, streaming/x0_y60_ppl,
-    intervene/mask_first_dppl). Values outside their physical range are left out, as in metrics.csv."""
+    """Add the evaluations of a sweep's jobs to their final values: each ``SWEEP_DIR/<name>.csv`` of a registered
+    evaluation (`sinklab.evals.registry`: one row per job, keyed by ``job``, as `sinklab eval NAME --sweep` writes
+    them) gives every numeric column that is not one of the jobs' overrides as ``<name>/<column>`` (quant/w4a4_gap,
+    streaming/x0_y60_ppl, intervene/mask_first_dppl). Values outside the physical range its evaluation declares are
+    left out, as in metrics.csv."""
     by_name = {j.name: j for j in jobs}
     overrides = {k for j in jobs for k in j.override_text}
-    for kind in EVALUATIONS:
+    for kind in EVALUATIONS.names():
         path = sweep_dir / f"{kind}.csv"
         try:
             raw = pd.read_csv(path, dtype={"job": str}) if path.is_file() else None
         except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as e:
-            raise UserError(f"{path} is not a CSV of eval_sweep.sh ({' '.join(str(e).split())}); expected a header "
-                            "with job and one row per job") from e
+            raise UserError(f"{path} is not a CSV of `sinklab eval {kind} --sweep` ({' '.join(str(e).split())}); "
+                            "expected a header with job and one row per job") from e
         if raw is None:
             continue
         if "job" not in raw:
-            raise UserError(f"{path} has no job column; expected eval_sweep.sh's CSV: job, overrides, values")
+            raise UserError(f"{path} has no job column; expected the CSV of `sinklab eval {kind} --sweep`: job, "
+                            "overrides, values")
         cols = [c for c, t in raw.dtypes.items() if c != "job" and c not in overrides
                 and pd.api.types.is_numeric_dtype(t) and not pd.api.types.is_bool_dtype(t)]
         values = numbers(raw[cols].rename(columns=lambda c: f"{kind}/{c}"), path)

@@ -13,7 +13,7 @@ from matplotlib.lines import Line2D
 
 from sinklab.io import atomic_write
 from sinklab.keys import PERCENT
-from sinklab.report.columns import SINK1_METRIC, VAL_LOSS_METRIC, Metric, fmt, short_keys
+from sinklab.report.columns import SINK1_METRIC, VAL_LOSS_METRIC, Column, fmt, short_keys
 from sinklab.report.jobs import Job, Sweep, is_seed_key
 from sinklab.report.paper import experiment_info
 from sinklab.report.stats import CONFIDENCE, describe
@@ -76,7 +76,7 @@ def _set_x_axis(ax, xs: pd.Series, numeric: bool, cats: list[str], key: str) -> 
     ax.set_xlabel(key + {"log": " (log scale)", "symlog": " (log scale, linear around 0)"}.get(scale, ""))
 
 
-def _mean_line(ax, x: pd.Series, y: pd.Series, metric: Metric, color, label: str, numeric: bool) -> None:
+def _mean_line(ax, x: pd.Series, y: pd.Series, metric: Column, color, label: str, numeric: bool) -> None:
     """The mean of ``y`` at each ``x``, with its 95% t-interval (kept within the metric's physical range) where some
     x has several values; a line through the means only when x is numeric."""
     stats = pd.DataFrame({x_: describe(v, metric.bounds) for x_, v in y.groupby(x)}).T
@@ -88,7 +88,7 @@ def _mean_line(ax, x: pd.Series, y: pd.Series, metric: Metric, color, label: str
                 label=label or (f"ours: each seed, the mean and its {CONFIDENCE:.0%} CI" if seeds else "ours"))
 
 
-def figure_vs_key(jobs: pd.DataFrame, key: str, swept: list[str], metric: Metric, ylabel: str, paper_col: str,
+def figure_vs_key(jobs: pd.DataFrame, key: str, swept: list[str], metric: Column, ylabel: str, paper_col: str,
                   title: str) -> Optional[Figure]:
     """Final ``metric`` against the swept ``key``: one point per job (completed filled, running hollow, preempted a
     hollow square, failed, killed or stalled a red x), the mean over completed seeds as a line with its 95%

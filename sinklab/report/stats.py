@@ -17,7 +17,7 @@ import numpy as np
 import pandas as pd
 
 from sinklab.config.claims import settings_text
-from sinklab.report.columns import Metric
+from sinklab.report.columns import Column
 from sinklab.report.jobs import is_seed_key
 from sinklab.report.paper import values_match
 from sinklab.runs.status import Status
@@ -98,7 +98,7 @@ def completed_values(jobs: pd.DataFrame, col: str) -> pd.Series:
     return jobs[col].astype(float).where(jobs["status"].eq(Status.COMPLETED))
 
 
-def setting_differences(jobs: pd.DataFrame, swept: list[str], metrics: list[Metric],
+def setting_differences(jobs: pd.DataFrame, swept: list[str], metrics: list[Column],
                         baseline: dict) -> Optional[pd.DataFrame]:
     """For every setting that is not a baseline one, and every metric: the difference from the baseline setting (the
     setting with the baseline's values of its keys), paired by seed: n pairs, mean, its t-interval (within the

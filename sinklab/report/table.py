@@ -13,7 +13,7 @@ import pandas as pd
 from sinklab.errors import UserError
 from sinklab.io import atomic_write
 from sinklab.keys import SINK1, VAL_LOSS
-from sinklab.report.columns import Metric, fmt, metric_columns
+from sinklab.report.columns import Column, fmt, metric_columns
 from sinklab.report.jobs import Sweep, is_seed_key
 from sinklab.report.paper import PAPER_CITE, PAPER_COLUMNS, PAPER_LABELS, experiment_info, match_paper_row, \
     paper_values
@@ -36,7 +36,7 @@ def expand_metric_names(names: Sequence[str]) -> list[str]:
     return list(dict.fromkeys(out))
 
 
-def job_table(sweep: Sweep, tables: dict, extra: Sequence[str] = ()) -> tuple[pd.DataFrame, list[Metric]]:
+def job_table(sweep: Sweep, tables: dict, extra: Sequence[str] = ()) -> tuple[pd.DataFrame, list[Column]]:
     """One row per job: job, swept keys, status, steps, final metrics (the sink and loss columns, the preset's
     experiment.report_metrics, then `extra`), paper values, error, dir; and the metrics. Missing values are None."""
     sweep_exp = experiment_info(sweep.cfg)
@@ -82,7 +82,7 @@ def group_ids(df: pd.DataFrame, keys: list[str]) -> np.ndarray:
     return pd.factorize(pd.Series(list(settings), index=df.index, dtype=object))[0]
 
 
-def aggregate(df: pd.DataFrame, swept: list[str], metrics: list[Metric]) -> Optional[pd.DataFrame]:
+def aggregate(df: pd.DataFrame, swept: list[str], metrics: list[Column]) -> Optional[pd.DataFrame]:
     """Per setting of the non-seed swept keys: the number of jobs and of completed ones, then for each metric over
     the completed jobs (``<col>_<stat>``, stat in ``stats.STATS``): n, mean, sample std, median, min, max and the 95%
     t-interval of the mean within the metric's physical range; then the paper's values. None when no setting has
@@ -155,7 +155,7 @@ def _paper_table_line(exp: dict[str, Any], tables: dict) -> list[str]:
             + f"; {PAPER_CITE}. Reference points, not targets at this scale."]
 
 
-def _seed_statistics(agg: pd.DataFrame, keys: list[str], metrics: list[Metric], labels: dict) -> list[str]:
+def _seed_statistics(agg: pd.DataFrame, keys: list[str], metrics: list[Column], labels: dict) -> list[str]:
     """report.md's long table of the seed statistics: one row per setting and metric that has a value."""
     rows = []
     for setting in agg.to_dict("records"):
@@ -198,7 +198,7 @@ def _claims(claims: pd.DataFrame, source: str) -> list[str]:
             _markdown(_cells(cells), labels)]
 
 
-def write_markdown(path: Path, sweep: Sweep, jobs: pd.DataFrame, metrics: list[Metric], agg: Optional[pd.DataFrame],
+def write_markdown(path: Path, sweep: Sweep, jobs: pd.DataFrame, metrics: list[Column], agg: Optional[pd.DataFrame],
                    plots: list[Path], out_dir: Path, tables: dict, diffs: Optional[pd.DataFrame] = None,
                    claims: Optional[pd.DataFrame] = None, claims_from: str = "",
                    baseline_note: Optional[str] = None) -> Path:

@@ -38,7 +38,7 @@ from sinklab.config.claims import parse_claims
 from sinklab.errors import UserError
 from sinklab.report import build_report, load_paper_tables, match_paper_row
 from sinklab.report.paper import values_match
-from tests.helpers import REPO, configs
+from tests.helpers import configs, run_sinklab
 from tests.helpers.configs import composed, sweep_jobs
 
 PRESETS = sorted(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml"))
@@ -492,14 +492,11 @@ def test_preset_trains_one_step_and_reports_the_papers_numbers(name, fast_sweeps
         assert f"- Reference: {sweep_cfg.experiment.reference}" in report["md"].read_text()
 
 
-QUANT_SWEEP = REPO / "experiments" / "cpu" / "quant_sweep.sh"
-
-
 @pytest.mark.slow  # trains a 2-job sweep and quantizes it (~35 s): keeps the unit suite under 10 minutes
-def test_quant_sweep_script_gathers_sinklab_quant_of_every_job_into_one_csv(tmp_path):
-    """experiments/cpu/quant_sweep.sh on a 2-job outliers_quant sweep (one step each) plus a job dir without a
-    checkpoint: one quant.json per trained job, the unfinished one skipped, and quant.csv with one row per trained
-    job, keyed like report.csv, holding each job's swept variant and its quant.json's numbers."""
+def test_quant_sweep_gathers_sinklab_quant_of_every_job_into_one_csv(tmp_path, capsys):
+    """`sinklab quant --sweep` on a 2-job outliers_quant sweep (one step each) plus a job dir without a checkpoint:
+    one quant.json per trained job, the unfinished one skipped, and quant.csv with one row per trained job, keyed
+    like report.csv, holding each job's swept variant and its quant.json's numbers, which `sinklab report` reads."""
     bin_dir = str(Path(sys.executable).parent)  # sinklab-train, sinklab and this python
     env = {**ENV, "PATH": bin_dir + os.pathsep + ENV.get("PATH", "")}
     sweep = tmp_path / "sweep"
@@ -509,18 +506,20 @@ def test_quant_sweep_script_gathers_sinklab_quant_of_every_job_into_one_csv(tmp_
                            capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
     assert train.returncode == 0, train.stderr[-3000:]
     (sweep / "2" / ".hydra").mkdir(parents=True)  # a job that never saved a checkpoint
-    proc = subprocess.run(["bash", str(QUANT_SWEEP), str(sweep), "--schemes", "w8a8", "w4a4", "--val-batches", "1",
-                           "--calib-batches", "1"], capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert f"{sweep / '2'}: no checkpoints/last.ckpt" in proc.stderr
+    rc, out, err = run_sinklab(capsys, "quant", "--sweep", str(sweep), "--schemes", "w8a8", "w4a4", "--val-batches",
+                               "1", "--calib-batches", "1")
+    assert rc == 0, err[-3000:]
+    assert f"{sweep / '2'}: no checkpoints/last.ckpt" in err
     assert not (sweep / "2" / "quant.json").exists()
 
     import pandas as pd
 
     table = pd.read_csv(sweep / "quant.csv", dtype={"job": str})
     assert list(table["job"]) == ["0", "1"] and list(table["experiment.variant"]) == variants
-    assert list(table["job"]) == [r["job"] for r in build_report(sweep)["rows"] if r["status"] == "completed"]
+    report = {r["job"]: r for r in build_report(sweep, metrics=["quant/w4a4_gap"])["rows"]}
+    assert list(table["job"]) == [job for job, r in report.items() if r["status"] == "completed"]
     for row in table.to_dict("records"):
+        assert report[row["job"]]["quant/w4a4_gap"] == pytest.approx(row["w4a4_gap"], rel=1e-9)
         res = json.loads((sweep / row["job"] / "quant.json").read_text())
         assert set(res["schemes"]) == {"fp32", "w8a8", "w4a4"} and res["val_batches"] == res["calib_batches"] == 1
         for scheme, r in res["schemes"].items():
@@ -548,42 +547,3 @@ def test_every_job_of_the_preset_trains_one_step(name, tmp_path):
         check_job_dir(job_dir, name)
     report = build_report(tmp_path)
     assert len(report["rows"]) == len(jobs) and all(r["status"] != "pending" for r in report["rows"])
-
-
-EVAL_SWEEP = QUANT_SWEEP.parent / "eval_sweep.sh"
-
-
-def test_eval_sweep_script_gathers_streaming_and_intervene_into_csvs(tmp_path, small_run):
-    """experiments/cpu/eval_sweep.sh on a one-job sweep (the shared small run as job 0, a job 1 without a
-    checkpoint): streaming.csv and intervene.csv hold each job's overrides and its JSON's numbers."""
-    import shutil
-
-    import pandas as pd
-
-    run, _, _ = small_run
-    sweep = tmp_path / "sweep"
-    shutil.copytree(run, sweep / "0")
-    (sweep / "0" / ".hydra" / "overrides.yaml").write_text("- seed=0\n")
-    (sweep / "1" / ".hydra").mkdir(parents=True)
-    env = {**ENV, "PATH": str(Path(sys.executable).parent) + os.pathsep + ENV.get("PATH", "")}
-    for kind, options in (("streaming", ["--n-tokens", "200", "--first", "0,1", "--recent", "8",
-                                         "--baselines", "recompute"]),
-                          ("intervene", ["--val-batches", "1", "--interventions", "mask_first"])):
-        proc = subprocess.run(["bash", str(EVAL_SWEEP), str(sweep), kind, *options], capture_output=True, text=True,
-                              timeout=300, env=env)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        assert f"{sweep / '1'}: no checkpoints/last.ckpt" in proc.stderr
-        (row,) = pd.read_csv(sweep / f"{kind}.csv", dtype={"job": str}).to_dict("records")
-        res = json.loads((sweep / "0" / f"{kind}.json").read_text())
-        assert row["job"] == "0" and row["seed"] == 0
-        if kind == "streaming":
-            assert [s["kind"] for s in res["settings"]] == ["streaming", "streaming", "recompute"]
-            for s, column in zip(res["settings"], ("x0_y8", "x1_y8", "recompute")):
-                assert row[f"{column}_ppl"] == pytest.approx(s["ppl"]) and row[f"{column}_keys"] == s["keys"]
-        else:
-            assert row["massive_layer"] == res["massive"]["layer"]  # layers from 0, as in the JSON
-            for name in ("none", "mask_first"):
-                for key in ("ppl", "dppl", "sink1", "alpha1"):
-                    assert row[f"{name}_{key}"] == pytest.approx(res["rows"][name][key])
-    bad = subprocess.run(["bash", str(EVAL_SWEEP), str(sweep), "measure"], capture_output=True, text=True, env=env)
-    assert bad.returncode == 2 and "EVAL measure is not one of quant, streaming, intervene" in bad.stderr

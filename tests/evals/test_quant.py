@@ -206,12 +206,12 @@ def direct_ppl(model, blocks) -> float:
     return math.exp(sum(float(x) for x in losses) / sum(b[:, 1:].numel() for b in blocks))
 
 
-def readme_quant_commands(run: Path, hf_dir: Path) -> list[list[str]]:
-    """The README's `sinklab quant` lines, runs/a and hf_out replaced by this test's dirs."""
+def readme_quant_commands(run: Path, hf_dir: Path, sweep: Path) -> list[list[str]]:
+    """The README's `sinklab quant` lines, runs/a, hf_out and the sweep dir replaced by this test's dirs."""
     lines = [line.split("#", 1)[0].strip() for line in README.read_text().splitlines()
              if line.startswith("sinklab quant ")]
-    return [[str(run) if a == "runs/a" else str(hf_dir) if a == "hf_out" else a for a in shlex.split(line)[2:]]
-            for line in lines]
+    paths = {"runs/a": run, "hf_out": hf_dir, "logs/train/multiruns/<time>": sweep}
+    return [[str(paths.get(a, a)) for a in shlex.split(line)[2:]] for line in lines]
 
 
 def test_quant_on_a_run_dir_table_and_json(capsys, quant_run):
@@ -248,11 +248,15 @@ def test_quant_on_a_run_dir_table_and_json(capsys, quant_run):
 
 
 def test_readme_quant_commands_run(capsys, tmp_path, quant_run):
-    """Every `sinklab quant` line of the README, on this run and its export to transformers (when installed)."""
+    """Every `sinklab quant` line of the README, on this run, its export to transformers (when installed) and a
+    sweep whose job 0 is this run."""
     run, dm, model = quant_run
-    hf_dir = tmp_path / "hf_out"
-    commands = readme_quant_commands(run, hf_dir)
-    assert len(commands) >= 3 and any("--hf-model" in c for c in commands)
+    hf_dir, sweep = tmp_path / "hf_out", tmp_path / "sweep"
+    (sweep / "0").mkdir(parents=True)
+    for entry in run.iterdir():  # the run as the sweep's job 0
+        (sweep / "0" / entry.name).symlink_to(entry)
+    commands = readme_quant_commands(run, hf_dir, sweep)
+    assert len(commands) >= 4 and any("--hf-model" in c for c in commands) and any("--sweep" in c for c in commands)
     fp32 = []
     for args in commands:
         if "--hf-model" in args:
@@ -263,6 +267,9 @@ def test_readme_quant_commands_run(capsys, tmp_path, quant_run):
         assert rc == 0, (args, err)
         if "--json" in args:
             fp32.append(json.loads(out)["schemes"]["fp32"]["ppl"])
+        elif "--sweep" in args:
+            assert out.splitlines()[-1] == f"wrote {sweep / 'quant.csv'} (1 job)", out
+            fp32.append(json.loads((sweep / "0" / "quant.json").read_text())["schemes"]["fp32"]["ppl"])
         else:
             assert "w8a8" in out and "gap" in out, args
     # the exported LLaMA gives the checkpoint's fp32 perplexity on the same blocks

@@ -1,0 +1,164 @@
+"""Evaluations as plug-ins: the `Evaluation` interface and the registry `EVALUATIONS` (name -> class), and the sweep
+table every evaluation writes for `sinklab report`.
+
+An evaluation scores a trained model beyond its training logs (`quant`, `streaming`, `intervene`). It is one class
+registered here with `@EVALUATIONS.register("name")`, declared beside its code (`sinklab/evals/<module>.py`), and
+declares
+- `command`: the module (`sinklab.cli.<name>`, or a plugin's own) whose `run(args)` returns its JSON result and whose
+  `main(argv)` is `sinklab eval NAME` (named, not imported: the library never imports a command);
+- `summary`: its line in `sinklab eval --help`;
+- `row(result)`: its result flattened into one row of the sweep CSV, {column: value};
+- `bounds`: the physical range of each numeric column of that row, regexes over the column name (`x4_y60_ppl`, not
+  `streaming/x4_y60_ppl`). They cover every numeric column it writes (a difference that may have either sign: ANY),
+  so that a claim naming a column that does not exist is refused (`column_bounds`).
+`sinklab eval NAME --sweep SWEEP_DIR` runs it on every finished job of a sweep into JOB/NAME.json and writes
+SWEEP_DIR/NAME.csv (`write_table`): `job`, the job's overrides, then `row(result)`. `sinklab report` reads that CSV
+of every registered evaluation as the columns ``NAME/<column>`` (quant/w4a4_gap), values outside their bounds left
+out. Importing `sinklab.evals` registers sinklab's; an evaluation in a researcher's own package registers when its
+module is imported (a plugin, `sinklab.plugins`).
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+from typing import Any, ClassVar, Iterator, Optional, Sequence
+
+from sinklab.errors import UserError
+from sinklab.keys import ANY, NON_NEGATIVE, PERCENT, UNIT  # noqa: F401  (the bounds evaluations declare)
+
+PERPLEXITY = (1.0, math.inf)
+Bounds = tuple[tuple[str, tuple[float, float]], ...]
+
+
+class Evaluation:
+    """The interface every registered evaluation implements (see the module docstring)."""
+
+    name: ClassVar[str] = ""
+    command: ClassVar[str] = ""
+    summary: ClassVar[str] = ""
+    bounds: ClassVar[Bounds] = ()
+
+    @staticmethod
+    def row(result: dict) -> dict[str, Any]:
+        """The result (the JSON of `command`'s run) as one row of the sweep CSV, {column: value}."""
+        raise NotImplementedError
+
+    @classmethod
+    def column_bounds(cls, column: str) -> Optional[tuple[float, float]]:
+        """The physical range of one of its columns (the first pattern that matches), None for a column it does not
+        write."""
+        return next((b for pattern, b in cls.bounds if re.search(pattern, column)), None)
+
+
+class EvaluationRegistry:
+    """name -> Evaluation class, in registration order (the order of `sinklab eval --help`)."""
+
+    def __init__(self):
+        self._classes: dict[str, type[Evaluation]] = {}
+
+    def register(self, name: str):
+        def deco(cls: type[Evaluation]) -> type[Evaluation]:
+            if name in self._classes and self._classes[name] is not cls:
+                raise ValueError(f"evaluation {name!r} is already registered by {self._classes[name].__module__}")
+            if not re.fullmatch(r"[a-z][a-z0-9_-]*", name):
+                raise ValueError(f"evaluation name {name!r}: allowed: lower-case letters, digits, _ and - (it names "
+                                 "a command, a file and a column prefix)")
+            if not cls.command or not cls.bounds:
+                raise ValueError(f"evaluation {name!r} declares no command or no bounds (sinklab.evals.registry)")
+            cls.name = name
+            self._classes[name] = cls
+            return cls
+        return deco
+
+    def __iter__(self) -> Iterator[type[Evaluation]]:
+        return iter(list(self._classes.values()))
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._classes
+
+    def names(self) -> list[str]:
+        return list(self._classes)
+
+    def get(self, name: str) -> type[Evaluation]:
+        if name not in self._classes:
+            raise KeyError(f"evaluation {name!r} is unknown; allowed: {', '.join(self._classes)}")
+        return self._classes[name]
+
+    def owner(self, column: str) -> Optional[tuple[type[Evaluation], str]]:
+        """(the evaluation, its own column name) of a report column ``NAME/<column>``; None for a column of no
+        registered evaluation (a logged metric's, sink/sink1)."""
+        prefix, slash, rest = column.partition("/")
+        return (self._classes[prefix], rest) if slash and prefix in self._classes else None
+
+    def bounds(self, column: str) -> Optional[tuple[float, float]]:
+        """The physical range of a report column ``NAME/<column>`` from its evaluation; None for a column of no
+        registered evaluation, or one its evaluation does not write."""
+        owner = self.owner(column)
+        return owner[0].column_bounds(owner[1]) if owner else None
+
+
+EVALUATIONS = EvaluationRegistry()
+
+
+# ---------------------------------------------------------------------------------------------- sweeps
+def job_dirs(sweep_dir: Path) -> list[Path]:
+    """The job dirs of a sweep (0, 1, ..., the names Hydra's sweeper gives), in job order."""
+    return sorted((p for p in sweep_dir.iterdir() if p.is_dir() and p.name.isdigit()), key=lambda p: int(p.name))
+
+
+def finished_jobs(sweep_dir: Path, only: Optional[Sequence[str]] = None) -> tuple[list[Path], list[Path]]:
+    """(the job dirs with checkpoints/last.ckpt, the others), of all jobs or of the job names `only`. One-line
+    errors for a sweep dir that is not a dir, a name in `only` that is no job of it, and no finished job."""
+    if not sweep_dir.is_dir():
+        raise UserError(f"SWEEP_DIR {sweep_dir} is not a directory")
+    jobs = job_dirs(sweep_dir)
+    if not jobs:
+        raise UserError(f"SWEEP_DIR {sweep_dir} has no job dirs (0, 1, ...: a sweep of `sinklab-train -m`)")
+    if only is not None:
+        names = [p.name for p in jobs]
+        bad = [n for n in only if n not in names]
+        if bad:
+            raise UserError(f"job {bad[0]} is not a job dir of {sweep_dir}; allowed: {', '.join(names)}")
+        jobs = [p for p in jobs if p.name in only]
+    done = [p for p in jobs if (p / "checkpoints" / "last.ckpt").is_file()]
+    if not done:
+        raise UserError(f"SWEEP_DIR {sweep_dir}: no job dir{' of ' + ' '.join(only) if only else ''} has "
+                        "checkpoints/last.ckpt (no job finished?)")
+    return done, [p for p in jobs if p not in done]
+
+
+def overrides(job: Path) -> dict[str, str]:
+    """A job's command-line overrides (.hydra/overrides.yaml), key -> value as written ({} without the file)."""
+    import yaml
+
+    path = job / ".hydra" / "overrides.yaml"
+    lines = yaml.safe_load(path.read_text()) if path.is_file() else None
+    return dict(o.split("=", 1) for o in lines or [] if "=" in o)
+
+
+def write_table(evaluation: type[Evaluation], sweep_dir: Path) -> tuple[Path, int]:
+    """SWEEP_DIR/NAME.csv from every job's JOB/NAME.json, one row per job in job order: `job` (the key of the job
+    column of `sinklab report`'s report.csv), the job's overrides, then `evaluation.row(result)`. Returns (the CSV,
+    its rows)."""
+    import pandas as pd
+
+    from sinklab.io import atomic_write
+
+    name, rows = evaluation.name, []
+    for job in job_dirs(sweep_dir):
+        path = job / f"{name}.json"
+        if not path.is_file():
+            continue
+        try:
+            row = evaluation.row(json.loads(path.read_text()))
+        except (ValueError, KeyError, TypeError) as err:  # not JSON, or not this evaluation's result
+            raise UserError(f"{path} is not a result of `sinklab eval {name}` ({type(err).__name__}: {err}); "
+                            f"delete it or rerun `sinklab eval {name} --sweep {sweep_dir} --jobs {job.name}`") from None
+        rows.append({"job": job.name, **overrides(job), **row})
+    if not rows:
+        raise UserError(f"no job of {sweep_dir} has a {name}.json (no finished job with a checkpoint)")
+    out = sweep_dir / f"{name}.csv"
+    atomic_write(out, pd.DataFrame(rows).to_csv(index=False))
+    return out, len(rows)
