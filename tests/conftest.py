@@ -19,12 +19,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 
 from sinklab.contracts.component_checks import flex_on_cpu as contract_flex_on_cpu  # noqa: E402
 from sinklab.model import ModelConfig, Transformer  # noqa: E402
-from tests.helpers import HF_KINDS, natural_run, save_ckpt, small_model, tiny_hf, train, write_corpus  # noqa: E402
-
-
-@pytest.fixture
-def make_model():
-    return small_model
+from tests.helpers import HF_KINDS, natural_run, save_ckpt, tiny_hf, train, write_corpus  # noqa: E402
 
 
 @pytest.fixture
@@ -67,8 +62,6 @@ def trained_run(tmp_path_factory) -> Path:
 def corpus(tmp_path_factory):
     """Six small text documents and a shared token cache (the reliability and SLURM tests' small runs)."""
     return write_corpus(tmp_path_factory.mktemp("corpus"))
-
-
 
 
 @pytest.fixture(scope="session")

@@ -1,13 +1,15 @@
 """The contract every registered metric passes, as plain checks (an AssertionError says what broke).
 
 tests/metrics/test_metric_contracts.py runs them over every registered metric, and `sinklab check-component MODULE` over
-the metrics of a user's module: every value it logs has physical bounds and lies within them on random models of
-several switches; the hooked, streamed value (batches of 2 sequences, maps in chunks of 7 query rows, one layer at
-a time) equals the direct computation (every sequence at once, every layer's whole explicit map from one forward);
-it records only what it declares, and its JSON part is strict JSON under its own key.
+the metrics of a user's module: every value it logs has physical bounds and lies within them on the random models of
+SWITCHES (one per component that changes what a metric is given, and per mask); the hooked, streamed value (batches
+of 2 sequences, maps in chunks of 7 query rows, one layer at a time) equals the direct computation (every sequence at
+once, every layer's whole explicit map from one forward); it records only what it declares, and its JSON part is
+strict JSON under its own key.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from typing import Callable, Iterator, Optional, Sequence
@@ -18,12 +20,37 @@ from sinklab.metrics.base import bounds
 from sinklab.metrics import METRICS, SinklabRecorder, attention_maps, measure_all
 from sinklab.metrics.record import feed_maps
 
-from .component_checks import small_model, token_ids
+from sinklab.model import FAMILIES, ModelConfig
 
-SWITCHES = {"softmax": {}, "kv_bias_sink_token": dict(attn_bias="kv", n_sink_tokens=1),
-            "sigmoid": dict(attn_op="sigmoid"), "gated": dict(gate="elementwise"),
-            "alibi_window": dict(pos="alibi", window=6),
-            "differential": dict(attn_op="differential")}  # a map with negative entries, rows summing to 1 - lambda
+from .component_checks import MASK_FAMILIES, MASKS, case_id, component_cases, small_model, token_ids
+
+# the families whose components change what a metric is given, beyond the values: the map (positions' logit biases,
+# operations' normalisation and sign, the bias slot) and the records (a gate's scores, the extra keys' values);
+# norms, FFNs, block layouts and QK norms change the values only
+METRIC_FAMILIES = (*MASK_FAMILIES, "gate")
+
+
+def switches() -> dict[str, dict]:
+    """The random models (overrides of component_checks.SMALL, by name) every metric's contract runs on, derived from
+    the registries: the default model, the default model under each mask but the causal one (a prefix, a window,
+    learned sink tokens), and one model per registered sinklab component of METRIC_FAMILIES other than the default,
+    with its knobs' defaults (sigmoid's unnormalised rows, differential attention's negative entries, a K/V bias
+    slot, a gate's scores, ...). A plugin's components are left out: a metric is checked on the same models wherever
+    it is checked, and a component by its own contract."""
+    defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
+    out = {"default": {}, **{name: mask for name, mask in MASKS.items() if mask}}
+    for family in FAMILIES:
+        if family.key not in METRIC_FAMILIES:
+            continue
+        for cls in family:
+            if cls.__module__.startswith("sinklab."):
+                case = {k: v for k, v in component_cases([cls])[0].items() if k == family.key or v != defaults[k]}
+                if case[family.key] != defaults[family.key]:
+                    out[case_id(case)] = case
+    return out
+
+
+SWITCHES = switches()
 
 
 def logged(model, tokens, names=None, batch_size=2, chunk=7, target_cls=SinklabRecorder) -> dict[str, dict]:
@@ -72,7 +99,8 @@ def within_bounds_on_a_random_model(switch: str, names: Optional[Sequence[str]] 
     assert set(values) == applicable(switch, names), f"metrics measured: {sorted(values)}"
     for name, logs in values.items():
         assert_within_bounds(logs, f"{name} on {switch}")
-        assert logs or name == "gates" and switch != "gated", f"{name} logged nothing on {switch}"
+        assert logs or name == "gates" and SWITCHES[switch].get("gate", "none") == "none", \
+            f"{name} logged nothing on {switch}"
 
 
 def streamed_equals_direct(switch: str, names: Optional[Sequence[str]] = None) -> None:

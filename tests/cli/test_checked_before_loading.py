@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.helpers import run_sinklab
+from tests.helpers import run_cli
 
 UNREADABLE = "is not a readable sinklab checkpoint"
 NOT_A_MODEL = "the directory has no config.json"  # what loading --hf-model NOT_A_RUN says
@@ -41,7 +41,7 @@ def broken(tmp_path):
 
 def sinklab(capsys, paths: dict, *args: str) -> str:
     """`sinklab ARGS` (placeholders replaced by the fixture's paths): its one-line error, after exit code 2."""
-    rc, out, err = run_sinklab(capsys, *(str(paths.get(a, a)) for a in args))
+    rc, out, err = run_cli("sinklab", *(str(paths.get(a, a)) for a in args))
     assert rc == 2 and out == "" and len(err.strip().splitlines()) == 1, (args, rc, err)
     return err
 

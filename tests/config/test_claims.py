@@ -4,6 +4,7 @@ import pytest
 
 from sinklab.config.claims import parse_claims
 from sinklab.errors import UserError
+from tests.helpers import assert_one_line_error
 
 CLAIM = {"id": "a", "setting": {"model/gate": "elementwise"}, "metric": "sink/sink1", "direction": "lower"}
 
@@ -21,4 +22,4 @@ CLAIM = {"id": "a", "setting": {"model/gate": "elementwise"}, "metric": "sink/si
 def test_malformed_claims_are_one_line(exp, message):
     with pytest.raises(UserError) as err:
         parse_claims(exp)
-    assert message in str(err.value) and "\n" not in str(err.value), str(err.value)
+    assert_one_line_error(err, message)

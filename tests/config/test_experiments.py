@@ -23,11 +23,13 @@ import functools
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import yaml
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -38,21 +40,17 @@ from sinklab.config.claims import parse_claims
 from sinklab.errors import UserError
 from sinklab.report import build_report, load_paper_tables, match_paper_row
 from sinklab.report.paper import values_match
-from tests.helpers import configs, run_sinklab
+from tests.helpers import configs, run_cli
 from tests.helpers.configs import composed, sweep_jobs
 
 PRESETS = sorted(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml"))
 SCALES = ("cpu", "paper")
 TABLES = load_paper_tables()
-# one preset per ablation of Gu et al. (ICLR 2025), plus sink_free beyond the paper and the presets of other papers'
-# claims (issue 15: residual sinks, Qwen's gate positions, outliers and quantization; issue 16: what sinks are for),
-# which name their source in experiment.reference instead of a paper_tables.yaml table; no_bos maps where a sink on
-# an arbitrary first token begins (issue 17); issue 27's QK-norm and per-layer patterns
-REQUIRED = {"learning_rate", "batch_size", "weight_decay", "data_amount", "fixed_token_position", "random_tokens",
-            "prefix_lm", "window", "positional_encoding", "post_norm", "ffn", "heads", "biases", "bias_head_sharing",
-            "fixed_value_bias", "attention_operation", "softmax_scale", "sigmoid_no_norm_lr_wd", "sink_free",
-            "residual_sinks", "gate_positions", "outliers_quant", "sink_uses", "no_bos",
-            "value_gates", "diff_attention", "muon", "qk_norm", "layer_patterns"}
+# the tables of paper_tables.yaml that no preset trains: the paper's 1B-parameter runs (beyond scale=paper's 60M
+# model) and the published models' numbers, which `sinklab measure --hf-model`'s model table reads
+# (sinklab/analysis/model_table.py). Every other table is a preset's (test_one_preset_per_ablation_of_the_paper).
+NOT_TRAINED = {"scale_1b", "pretrained_models", "pretrained_base_vs_chat"}
+EXPERIMENTS_README = REPO / "experiments" / "README.md"
 CONTEXT = {"cpu": 64, "paper": 2048}
 SECTIONS = ("model", "data", "optim", "trainer")
 # keeps one job to seconds: one step, validation and sink measurement on a few blocks
@@ -183,8 +181,45 @@ def test_each_scale_saves_its_last_step(scale):
     assert cfg.trainer.max_steps % cfg.callbacks.checkpoint.every_n_train_steps == 0, scale
 
 
+def tables_named(node) -> set[str]:
+    """The paper tables a preset file names (under `paper_table`, or as the values of a `paper_tables` mapping that
+    an interpolation picks from), anywhere in it."""
+    if isinstance(node, dict):
+        named = set()
+        for key, value in node.items():
+            if key == "paper_table" and isinstance(value, str) and "${" not in value:
+                named.add(value)
+            elif key == "paper_tables" and isinstance(value, dict):
+                named |= set(value.values())
+            else:
+                named |= tables_named(value)
+        return named
+    return set().union(*map(tables_named, node)) if isinstance(node, list) else set()
+
+
 def test_one_preset_per_ablation_of_the_paper():
-    assert set(PRESETS) == REQUIRED
+    """Every table of the paper (paper_tables.yaml) that its setup trains is named by a preset, one preset per
+    ablation: only the reference setup's numbers (`default`) serve several (sink_free, post_norm). The presets beyond
+    the paper name their source instead (experiment.reference), and each preset's jobs match the rows of its tables
+    (both checked with each preset's sweep)."""
+    assert NOT_TRAINED <= set(TABLES), sorted(NOT_TRAINED - set(TABLES))
+    presets_of: dict[str, set[str]] = {}
+    for name in PRESETS:
+        for table in tables_named(yaml.safe_load((CONF_DIR / "experiment" / f"{name}.yaml").read_text())):
+            presets_of.setdefault(table, set()).add(name)
+    assert set(presets_of) == set(TABLES) - NOT_TRAINED, \
+        f"tables no preset trains: {sorted(set(TABLES) - NOT_TRAINED - set(presets_of))}; " \
+        f"tables not in paper_tables.yaml: {sorted(set(presets_of) - set(TABLES))}"
+    assert all(len(names) == 1 for table, names in presets_of.items() if table != "default"), presets_of
+
+
+def test_every_preset_is_documented():
+    """experiments/README.md has one section per preset (`### NAME` under "## Presets"), and none of a preset that is
+    gone: the list of presets is the documented one."""
+    section = EXPERIMENTS_README.read_text().split("\n## Presets\n", 1)[1].split("\n## ", 1)[0]
+    documented = sorted(re.findall(r"^### (\w+)", section, re.MULTILINE))
+    assert documented == PRESETS, f"documented, no preset: {sorted(set(documented) - set(PRESETS))}; " \
+                                  f"a preset, not documented: {sorted(set(PRESETS) - set(documented))}"
 
 
 @pytest.mark.parametrize("scale", SCALES)
@@ -506,7 +541,7 @@ def test_quant_sweep_gathers_sinklab_quant_of_every_job_into_one_csv(tmp_path, c
                            capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
     assert train.returncode == 0, train.stderr[-3000:]
     (sweep / "2" / ".hydra").mkdir(parents=True)  # a job that never saved a checkpoint
-    rc, out, err = run_sinklab(capsys, "quant", "--sweep", str(sweep), "--schemes", "w8a8", "w4a4", "--val-batches",
+    rc, out, err = run_cli("sinklab", "quant", "--sweep", str(sweep), "--schemes", "w8a8", "w4a4", "--val-batches",
                                "1", "--calib-batches", "1")
     assert rc == 0, err[-3000:]
     assert f"{sweep / '2'}: no checkpoints/last.ckpt" in err

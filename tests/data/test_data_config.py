@@ -6,7 +6,6 @@ conf/data hold only what differs from their schema, and `sinklab prepare --confi
 """
 from __future__ import annotations
 
-import sys
 from dataclasses import fields
 from pathlib import Path
 
@@ -19,28 +18,11 @@ from sinklab.data.config import SCHEMAS, DataConfig, SyntheticDataConfig, load_p
 from sinklab.cli.prepare import parse_args
 from sinklab.data.synthetic import SyntheticDataModule
 from sinklab.errors import UserError
-from sinklab.train.entry import main
-from tests.helpers import REPO
+from tests.helpers import REPO, assert_one_line_error, run_cli
 
 CONF_DATA = REPO / "conf" / "data"
 PRESETS = sorted(p.stem for p in CONF_DATA.glob("*.yaml"))
 ALLOWED_KEYS = ", ".join(sorted(f.name for f in fields(DataConfig) if not f.name.startswith("_")))
-
-
-def train_error(args: list[str], capsys) -> str:
-    """`sinklab-train ARGS` in this process: it must exit 2 with one line `error: ...` on stderr; returns the line."""
-    old = sys.argv
-    sys.argv = ["sinklab-train", *args]
-    try:
-        with pytest.raises(SystemExit) as exit_:
-            main()
-    finally:
-        sys.argv = old
-    out, err = capsys.readouterr()
-    lines = [line for line in err.splitlines() if line.strip() and not line.startswith("[")]
-    assert exit_.value.code == 2 and len(lines) == 1 and lines[0].startswith("error: "), (out, err)
-    assert "Traceback" not in out + err
-    return lines[0].removeprefix("error: ")
 
 
 def write_preset(root: Path, name: str, body: str) -> Path:
@@ -87,7 +69,9 @@ BAD_OVERRIDES = [
 
 @pytest.mark.parametrize("overrides,expected", BAD_OVERRIDES, ids=[" ".join(o) for o, _ in BAD_OVERRIDES])
 def test_bad_data_override_is_one_line_naming_the_key(overrides, expected, tmp_path, capsys):
-    assert train_error([f"paths.output_dir={tmp_path}", *overrides], capsys).startswith(expected)
+    rc, out, err = run_cli("sinklab-train", f"paths.output_dir={tmp_path}", *overrides, capsys=capsys)
+    assert rc == 2 and "Traceback" not in out, (out, err)
+    assert_one_line_error(err, starts="error: " + expected, logs=True)
     assert not (tmp_path / "metrics.csv").exists()  # refused before anything ran
 
 
@@ -108,7 +92,9 @@ def test_bad_preset_file_is_one_line_naming_the_key(body, expected, tmp_path, ca
     """A user's own preset (data=mine from a config dir on Hydra's search path), written like conf/data/*.yaml."""
     write_preset(tmp_path / "conf", "mine", f"defaults:\n  - lm_schema\n  - _self_\nblock_size: 32\n{body}\n")
     args = [f"hydra.searchpath=[file://{tmp_path / 'conf'}]", "data=mine", f"paths.output_dir={tmp_path / 'run'}"]
-    assert train_error(args, capsys) == expected
+    rc, out, err = run_cli("sinklab-train", *args, capsys=capsys)
+    assert rc == 2 and "Traceback" not in out, (out, err)
+    assert assert_one_line_error(err, logs=True) == "error: " + expected
 
 
 def test_direct_construction_checks_the_same_rules():

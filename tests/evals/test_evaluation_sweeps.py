@@ -17,7 +17,7 @@ from sinklab.evals import EVALUATIONS, Evaluation
 from sinklab.evals.registry import NON_NEGATIVE, UNIT
 from sinklab.io import stale_temporaries
 from sinklab.report import build_report
-from tests.helpers import run_sinklab
+from tests.helpers import run_cli
 from tests.helpers.sweeps import base_config, write_hydra, write_metrics
 
 
@@ -43,7 +43,7 @@ def test_streaming_and_intervene_sweeps_write_each_jobs_json_and_one_csv(capsys,
     for kind, options in (("streaming", ["--n-tokens", "200", "--first", "0,1", "--recent", "8",
                                          "--baselines", "recompute"]),
                           ("intervene", ["--val-batches", "1", "--interventions", "mask_first", "--jobs", "0"])):
-        rc, out, err = run_sinklab(capsys, "eval", kind, "--sweep", str(sweep), *options)
+        rc, out, err = run_cli("sinklab", "eval", kind, "--sweep", str(sweep), *options)
         assert rc == 0, err
         assert (f"{sweep / '1'}: no checkpoints/last.ckpt" in err) == (kind == "streaming"), err
         assert out.splitlines()[-1] == f"wrote {sweep / kind}.csv (1 job)", out
@@ -70,7 +70,7 @@ def test_streaming_and_intervene_sweeps_write_each_jobs_json_and_one_csv(capsys,
             lo, hi = evaluation.column_bounds(column) or pytest.fail(f"{kind}: {column} has no bounds")
             assert lo <= value <= hi, (kind, column, value)
         # the same job run alone prints the JSON the sweep wrote (but for its timings)
-        rc, out, err = run_sinklab(capsys, "eval", kind, str(sweep / "0"), "--json",
+        rc, out, err = run_cli("sinklab", "eval", kind, str(sweep / "0"), "--json",
                                    *[a for a in options if a not in ("--jobs", "0")])
         alone = json.loads(out)
         assert rc == 0 and evaluation.row(alone) == pytest.approx(evaluation.row(res)), err
@@ -86,7 +86,7 @@ def test_streaming_and_intervene_sweeps_write_each_jobs_json_and_one_csv(capsys,
 ])
 def test_sweep_errors_are_one_line_before_any_work(capsys, tmp_path, sweep, args, message):
     where = {"tmp": tmp_path, "sweep": sweep}
-    rc, out, err = run_sinklab(capsys, "eval", "streaming", *[a.format(**where) for a in args])
+    rc, out, err = run_cli("sinklab", "eval", "streaming", *[a.format(**where) for a in args])
     assert rc == 2 and err.count("\n") == 1, err
     assert err.startswith("sinklab eval streaming: error: ") and message.format(**where) in err, err
     assert not list(sweep.glob("*/streaming.json")) and not (sweep / "streaming.csv").exists()
@@ -184,9 +184,9 @@ def test_a_registered_evaluation_reaches_the_report_within_its_bounds(capsys, tm
         (d / "checkpoints").mkdir()
         (d / "checkpoints" / "last.ckpt").write_bytes(b"")  # finished: what --sweep looks for
         (d / "share.txt").write_text(str(count))
-    rc, out, err = run_sinklab(capsys, "eval", "--help")
+    rc, out, err = run_cli("sinklab", "eval", "--help")
     assert rc == 0 and "share" in out and "the number in share.txt" in out
-    rc, out, err = run_sinklab(capsys, "eval", "share", "--sweep", str(sweep))
+    rc, out, err = run_cli("sinklab", "eval", "share", "--sweep", str(sweep))
     assert rc == 0 and out.splitlines()[-1] == f"wrote {sweep / 'share.csv'} (2 jobs)", (out, err)
     table = pd.read_csv(sweep / "share.csv", dtype={"job": str})
     assert list(table.columns) == ["job", "optim.weight_decay", "count", "share"]

@@ -5,15 +5,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import torch
 
 from sinklab.analysis.probe_inputs import make_tokens
-from tests.helpers import REPO, hub_cache, run_sinklab, tiny_hf
+from tests.helpers import assert_one_line_error, hub_cache, run_cli, tiny_hf
 
 REPO_ID = "tiny-org/tiny-llama"
 
@@ -40,8 +38,8 @@ def offline_cache(hub, monkeypatch):
 
 
 def alpha_of(capsys, *args: str) -> tuple[dict, np.ndarray]:
-    rc, out, err = run_sinklab(capsys, "measure", *args, "--input", "random", "--num-seqs", "3", "--seq-len", "16",
-                               "--json")
+    rc, out, err = run_cli("sinklab", "measure", *args, "--input", "random", "--num-seqs", "3", "--seq-len", "16",
+                           "--json", capsys=capsys)
     assert rc == 0, err
     res = json.loads(out)
     return res, np.array(res["alpha"])
@@ -82,19 +80,17 @@ def test_offline_and_not_cached_is_one_line_with_the_fetch_command(offline_cache
               ["--revision main", "local directory"]),
              (("--hf-model", REPO_ID, "--dtype", "int8"), ["--dtype", "'float32', 'bfloat16', 'float16'"])]
     for args, named in cases:
-        rc, out, err = run_sinklab(capsys, "measure", *args, "--input", "random")
-        assert rc == 2 and out == "" and err.count("\n") == 1, (args, err)
-        assert all(n in err for n in named), (args, err)
+        rc, out, err = run_cli("sinklab", "measure", *args, "--input", "random", capsys=capsys)
+        assert rc == 2 and out == "", (args, err)
+        assert_one_line_error(err, *named)
 
 
 def test_the_command_line_reads_the_cache_named_by_hf_hub_cache(hub):
     """As a user runs it: a fresh process with HF_HUB_CACHE and HF_HUB_OFFLINE=1 in its environment."""
     cache, _, commits = hub
-    env = {**os.environ, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1",
-           "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    proc = subprocess.run([sys.executable, "-m", "sinklab", "measure", "--hf-model", REPO_ID, "--revision",
-                           "step1000", "--input", "repeat", "--num-seqs", "2", "--json"],
-                          capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
+    env = {**os.environ, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
+    proc = run_cli("sinklab", "measure", "--hf-model", REPO_ID, "--revision", "step1000", "--input", "repeat",
+                   "--num-seqs", "2", "--json", process=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert (json.loads(proc.stdout)["revision"], json.loads(proc.stdout)["input"]) == ("step1000", "repeat")
 
@@ -113,9 +109,9 @@ def test_a_trajectory_over_hub_revisions(offline_cache, capsys, tmp_path):
     import pandas as pd
 
     csv, plot = tmp_path / "t.csv", tmp_path / "t.png"
-    rc, out, err = run_sinklab(capsys, "trajectory", "--hf-model", REPO_ID, "--revision", "step1000", "main",
-                               "--input", "random", "--num-seqs", "3", "--seq-len", "16", "--metrics", "sink/alpha1",
-                               "--csv", str(csv), "--plot", str(plot))
+    rc, out, err = run_cli("sinklab", "trajectory", "--hf-model", REPO_ID, "--revision", "step1000", "main", "--input",
+                           "random", "--num-seqs", "3", "--seq-len", "16", "--metrics", "sink/alpha1", "--csv",
+                           str(csv), "--plot", str(plot), capsys=capsys)
     assert rc == 0, err
     rows = pd.read_csv(csv).set_index("checkpoint")
     assert set(rows.index) == {"step1000", "main"} and rows.loc["step1000", "step"] == 1000 and plot.is_file()

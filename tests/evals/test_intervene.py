@@ -2,19 +2,18 @@
 activations found and overwritten where they are), and the command's table, JSON and errors."""
 from __future__ import annotations
 
-import contextlib
 import json
 
 import numpy as np
 import pytest
 import torch
 
-from sinklab.cli import main as sinklab_main
 from sinklab.evals.interventions import drop_first_key, drop_random_key, find_massive, residuals
 from sinklab.metrics import SinklabRecorder, attention_maps
 from sinklab.model import ModelConfig, Transformer
 from sinklab.targets import SinklabTarget
-from tests.helpers import HF_KINDS, natural_run, save_ckpt, small_model, token_ids
+from tests.helpers import (HF_KINDS, assert_one_line_error, natural_run, run_cli, save_ckpt, small_model,
+                           token_ids)
 
 
 @pytest.mark.parametrize("case", [{}, {"n_sink_tokens": 1}, {"attn_op": "sigmoid"}], ids=["softmax", "sinks", "sigmoid"])
@@ -81,8 +80,9 @@ def test_find_massive_locates_the_planted_channels_and_set_activations_overwrite
 
 def test_intervene_command_table_and_json(small_run, capsys):
     run, dm, _ = small_run
-    assert sinklab_main(["eval", "intervene", str(run), "--json"]) == 0
-    res = json.loads(capsys.readouterr().out)
+    rc, out, err = run_cli("sinklab", "eval", "intervene", str(run), "--json", capsys=capsys)
+    assert rc == 0, err
+    res = json.loads(out)
     rows = res["rows"]
     assert list(rows) == ["none", "zero", "mean", "mask_first", "mask_random"]
     assert rows["none"]["dppl"] == 0 and all(r["ppl"] > 1 for r in rows.values())
@@ -91,8 +91,8 @@ def test_intervene_command_table_and_json(small_run, capsys):
     assert rows["mask_first"]["alpha1"] == pytest.approx(1 / 16, abs=1e-6) and rows["mask_first"]["sink1"] == 0
     assert rows["none"]["alpha1"] > 1 / 16 and rows["mask_random"]["alpha1"] >= rows["none"]["alpha1"]
     assert 0 <= res["massive"]["layer"] < 2 and 1 <= res["massive"]["token"] <= 16
-    assert sinklab_main(["eval", "intervene", str(run), "--interventions", "mask_first"]) == 0
-    out = capsys.readouterr().out
+    rc, out, err = run_cli("sinklab", "eval", "intervene", str(run), "--interventions", "mask_first", capsys=capsys)
+    assert rc == 0, err
     assert "massive activations: layer" in out and [line.split()[0] for line in out.splitlines()[-2:]] == \
         ["none", "mask_first"]
 
@@ -102,17 +102,15 @@ def test_intervene_command_table_and_json(small_run, capsys):
                                           (["--interventions", "drop"], "invalid choice: 'drop'")])
 def test_intervene_refuses_bad_input_in_one_line(small_run, capsys, args, message):
     run, _, _ = small_run
-    with pytest.raises(SystemExit) if args[0] == "--interventions" else contextlib.nullcontext():
-        rc = sinklab_main(["eval", "intervene", str(run), *args])
-        assert rc == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and message in err[0]
+    rc, out, err = run_cli("sinklab", "eval", "intervene", str(run), *args, capsys=capsys)
+    assert rc == 2
+    assert_one_line_error(err, message)
 
 
 def test_intervene_needs_a_run_dir(tmp_path, capsys):
     ckpt = save_ckpt(small_model(), tmp_path / "m.ckpt")
-    assert sinklab_main(["eval", "intervene", str(ckpt)]) == 2
-    assert "has no run config" in capsys.readouterr().err
+    rc, out, err = run_cli("sinklab", "eval", "intervene", str(ckpt), capsys=capsys)
+    assert rc == 2 and "has no run config" in err
 
 
 def test_validation_blocks_get_the_bos_token_the_model_was_trained_with(tmp_path):
@@ -162,9 +160,10 @@ def test_hf_interventions_on_every_architecture(capsys, hf_models, tmp_path, kin
     assert isinstance(model, transformers.PreTrainedModel)
 
     np.save(tmp_path / "v.npy", token_ids(B=8, T=17, vocab=128, seed=2).numpy())
-    assert sinklab_main(["eval", "intervene", "--hf-model", str(hf_models[kind]), "--tokens",
-                         str(tmp_path / "v.npy"), "--json"]) == 0
-    res = json.loads(capsys.readouterr().out)
+    rc, out, err = run_cli("sinklab", "eval", "intervene", "--hf-model", str(hf_models[kind]), "--tokens",
+                           str(tmp_path / "v.npy"), "--json", capsys=capsys)
+    assert rc == 0, err
+    res = json.loads(out)
     assert list(res["rows"]) == ["none", "zero", "mean", "mask_first", "mask_random"] and res["source"] == "hf"
     assert res["probe"] == {"num_seqs": 8, "seq_len": 16} and res["val_targets"] == 8 * 16
     if kind != "gpt_oss":  # (gpt-oss's sink logit takes part of query 1's attention)

@@ -12,13 +12,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sinklab.cli.measure import main
 from sinklab.analysis.probe_inputs import make_tokens
 from sinklab.metrics import activation_stats, attention_scores, brute_force_alpha, sink_rate
 from sinklab.metrics import METRICS, Metric, massive, norms, outliers, residual_sinks
 from sinklab.metrics.base import NON_NEGATIVE
 from sinklab.model import ModelConfig, Transformer
-from tests.helpers import HF_KINDS, MHA_KINDS, REPO, natural_run, save_ckpt, tiny_hf
+from tests.helpers import HF_KINDS, MHA_KINDS, REPO, assert_one_line_error, natural_run, run_cli, save_ckpt, tiny_hf
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "offline",
        "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
@@ -30,23 +29,10 @@ STAT_KEYS = massive.KEYS + norms.KEYS + outliers.KEYS + residual_sinks.PER_LAYER
 
 
 # ------------------------------------------------------------------------------------------------ helpers
-def cli(*args: str, env: dict = ENV) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "sinklab", "measure", *args], capture_output=True, text=True,
-                          env=env, cwd=REPO, timeout=120)
-
-
-def run_main(capsys, *args: str) -> tuple[int, str, str]:
-    rc = main(list(args))
-    out, err = capsys.readouterr()
-    return rc, out, err
-
-
 def json_and_text(capsys, *args) -> tuple[dict, str]:
     """`sinklab measure ARGS` in this process, with --json and without: (its JSON, its text)."""
-    rc, out, err = run_main(capsys, *map(str, args), "--json")
-    assert rc == 0, err
-    rc, text, err = run_main(capsys, *map(str, args))
-    assert rc == 0, err
+    out = run_cli("sinklab", "measure", *map(str, args), "--json", capsys=capsys, check=True).stdout
+    text = run_cli("sinklab", "measure", *map(str, args), capsys=capsys, check=True).stdout
     return json.loads(out), text
 
 
@@ -100,7 +86,8 @@ def planted_ckpt(tmp_path_factory):
 # ------------------------------------------------------------------------------------------------ sinklab checkpoints
 def test_planted_sink_found_through_cli(planted_ckpt):
     model, ckpt, tokens = planted_ckpt
-    proc = cli(str(ckpt), "--tokens", str(tokens), "--json", "--eps", "0.3", "0.1")
+    proc = run_cli("sinklab", "measure", str(ckpt), "--tokens", str(tokens), "--json", "--eps", "0.3", "0.1",
+                   process=True, env=ENV)
     assert proc.returncode == 0, proc.stderr
     res = json.loads(proc.stdout)
     alpha = np.array(res["alpha"])
@@ -154,7 +141,8 @@ def test_bias_slot_and_sink_token_scored_apart(capsys, tmp_path, where, override
     model = planted(where, **overrides)
     ckpt = save_ckpt(model, tmp_path / "m.ckpt")
     np.save(tmp_path / "t.npy", bos_tokens())
-    rc, out, err = run_main(capsys, str(ckpt), "--tokens", str(tmp_path / "t.npy"), "--json")
+    rc, out, err = run_cli("sinklab", "measure", str(ckpt), "--tokens", str(tmp_path / "t.npy"), "--json",
+                           capsys=capsys)
     assert rc == 0, err
     res = json.loads(out)
     # the planted head attends to the slot, not to token 1: counted under "slot", never under "sink"
@@ -173,7 +161,8 @@ def test_not_row_normalised_reports_sink_star(capsys, tmp_path):
     model = Transformer(ModelConfig(vocab_size=64, n_layer=2, n_head=4, d_model=32, d_ff=64, block_size=32,
                                     attn_op="sigmoid", sigmoid_bias=-2.0)).eval()
     ckpt = save_ckpt(model, tmp_path / "sig.ckpt")
-    rc, out, err = run_main(capsys, str(ckpt), "--input", "random", "--num-seqs", "3", "--seq-len", "16", "--json")
+    rc, out, err = run_cli("sinklab", "measure", str(ckpt), "--input", "random", "--num-seqs", "3", "--seq-len", "16",
+                           "--json", capsys=capsys)
     assert rc == 0, err
     res = json.loads(out)
     assert res["row_normalised"] is False and "sink_star" in res and "alpha_star" in res
@@ -189,13 +178,14 @@ def test_random_and_repeat_inputs_and_table(capsys, planted_ckpt):
     assert rep.shape == (5, 12) and bool((rep == rep[:, :1]).all()) and rep.max() < 64
     rnd = make_tokens("random", 5, 12, 64, seed=3)
     assert torch.equal(rnd, make_tokens("random", 5, 12, 64, seed=3)) and not bool((rnd == rnd[:, :1]).all())
-    rc, out, err = run_main(capsys, str(ckpt), "--input", "repeat", "--num-seqs", "5", "--seq-len", "12",
-                            "--k", "2", "--json")
+    rc, out, err = run_cli("sinklab", "measure", str(ckpt), "--input", "repeat", "--num-seqs", "5", "--seq-len", "12",
+                           "--k", "2", "--json", capsys=capsys)
     assert rc == 0, err
     res = json.loads(out)
     assert (res["input"], res["num_seqs"], res["seq_len"], sorted(res["sink"])) == ("repeat", 5, 12, ["1", "2"])
     # the readable form: the Sink_k table, the layer x head grid and the massive-activation summary
-    rc, out, err = run_main(capsys, str(ckpt), "--input", "random", "--num-seqs", "4", "--eps", "0.3", "0.5")
+    rc, out, err = run_cli("sinklab", "measure", str(ckpt), "--input", "random", "--num-seqs", "4", "--eps", "0.3",
+                           "0.5", capsys=capsys)
     assert rc == 0, err
     assert "Sink_k (%)" in out and "eps=0.3" in out and "eps=0.5" in out
     assert "alpha_1 per layer and head" in out and "massive activations" in out and "residual sinks" in out
@@ -318,17 +308,16 @@ def test_eps_values_before_or_after_target(capsys, planted_ckpt):
     for args in ((str(ckpt), "--eps", "0.3", "0.1", "--tokens", str(tokens)),
                  ("--eps", "0.3", "0.1", str(ckpt), "--tokens", str(tokens)),
                  ("--tokens", str(tokens), "--eps", "0.3", "0.1", "--", str(ckpt))):
-        rc, out, err = run_main(capsys, "--json", *args)
+        rc, out, err = run_cli("sinklab", "measure", "--json", *args, capsys=capsys)
         assert rc == 0, (args, err)
         res = json.loads(out)
         assert (res["eps"], res["target"]) == ([0.3, 0.1], str(ckpt)), args
         results.append(res["sink_by_eps"])
     assert results[0] == results[1] == results[2]
     for bad in (("--eps", "abc", str(ckpt)), ("--eps", "0.3", "x", "y"), (str(ckpt), "--eps", "0.3", "other")):
-        with pytest.raises(SystemExit) as exc:
-            main(list(bad))
-        err = capsys.readouterr().err
-        assert exc.value.code == 2 and "--eps" in err and err.count("\n") == 1, (bad, err)
+        rc, out, err = run_cli("sinklab", "measure", *bad, capsys=capsys)
+        assert rc == 2, (bad, err)
+        assert_one_line_error(err, "--eps")
 
 
 def test_natural_probe_set_from_run_dir(tmp_path, capsys):
@@ -343,15 +332,15 @@ def test_natural_probe_set_from_run_dir(tmp_path, capsys):
     model = Transformer(ModelConfig(vocab_size=dm.vocab_size, n_layer=2, n_head=4, d_model=32, d_ff=64,
                                     block_size=32)).eval()
     save_ckpt(model, run / "checkpoints" / "last.ckpt")
-    rc, out, err = run_main(capsys, str(run), "--json")
+    rc, out, err = run_cli("sinklab", "measure", str(run), "--json", capsys=capsys)
     assert rc == 0, err
     res = json.loads(out)
     assert res["input"] == "natural" and (res["num_seqs"], res["seq_len"]) == tuple(probe.shape) == (10, 16)
     direct = attention_scores(model, probe, k=4)
     np.testing.assert_allclose(res["alpha"], direct.alpha[..., 0].mean(0).numpy(), atol=1e-6)
     # another probe size is the data module's probe set at that size; the checkpoint path works as well
-    rc, out, err = run_main(capsys, str(run / "checkpoints" / "last.ckpt"), "--json", "--seq-len", "24",
-                            "--num-seqs", "3")
+    rc, out, err = run_cli("sinklab", "measure", str(run / "checkpoints" / "last.ckpt"), "--json", "--seq-len", "24",
+                           "--num-seqs", "3", capsys=capsys)
     assert rc == 0, err
     assert (json.loads(out)["num_seqs"], json.loads(out)["seq_len"]) == (3, 24)
 
@@ -376,9 +365,10 @@ def test_user_errors_are_one_line_exit_2(capsys, tmp_path, planted_ckpt):
         (("--input", "random"), "TARGET"),
     ]
     for args, named in cases:
-        rc, out, err = run_main(capsys, *args)
+        rc, out, err = run_cli("sinklab", "measure", *args, capsys=capsys)
         assert rc == 2, (args, out, err)
-        assert out == "" and err.count("\n") == 1 and named in err and "Traceback" not in err, (args, err)
+        assert out == "", (args, out)
+        assert_one_line_error(err, named)
 
 
 def test_hf_model_without_transformers_says_how_to_install(tmp_path):
@@ -394,10 +384,10 @@ def test_hf_model_without_transformers_says_how_to_install(tmp_path):
 # ------------------------------------------------------------------------------------------------ HF models
 def measure_hf_json(capsys, d: Path, *args: str, via_cli: bool = False) -> dict:
     if via_cli:  # as a user runs it
-        proc = cli("--hf-model", str(d), "--json", *args)
+        proc = run_cli("sinklab", "measure", "--hf-model", str(d), "--json", *args, process=True, env=ENV)
         assert proc.returncode == 0, proc.stderr
         return json.loads(proc.stdout)
-    rc, out, err = run_main(capsys, "--hf-model", str(d), "--json", *args)
+    rc, out, err = run_cli("sinklab", "measure", "--hf-model", str(d), "--json", *args, capsys=capsys)
     assert rc == 0, err
     return json.loads(out)
 
@@ -507,19 +497,23 @@ def test_hf_tokens_and_repeat(capsys, tmp_path):
     d = tiny_hf("llama", tmp_path / "llama")
     tok = make_tokens("random", 3, 20, 128, seed=5).numpy().astype(np.int32)
     np.save(tmp_path / "t.npy", tok)
-    rc, out, err = run_main(capsys, "--hf-model", str(d), "--tokens", str(tmp_path / "t.npy"), "--json")
+    rc, out, err = run_cli("sinklab", "measure", "--hf-model", str(d), "--tokens", str(tmp_path / "t.npy"), "--json",
+                           capsys=capsys)
     assert rc == 0, err
     res = json.loads(out)
     model = transformers.AutoModelForCausalLM.from_pretrained(str(d), attn_implementation="eager").eval()
     with torch.no_grad():
         maps = torch.stack(model(input_ids=torch.from_numpy(tok).long(), output_attentions=True).attentions, 1)
     np.testing.assert_allclose(res["alpha"], maps[..., :, 0].mean(-1).mean(0).numpy(), atol=1e-5)
-    rc, out, err = run_main(capsys, "--hf-model", str(d), "--input", "repeat", "--num-seqs", "2", "--json")
+    rc, out, err = run_cli("sinklab", "measure", "--hf-model", str(d), "--input", "repeat", "--num-seqs", "2", "--json",
+                           capsys=capsys)
     assert rc == 0, err
     res = json.loads(out)
     assert (res["input"], res["seq_len"]) == ("repeat", 64)  # default T = min(64, context)
-    rc, out, err = run_main(capsys, "--hf-model", str(d), "--input", "random", "--seq-len", "65")
-    assert rc == 2 and "--seq-len" in err and err.count("\n") == 1
+    rc, out, err = run_cli("sinklab", "measure", "--hf-model", str(d), "--input", "random", "--seq-len", "65",
+                           capsys=capsys)
+    assert rc == 2
+    assert_one_line_error(err, "--seq-len")
 
 
 # ------------------------------------------------------------------------------------------------ training callback

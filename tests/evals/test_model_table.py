@@ -11,7 +11,7 @@ import pandas as pd
 import pytest
 import torch
 
-from tests.helpers import VERSE, hub_cache, readme_cli_lines, run_sinklab, tiny_hf
+from tests.helpers import VERSE, assert_one_line_error, hub_cache, readme_cli_lines, run_cli, tiny_hf
 
 # the README's hub ids -> the tiny family that stands in for each (revisions: branch -> seed)
 HUB = {"openai-community/gpt2-xl": ("gpt2", {"main": 0}), "meta-llama/Llama-2-7b-hf": ("llama", {"main": 0}),
@@ -44,7 +44,7 @@ def offline(hub, monkeypatch):
 
 
 def measure_json(capsys, *args: str) -> dict:
-    rc, out, err = run_sinklab(capsys, "measure", *args, "--json")
+    rc, out, err = run_cli("sinklab", "measure", *args, "--json", capsys=capsys)
     assert rc == 0, err
     return json.loads(out)
 
@@ -71,9 +71,10 @@ def test_the_table_is_each_single_measurement_with_the_paper_beside(offline, cap
     assert table.loc[1, "alpha_1 natural"] == pytest.approx(res["rows"][3]["alpha1"])
     md = (tmp_path / "t.md").read_text()
     assert "| model" in md and "(77.00)" in md and "(90.13)" in md and md.count("\n") == 4
-    rc, out, err = run_sinklab(capsys, "measure", "--hf-model", "meta-llama/Llama-2-7b-hf", "--input", "random",
-                               "--csv", str(tmp_path / "t.txt"))
-    assert rc == 2 and "--csv" in err and ".csv" in err and err.count("\n") == 1
+    rc, out, err = run_cli("sinklab", "measure", "--hf-model", "meta-llama/Llama-2-7b-hf", "--input", "random", "--csv",
+                           str(tmp_path / "t.txt"), capsys=capsys)
+    assert rc == 2
+    assert_one_line_error(err, "--csv", ".csv")
 
 
 def test_natural_text_goes_through_the_models_tokenizer_bos_first(offline, capsys):
@@ -109,7 +110,7 @@ def test_the_readme_measure_commands_run(offline, capsys, tmp_path, hf_models):
     text = ["--text", str(offline / "verse.txt")]
     for args in commands:
         args = args + ["--num-seqs", "4", "--seq-len", "32"] + (text if "natural" in args else [])
-        rc, out, err = run_sinklab(capsys, *args)
+        rc, out, err = run_cli("sinklab", *args, capsys=capsys)
         assert rc == 0, (args, err)
         if "--json" in args:
             assert json.loads(out)["input"] == "natural"

@@ -13,22 +13,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sinklab.cli import main as sinklab_main
 from sinklab.model import ModelConfig, Transformer
 from sinklab.quant import (SCHEMES, asymmetric_grid, calibrate, evaluate, fake_quantized, quantizable_layers,
                            quantize_asymmetric, quantize_symmetric)
-from sinklab.cli.quant import main
-from tests.helpers import HF_KINDS, README, save_ckpt, small_model
-
-
-
-def run_main(capsys, *args: str) -> tuple[int, str, str]:
-    try:
-        rc = main(list(args))
-    except SystemExit as exc:  # argparse's usage errors
-        rc = exc.code
-    out, err = capsys.readouterr()
-    return rc, out, err
+from tests.helpers import HF_KINDS, README, assert_one_line_error, run_cli, save_ckpt, small_model
 
 
 # ------------------------------------------------------------------------------------------------ quantizers
@@ -216,8 +204,7 @@ def readme_quant_commands(run: Path, hf_dir: Path, sweep: Path) -> list[list[str
 
 def test_quant_on_a_run_dir_table_and_json(capsys, quant_run):
     run, dm, model = quant_run
-    rc = sinklab_main(["quant", str(run)])
-    out, err = capsys.readouterr()
+    rc, out, err = run_cli("sinklab", "quant", str(run), capsys=capsys)
     assert rc == 0, err
     assert "validation: 2 sequences x 32 tokens" in out and "the LM head and embeddings stay fp32" in out
     table = [line.split() for line in out.splitlines() if line.split() and line.split()[0] in ("fp32", *SCHEMES)]
@@ -225,7 +212,8 @@ def test_quant_on_a_run_dir_table_and_json(capsys, quant_run):
     assert [row[1:3] for row in table] == [["fp32", "fp32"], ["int8", "fp32"], ["int8", "uint8"], ["int4", "fp32"],
                                            ["int4", "uint4"]]
 
-    rc, out, err = run_main(capsys, str(run), "--json", "--weights", "per-channel", "--calib-batches", "3")
+    rc, out, err = run_cli("sinklab", "quant", str(run), "--json", "--weights", "per-channel", "--calib-batches", "3",
+                           capsys=capsys)
     assert rc == 0, err
     res = json.loads(out)
     assert (res["data"], res["val_seqs"], res["seq_len"], res["val_targets"]) == ("run", 2, 32, 64)
@@ -240,8 +228,8 @@ def test_quant_on_a_run_dir_table_and_json(capsys, quant_run):
     blocks = list(dm.val_dataloader())
     assert res["schemes"]["fp32"]["ppl"] == pytest.approx(direct_ppl(model, blocks), rel=1e-5)
     # the checkpoint path with --data finds the same blocks
-    rc, out, err = run_main(capsys, str(run / "checkpoints" / "last.ckpt"), "--data", str(run), "--json",
-                            "--schemes", "w8a8", "w8a8")
+    rc, out, err = run_cli("sinklab", "quant", str(run / "checkpoints" / "last.ckpt"), "--data", str(run), "--json",
+                           "--schemes", "w8a8", "w8a8", capsys=capsys)
     assert rc == 0, err
     assert json.loads(out)["schemes"]["fp32"]["ppl"] == pytest.approx(res["schemes"]["fp32"]["ppl"])
     assert list(json.loads(out)["schemes"]) == ["fp32", "w8a8"]
@@ -261,9 +249,8 @@ def test_readme_quant_commands_run(capsys, tmp_path, quant_run):
     for args in commands:
         if "--hf-model" in args:
             pytest.importorskip("transformers")
-            assert sinklab_main(["export-hf", str(run), str(hf_dir)]) == 0
-            capsys.readouterr()
-        rc, out, err = run_main(capsys, *args)
+            run_cli("sinklab", "export-hf", str(run), str(hf_dir), capsys=capsys, check=True)
+        rc, out, err = run_cli("sinklab", "quant", *args, capsys=capsys)
         assert rc == 0, (args, err)
         if "--json" in args:
             fp32.append(json.loads(out)["schemes"]["fp32"]["ppl"])
@@ -282,8 +269,8 @@ def test_hf_models_with_tokens(capsys, tmp_path, hf_models, kind):
     d = hf_models[kind]
     tokens = torch.randint(0, 128, (6, 20), generator=torch.Generator().manual_seed(0))
     np.save(tmp_path / "t.npy", tokens.numpy())
-    rc, out, err = run_main(capsys, "--hf-model", str(d), "--tokens", str(tmp_path / "t.npy"), "--batch-size", "4",
-                            "--json", "--quantize-head")
+    rc, out, err = run_cli("sinklab", "quant", "--hf-model", str(d), "--tokens", str(tmp_path / "t.npy"),
+                           "--batch-size", "4", "--json", "--quantize-head", capsys=capsys)
     assert rc == 0, err
     res = json.loads(out)
     # LLaMA: q, k, v, o, gate, up, down per layer; GPT-2: c_attn, c_proj, c_fc, c_proj (Conv1D); and the head
@@ -318,7 +305,7 @@ def test_user_errors_are_one_line_exit_2(capsys, tmp_path, quant_run):
         (("--schemes", "w8a8"), ["TARGET"]),
     ]
     for args, named in cases:
-        rc, out, err = run_main(capsys, *args)
+        rc, out, err = run_cli("sinklab", "quant", *args, capsys=capsys)
         assert rc == 2, (args, out, err)
-        assert out == "" and err.count("\n") == 1 and "Traceback" not in err, (args, err)
-        assert all(n in err for n in named), (args, err)
+        assert out == "", (args, out)
+        assert_one_line_error(err, *named)

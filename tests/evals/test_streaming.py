@@ -13,7 +13,8 @@ import torch.nn.functional as F
 
 from sinklab.evals import streaming_ppl as pp
 from sinklab.targets import SinklabTarget
-from tests.helpers import ABSOLUTE_KINDS, HF_KINDS, readme_cli_lines, run_sinklab, save_ckpt, small_model, token_ids
+from tests.helpers import (ABSOLUTE_KINDS, HF_KINDS, assert_one_line_error, readme_cli_lines, run_cli, save_ckpt,
+                           small_model, token_ids)
 
 CASES = [{}, {"n_sink_tokens": 2}, {"attn_bias": "kv", "pos": "alibi"}, {"pos": "learnable"}, {"window": 6}]
 IDS = ["rope", "sink_tokens", "kv_bias_alibi", "learnable", "window"]
@@ -85,15 +86,15 @@ def streaming_run(trained_run, tmp_path_factory):
 
 
 def streaming_json(capsys, *args: str) -> dict:
-    rc, out, err = run_sinklab(capsys, "eval", "streaming", *args, "--json")
+    rc, out, err = run_cli("sinklab", "eval", "streaming", *args, "--json", capsys=capsys)
     assert rc == 0, err
     return json.loads(out)
 
 
 def test_table_json_and_plot_on_a_trained_run(capsys, streaming_run):
     run, text, d = streaming_run
-    rc, out, err = run_sinklab(capsys, "eval", "streaming", str(run), "--n-tokens", "300", "--first", "0,4",
-                               "--recent", "16,60", "--plot", str(d / "ppl.png"))
+    rc, out, err = run_cli("sinklab", "eval", "streaming", str(run), "--n-tokens", "300", "--first", "0,4", "--recent",
+                           "16,60", "--plot", str(d / "ppl.png"), capsys=capsys)
     assert rc == 0, err
     assert "the first 300 tokens of" in out and "(BOS first); 299 targets" in out
     table = [line.split() for line in out.splitlines()]
@@ -134,7 +135,7 @@ def test_transformers_cache_evicts_and_rerotates_as_the_sinklab_cache(capsys, mo
     pytest.importorskip("transformers")
     run, text, d = streaming_run
     hf_dir = d / "hf"
-    rc, out, err = run_sinklab(capsys, "export-hf", str(run), str(hf_dir), "--no-tokenizer")
+    rc, out, err = run_cli("sinklab", "export-hf", str(run), str(hf_dir), "--no-tokenizer", capsys=capsys)
     assert rc == 0, err
     args = ["--tokens", str(text), "--first", "0,2", "--recent", "18", "--bucket", "100"]
     ours = streaming_json(capsys, str(run), *args)
@@ -166,8 +167,8 @@ def test_dense_is_skipped_with_a_note_for_absolute_positions(capsys, tmp_path):
     assert [s["name"] for s in res["settings"]] == ["x=2 y=22", "recompute 24"]
     assert len(res["notes"]) == 2 and res["notes"][1].startswith("dense: skipped: position 49 is past the 24")
     assert res["notes"][0].startswith("model.pos=learnable adds absolute positions to the embeddings")
-    rc, out, err = run_sinklab(capsys, "eval", "streaming", str(ckpt), "--tokens", str(tmp_path / "t.npy"),
-                               "--first", "2", "--recent", "22", "--baselines", "dense")
+    rc, out, err = run_cli("sinklab", "eval", "streaming", str(ckpt), "--tokens", str(tmp_path / "t.npy"), "--first",
+                           "2", "--recent", "22", "--baselines", "dense", capsys=capsys)
     assert rc == 0 and "note: dense: skipped: position 49" in out, err
 
 
@@ -182,11 +183,11 @@ def test_readme_streaming_commands_run(capsys, streaming_run):
     for args in commands:
         if "--hf-model" in args:
             pytest.importorskip("transformers")
-            assert run_sinklab(capsys, "export-hf", str(run), str(d / "hf_readme"), "--no-tokenizer")[0] == 0
+            run_cli("sinklab", "export-hf", str(run), str(d / "hf_readme"), "--no-tokenizer", capsys=capsys, check=True)
         if args[:2] == ["eval", "streaming"]:
             args = [a for i, a in enumerate(args) if a != "--n-tokens" and args[i - 1] != "--n-tokens"]
             args += ["--n-tokens", "300"]
-        rc, out, err = run_sinklab(capsys, *args)
+        rc, out, err = run_cli("sinklab", *args, capsys=capsys)
         assert rc == 0, (args, err)
         if args[:2] == ["eval", "--help"]:
             assert all(name in out for name in ("streaming", "intervene", "quant")), out
@@ -214,20 +215,25 @@ def test_readme_streaming_commands_run(capsys, streaming_run):
 def test_bad_input_is_one_line_and_exit_2(capsys, trained_run, tmp_path, args, message):
     np.save(tmp_path / "two_d.npy", np.zeros((2, 5), dtype=np.int64))
     args = [str(tmp_path / "two_d.npy") if a == "TWO_D" else str(tmp_path) if a == "NOT_A_RUN" else a for a in args]
-    rc, out, err = run_sinklab(capsys, "eval", "streaming", str(trained_run), *args)
-    assert rc == 2 and message in err and err.count("\n") == 1, err
+    rc, out, err = run_cli("sinklab", "eval", "streaming", str(trained_run), *args, capsys=capsys)
+    assert rc == 2
+    assert_one_line_error(err, message)
     assert out == ""
 
 
 def test_a_prefix_lm_and_a_missing_target_are_refused(capsys, tmp_path):
     ckpt = save_ckpt(small_model(prefix_len=4), tmp_path / "p.ckpt")
     np.save(tmp_path / "t.npy", token_ids(B=1, T=30)[0].numpy())
-    rc, _, err = run_sinklab(capsys, "eval", "streaming", str(ckpt), "--tokens", str(tmp_path / "t.npy"))
-    assert rc == 2 and "model.prefix_len=4" in err and err.count("\n") == 1, err
-    rc, _, err = run_sinklab(capsys, "eval", "streaming", str(tmp_path / "nothing"))
-    assert rc == 2 and "no such checkpoint or run dir" in err and err.count("\n") == 1, err
-    rc, _, err = run_sinklab(capsys, "eval", "streaming", str(save_ckpt(small_model(), tmp_path / "c.ckpt")))
-    assert rc == 2 and "pass --data RUN_DIR or --tokens FILE.npy" in err and err.count("\n") == 1, err
+    rc, _, err = run_cli("sinklab", "eval", "streaming", str(ckpt), "--tokens", str(tmp_path / "t.npy"), capsys=capsys)
+    assert rc == 2
+    assert_one_line_error(err, "model.prefix_len=4")
+    rc, _, err = run_cli("sinklab", "eval", "streaming", str(tmp_path / "nothing"), capsys=capsys)
+    assert rc == 2
+    assert_one_line_error(err, "no such checkpoint or run dir")
+    rc, _, err = run_cli("sinklab", "eval", "streaming", str(save_ckpt(small_model(), tmp_path / "c.ckpt")),
+                         capsys=capsys)
+    assert rc == 2
+    assert_one_line_error(err, "pass --data RUN_DIR or --tokens FILE.npy")
 
 
 # ------------------------------------------------------------------------------------------------ every RoPE family
@@ -267,8 +273,9 @@ def test_the_command_on_every_architecture(capsys, hf_models, tmp_path, kind):
     args = ["eval", "streaming", "--hf-model", str(hf_models[kind]), "--tokens", str(tmp_path / "t.npy"),
             "--first", "0,4", "--recent", "20,60"]
     if kind in ABSOLUTE_KINDS:
-        rc, out, err = run_sinklab(capsys, *args)
-        assert rc == 2 and "learned absolute positions" in err and err.count("\n") == 1, err
+        rc, out, err = run_cli("sinklab", *args, capsys=capsys)
+        assert rc == 2
+        assert_one_line_error(err, "learned absolute positions")
         return
     by_name = {s["name"]: s["ppl"] for s in streaming_json(capsys, *args[2:])["settings"]}
     # 60 tokens through 60 kept keys: nothing evicted, every prediction sees its whole prefix, as dense and recompute

@@ -18,7 +18,7 @@ from sinklab.keys import UNIT
 from sinklab.metrics import METRICS, Metric, attention_maps
 from sinklab.runs.run_data import probe_tokens
 from sinklab.analysis.trajectories import hf_series, parse_revision
-from tests.helpers import readme_cli_lines, run_sinklab, series
+from tests.helpers import assert_one_line_error, readme_cli_lines, run_cli, series
 
 TOKENS_PER_STEP = 16 * 64  # FAST: 16 blocks of 64 tokens per step
 
@@ -26,7 +26,8 @@ TOKENS_PER_STEP = 16 * 64  # FAST: 16 blocks of 64 tokens per step
 def trajectory(capsys, tmp_path, *args: str) -> tuple[dict, pd.DataFrame]:
     """`sinklab trajectory ARGS --json` in this process: (its JSON, its CSV)."""
     csv, png = tmp_path / "t.csv", tmp_path / "t.png"
-    rc, out, err = run_sinklab(capsys, "trajectory", *args, "--csv", str(csv), "--plot", str(png), "--json")
+    rc, out, err = run_cli("sinklab", "trajectory", *args, "--csv", str(csv), "--plot", str(png), "--json",
+                           capsys=capsys)
     assert rc == 0, err
     res = json.loads(out)
     assert png.stat().st_size > 10_000 and res["plot"] == str(png)
@@ -100,8 +101,9 @@ def test_a_new_metric_is_measured_on_every_kept_checkpoint_without_retraining(tr
 
 
 def test_two_runs_on_one_figure_and_the_text_table(trained_run, capsys, tmp_path):
-    rc, out, err = run_sinklab(capsys, "trajectory", str(trained_run), str(trained_run), "--input", "random",
-                               "--num-seqs", "8", "--csv", str(tmp_path / "a.csv"), "--plot", str(tmp_path / "a.png"))
+    rc, out, err = run_cli("sinklab", "trajectory", str(trained_run), str(trained_run), "--input", "random",
+                           "--num-seqs", "8", "--csv", str(tmp_path / "a.csv"), "--plot", str(tmp_path / "a.png"),
+                           capsys=capsys)
     assert rc == 0, err
     assert f"{trained_run} (input random 8x64)" in out and f"{trained_run} (2) (input random 8x64)" in out
     assert "measured 14 checkpoints" in out
@@ -200,7 +202,7 @@ def test_readme_trajectory_commands(trained_run, capsys, tmp_path, monkeypatch):
             assert names == ["EleutherAI/pythia-160m"] and len(revisions) >= 4
             assert all(p.tokens == p.step * 2_097_152 for p in hf_series(names, revisions, None).points)
             continue
-        rc, out, err = run_sinklab(capsys, *argv, "--num-seqs", "10")
+        rc, out, err = run_cli("sinklab", *argv, "--num-seqs", "10", capsys=capsys)
         assert rc == 0, (argv, err)
         assert args.csv.is_file() and args.plot.is_file() and "measured" in out
         assert len(pd.read_csv(args.csv)) == 7 * len(args.runs)
@@ -220,9 +222,9 @@ def test_readme_trajectory_commands(trained_run, capsys, tmp_path, monkeypatch):
 def test_bad_input_is_one_line_and_exit_2(small_run, capsys, tmp_path, args, message):
     run, _, _ = small_run
     argv = [str(run) if a == "RUN" else str(tmp_path / a) if a == "NOT_A_RUN" else a for a in args]
-    rc, out, err = run_sinklab(capsys, "trajectory", *argv, "--csv", str(tmp_path / "t.csv"))
+    rc, out, err = run_cli("sinklab", "trajectory", *argv, "--csv", str(tmp_path / "t.csv"), capsys=capsys)
     assert rc == 2 and out == "", err
-    assert message in err and len(err.strip().splitlines()) == 1, err
+    assert_one_line_error(err, message)
     assert not (tmp_path / "t.csv").exists()
 
 

@@ -87,10 +87,9 @@ def recorded_metrics(name: str) -> pd.DataFrame:
 
 def training_metrics(name: str, out: Path, *extra: str) -> pd.DataFrame:
     """metrics.csv of the recorded run `name` (plus `extra` overrides), trained in this process by `train(cfg)`."""
-    from sinklab.config import compose
-    from sinklab.train.entry import train
+    from tests.helpers import train
 
-    train(compose([*RUNS[name], *extra, f"paths.output_dir={out}"]))
+    train(out, *extra, recipe=RUNS[name], job=False)
     return pd.read_csv(out / "metrics.csv")
 
 

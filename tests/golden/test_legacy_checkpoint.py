@@ -14,6 +14,7 @@ import torch
 
 import sinklab
 from tests.golden import goldens
+from tests.helpers import train
 
 LOGITS_ATOL = 1e-5
 
@@ -33,15 +34,10 @@ def test_a_small_real_change_fails_the_logits_comparison(change):
 
 
 def test_a_0_1_checkpoint_resumes_training(tmp_path, caplog, capsys):
-    from sinklab.config import compose
-    from sinklab.train.entry import train
-
-    out = tmp_path / "run"
     args = ["trainer.max_steps=4", "model.n_layer=1", "model.d_model=32", "model.n_head=2", "model.d_ff=32",
             "data.vocab_size=258", "model/bias=kv", "model/attn=sigmoid_norm", "model/gate=headwise",
-            "callbacks.sink=null", "trainer.enable_progress_bar=false", f"ckpt_path={goldens.LEGACY_CKPT}",
-            f"paths.output_dir={out}"]
+            "callbacks.sink=null", "trainer.enable_progress_bar=false", f"ckpt_path={goldens.LEGACY_CKPT}"]
     with caplog.at_level(logging.INFO, logger="sinklab"):
-        train(compose(args))
+        train(tmp_path / "run", recipe=args, job=False)
     assert f"resuming from {goldens.LEGACY_CKPT} (step 2)" in caplog.text
     assert "done: 4 steps" in capsys.readouterr().out

@@ -1,10 +1,22 @@
-"""The README's command lines, and `sinklab` run in this process."""
+"""The README's command lines; sinklab's commands run as a test needs them (`run_cli`: in this process, or in a
+subprocess as a user runs them); and the one-line error that every user error must be (`assert_one_line_error`)."""
+import contextlib
+import io
+import os
+import re
 import shlex
+import subprocess
+import sys
+import warnings as _warnings
 from pathlib import Path
+from typing import NamedTuple, Optional
+
+import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 README = REPO / "README.md"
 HYDRA_SCHEMA_WARNING = "automatic_schema_matching"  # in Hydra's deprecation warning (the address of its docs)
+MODULES = {"sinklab": "sinklab", "sinklab-train": "sinklab.train.entry"}  # console script -> its `python -m` module
 
 
 def readme_cli_lines(prefix: str, paths: dict[str, Path]) -> list[list[str]]:
@@ -25,13 +37,110 @@ def readme_commands() -> list[str]:
     return commands
 
 
-def run_sinklab(capsys, *args: str) -> tuple[int, str, str]:
-    """`sinklab ARGS...` in this process: (exit code, stdout, stderr); argparse's usage errors exit too."""
-    from sinklab.cli import main
+class Ran(NamedTuple):
+    """What a command gave: its exit code and what it printed."""
 
-    try:
-        rc = main(list(args))
-    except SystemExit as exc:
-        rc = exc.code
-    out, err = capsys.readouterr()
-    return rc, out, err
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def run_cli(command: str, *args: str, capsys=None, process: bool = False, env: Optional[dict] = None,
+            warnings: Optional[str] = None, cwd: Optional[Path] = None, timeout: float = 600,
+            check: bool = False) -> Ran:
+    """`COMMAND ARGS...` (`sinklab` or `sinklab-train`): (exit code, stdout, stderr).
+
+    In this process by default (fast): the console script's own `main`, whose argparse and Hydra exits become the
+    exit code; what it prints is read from `capsys` where the test passes it, else captured here. With `process`, in a
+    subprocess as a user runs it (`start_cli`), for what only a process shows: a real exit, the warnings a user sees,
+    an environment of its own (`env`, `cwd`). `warnings` is the warnings filter (PYTHONWARNINGS in a subprocess);
+    None leaves the current one. With `check`, a non-zero exit fails the test, showing what the command printed."""
+    assert command in MODULES, f"unknown command {command!r}; allowed: {', '.join(MODULES)}"
+    if process:
+        ran = finish(start_cli(command, *args, env=env, warnings=warnings, cwd=cwd), timeout)
+    else:
+        assert env is None and cwd is None, "env and cwd are a subprocess's: pass process=True"
+        ran = _run_here(command, list(args), capsys, warnings)
+    if check and ran.returncode != 0:
+        raise AssertionError(f"{command} exited {ran.returncode}:\n{ran.stdout[-3000:]}\n{ran.stderr[-3000:]}")
+    return ran
+
+
+def _run_here(command: str, args: list[str], capsys, warnings: Optional[str]) -> Ran:
+    stdout, stderr, argv = io.StringIO(), io.StringIO(), sys.argv
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_warnings.catch_warnings())
+        if warnings is not None:
+            _warnings.simplefilter(warnings)
+        if capsys is None:
+            stack.enter_context(contextlib.redirect_stdout(stdout))
+            stack.enter_context(contextlib.redirect_stderr(stderr))
+        try:
+            if command == "sinklab-train":  # the console script reads sys.argv
+                from sinklab.train.entry import main
+
+                sys.argv = [command, *args]
+                code = main()
+            else:
+                from sinklab.cli import main
+
+                code = main(args)
+        except SystemExit as exc:  # argparse's usage errors, Hydra's and sinklab-train's exits
+            code = exc.code
+        finally:
+            sys.argv = argv
+    code = code if isinstance(code, int) else 0 if code is None else 1  # SystemExit's own rule
+    if capsys is not None:
+        out, err = capsys.readouterr()
+        return Ran(code, out, err)
+    return Ran(code, stdout.getvalue(), stderr.getvalue())
+
+
+def start_cli(command: str, *args: str, env: Optional[dict] = None, warnings: Optional[str] = None,
+              cwd: Optional[Path] = None) -> subprocess.Popen:
+    """`python -m MODULE ARGS...` of the command, started in a subprocess with stdout and stderr piped: for a test
+    that signals, kills or waits on it, or runs several at once (`finish` collects one). `env` is its whole
+    environment (default: this process's), with this checkout first on PYTHONPATH."""
+    env = dict(os.environ if env is None else env)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    if warnings is not None:
+        env["PYTHONWARNINGS"] = warnings
+    return subprocess.Popen([sys.executable, "-m", MODULES[command], *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, cwd=cwd)
+
+
+def finish(proc: subprocess.Popen, timeout: float = 600) -> Ran:
+    """Wait for a started command: (exit code, stdout, stderr)."""
+    out, err = proc.communicate(timeout=timeout)
+    return Ran(proc.returncode, out, err)
+
+
+# sinklab-train's Hydra job logging ("[time][logger][LEVEL] - ...") and progress bars (tqdm: "... [00:01, 12.3 it/s]")
+LOG_LINE = re.compile(r"^\[|\[\d+:\d\d")
+
+
+def error_lines(err: str) -> list[str]:
+    """stderr without log lines and progress bars, and without blank lines."""
+    return [line for line in err.replace("\r", "\n").splitlines() if line.strip() and not LOG_LINE.search(line)]
+
+
+def assert_one_line_error(error, *fragments: str, starts: str = "", logs: bool = False) -> str:
+    """`error` is one line, no traceback, starting with `starts` and holding every fragment; returns that line.
+
+    `error`: a raised exception (or pytest's ExceptionInfo of one), whose message has no newline; or a command's
+    stderr, the line and its newline and nothing else (with `logs`, sinklab-train's log lines and progress bars are
+    left out first: `error_lines`)."""
+    if isinstance(error, pytest.ExceptionInfo):
+        error = error.value
+    if isinstance(error, str):
+        lines = error_lines(error) if logs else error.split("\n")
+        one = len(lines) == 1 if logs else len(lines) == 2 and lines[1] == ""  # "the line\n"
+    else:
+        lines = [str(error)]
+        one = "\n" not in lines[0]
+    assert one and "Traceback" not in str(error), f"not one line:\n{error}"
+    line = lines[0]
+    assert line.startswith(starts), f"{line!r} does not start with {starts!r}"
+    missing = [f for f in fragments if f not in line]
+    assert not missing, f"{line!r} does not say {missing}"
+    return line

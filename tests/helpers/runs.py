@@ -1,15 +1,15 @@
-"""Training runs for tests: the FAST recipe, `sinklab-train` in this process or in a subprocess (as a user runs it,
-for what only a process shows: exit codes, signals, warnings), small local corpora and run dirs, and reading
-metrics.csv."""
+"""Training runs for tests: one helper, `train`, that trains a recipe (a list of overrides: FAST here, a test's own
+elsewhere) through `sinklab-train` in this process or in a subprocess, or through the training function alone; small
+local corpora and run dirs, and reading metrics.csv."""
 import csv
-import os
-import subprocess
-import sys
+import warnings as _warnings
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Optional, Sequence
 
 import numpy as np
 
+from .cli import run_cli
 from .text import VERSE
 
 # a fast real training run (tests/train/test_train.py and the runs the evaluation tests train): 2 layers, d 64
@@ -18,46 +18,42 @@ FAST = ["model.n_layer=2", "model.d_model=64", "model.d_ff=128", "data.batch_siz
         "callbacks.checkpoint.every_n_train_steps=20", "optim.warmup_steps=5", "trainer.enable_progress_bar=false"]
 
 
-def train(out: Path, *overrides: str, check: bool = True, warnings: str = "ignore",
-          process: bool = False) -> SimpleNamespace:
-    """`sinklab-train paths.output_dir=OUT` with FAST and `overrides`: in this process (the console script's entry,
-    its stdout and stderr captured), or with `process=True` in a subprocess as a user runs it, for what only a
-    process shows (the warnings a user sees: `warnings` is the PYTHONWARNINGS filter). Returns (returncode, stdout,
-    stderr)."""
-    args = [f"paths.output_dir={out}", *FAST, *overrides]
-    if process:
-        proc = subprocess.run([sys.executable, "-m", "sinklab.train.entry", *args], capture_output=True, text=True,
-                              timeout=600, env={**os.environ, "PYTHONWARNINGS": warnings})
-        result = SimpleNamespace(returncode=proc.returncode, stdout=proc.stdout, stderr=proc.stderr)
-    else:
-        import contextlib
-        import io
-        import warnings as _warnings
+def train(out: Path, *overrides: str, recipe: Sequence[str] = FAST, check: bool = True,
+          warnings: Optional[str] = "ignore", process: bool = False, job: bool = True,
+          threads: Optional[int] = None) -> SimpleNamespace:
+    """Train `recipe` + `overrides` into `out` (paths.output_dir): a run dir and what the run gave.
 
-        stdout, stderr = io.StringIO(), io.StringIO()
-        with _warnings.catch_warnings(), contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
-            _warnings.simplefilter(warnings)
-            code = train_here(args)
-        result = SimpleNamespace(returncode=code, stdout=stdout.getvalue(), stderr=stderr.getvalue())
-    if check and result.returncode != 0:
-        raise AssertionError(f"training failed ({result.returncode}):\n{result.stdout[-3000:]}\n"
-                             f"{result.stderr[-3000:]}")
-    return result
+    - `sinklab-train` in this process (the default; `sinklab.train.entry.main`, stdout and stderr captured), or with
+      `process=True` in a subprocess as a user runs it, for what only a process shows (the warnings a user sees);
+      `warnings` is the warnings filter (PYTHONWARNINGS there). With `check`, a non-zero exit fails the test.
+    - `job=False`: the training function alone on the composed config (`sinklab.train.entry.train(compose(...))`),
+      without Hydra's job around it (no .hydra/, no exit code: an error raises); its final metrics in `final`, and
+      the warnings it gave, recorded under the filter `warnings`, in `warned` (messages). `threads`: torch's
+      threads while it trains (a tiny model is fastest on one), restored afterwards.
 
+    Returns (dir, returncode, stdout, stderr, final, warned)."""
+    args = [f"paths.output_dir={out}", *recipe, *overrides]
+    if job:
+        ran = run_cli("sinklab-train", *args, process=process, warnings=warnings, check=check)
+        return SimpleNamespace(dir=Path(out), returncode=ran.returncode, stdout=ran.stdout, stderr=ran.stderr,
+                               final=None, warned=[])
+    import torch
 
-def train_here(args: list[str]) -> int:
-    """`sinklab-train ARGS` in this process (the console script's `sinklab.train.entry.main`); its exit code."""
-    from sinklab.train.entry import main
+    from sinklab.config import compose
+    from sinklab.train.entry import train as train_config
 
-    old = sys.argv
-    sys.argv = ["sinklab-train", *args]
+    assert not process, "process=True runs sinklab-train: a Hydra job"
+    before = torch.get_num_threads()
     try:
-        main()
-        return 0
-    except SystemExit as e:
-        return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        with _warnings.catch_warnings(record=True) as caught:
+            if warnings is not None:
+                _warnings.simplefilter(warnings)
+            torch.set_num_threads(threads or before)
+            final = train_config(compose(args))
     finally:
-        sys.argv = old
+        torch.set_num_threads(before)
+    return SimpleNamespace(dir=Path(out), returncode=0, stdout="", stderr="", final=final,
+                           warned=[str(w.message) for w in caught])
 
 
 def natural_run(base: Path, name: str = "run") -> tuple[Path, object]:

@@ -23,7 +23,7 @@ import torch
 from sinklab.metrics.sink import attention_scores, brute_force_alpha
 from sinklab.model import ModelConfig, Transformer
 from sinklab.train.throughput import peak_memory
-from tests.helpers import fake_text, training_peak
+from tests.helpers import fake_text, run_cli, training_peak
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (CI runs on CPUs)")]
@@ -234,12 +234,12 @@ def test_scale_paper_trains_on_one_device_in_bf16_and_is_measured(tmp_path, caps
 
     import json
 
-    from sinklab.cli import main
-
     capsys.readouterr()
     ckpt = out / "checkpoints" / "last.ckpt"
-    assert main(["measure", str(ckpt), "--device", "cuda", "--input", "random", "--json"]) in (0, None)
-    report = json.loads(capsys.readouterr().out)
+    rc, printed, err = run_cli("sinklab", "measure", str(ckpt), "--device", "cuda", "--input", "random", "--json",
+                               capsys=capsys)
+    assert rc == 0, err
+    report = json.loads(printed)
     rates = report["sink"].values() if isinstance(report["sink"], dict) else [report["sink"]]
     assert all(0.0 <= float(v) <= 100.0 for v in rates)
     assert 0.0 <= report["alpha_mean"]["1"] <= 1.0

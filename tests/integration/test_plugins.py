@@ -20,7 +20,7 @@ from omegaconf import OmegaConf
 
 from sinklab.contracts.metrics import SWITCHES as METRIC_SWITCHES
 from sinklab.plugins import from_argv
-from tests.helpers import FAST, run_sinklab, train
+from tests.helpers import FAST, assert_one_line_error, finish, run_cli, start_cli, train
 
 OPS = '''
 """Scaled sigmoid attention: sigmoid(scaled_alpha * logit - 2) on the visible keys."""
@@ -175,21 +175,6 @@ def user_env(root: Path, **extra: str) -> dict[str, str]:
     return env
 
 
-def start(root: Path, *args: str, **env: str) -> subprocess.Popen:
-    """`python ARGS...` with the user's package on PYTHONPATH, started (several run at once)."""
-    return subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=user_env(root, **env))
-
-
-def done(proc: subprocess.Popen) -> subprocess.CompletedProcess:
-    out, err = proc.communicate(timeout=300)
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
-
-
-def run(root: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
-    return done(start(root, *args, **env))
-
-
 def test_an_external_op_and_metric_train_from_the_command_line(user_package, tmp_path, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", user_env(user_package)["PYTHONPATH"])
     monkeypatch.delenv("SINKLAB_PLUGINS", raising=False)
@@ -247,8 +232,9 @@ def test_check_component_passes_an_external_op_and_metric(user_package, tmp_path
     in_pytest = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                                   "test_user_contracts.py", "-k", "future or streamed"], cwd=tmp_path,
                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=user_env(user_package))
-    proc = run(user_package, "-m", "sinklab", "check-component", "labext.ops", "labext.metrics")
-    user = done(in_pytest)
+    proc = run_cli("sinklab", "check-component", "labext.ops", "labext.metrics", process=True,
+                   env=user_env(user_package))
+    user = finish(in_pytest)
     selected = 1 + len(METRIC_SWITCHES)  # the op's no-future check, the metric's streamed check on each switch
     assert user.returncode == 0 and f"{selected} passed," in user.stdout, user.stdout[-3000:]
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
@@ -259,7 +245,7 @@ def test_check_component_passes_an_external_op_and_metric(user_package, tmp_path
 
 
 def test_check_component_fails_a_broken_op_and_metric_one_line_per_check(user_package):
-    proc = run(user_package, "-m", "sinklab", "check-component", "labext.broken")
+    proc = run_cli("sinklab", "check-component", "labext.broken", process=True, env=user_env(user_package))
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-2000:]
     failed = [line for line in proc.stdout.splitlines() if line.startswith("FAIL ")]
     assert any(line.startswith("FAIL no information from the future: attn_op=leaky: AssertionError: changing "
@@ -274,15 +260,17 @@ def test_check_component_fails_a_broken_op_and_metric_one_line_per_check(user_pa
 
 
 def test_a_bad_knob_or_plugin_is_one_line(user_package):
-    started = [start(user_package, "-m", "sinklab.train.entry", "model/attn=scaled_sigmoid", "model.scaled_alpah=2"),
-               start(user_package, "-m", "sinklab.train.entry", "model.scaled_alpha=2"),  # the op is not selected
-               start(user_package, "-m", "sinklab.train.entry", SINKLAB_PLUGINS="labext.nope"),
-               start(user_package, "-m", "sinklab", "check-component", "json"),
-               start(user_package, "-m", "sinklab.train.entry", "plugins=clashpkg"),
-               start(user_package, "-m", "sinklab.train.entry", "plugins=labext.knob_window")]
-    typo, owner, missing, nothing, clash, window = (done(p) for p in started)
+    started = [start_cli("sinklab-train", "model/attn=scaled_sigmoid", "model.scaled_alpah=2",
+                         env=user_env(user_package)),
+               start_cli("sinklab-train", "model.scaled_alpha=2", env=user_env(user_package)),  # the op is not selected
+               start_cli("sinklab-train", env=user_env(user_package, SINKLAB_PLUGINS="labext.nope")),
+               start_cli("sinklab", "check-component", "json", env=user_env(user_package)),
+               start_cli("sinklab-train", "plugins=clashpkg", env=user_env(user_package)),
+               start_cli("sinklab-train", "plugins=labext.knob_window", env=user_env(user_package))]
+    typo, owner, missing, nothing, clash, window = (finish(p) for p in started)
     for proc in (typo, owner, missing, nothing, clash, window):
-        assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr[-2000:]
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        assert_one_line_error(proc.stderr)
     assert "model.scaled_alpah" in typo.stderr
     assert "model.scaled_alpha=2.0 applies to model.attn_op=scaled_sigmoid only" in owner.stderr
     assert missing.stderr.strip() == "error: plugin module 'labext.nope' (named by SINKLAB_PLUGINS) cannot be " \
@@ -310,7 +298,7 @@ def test_a_plugin_that_raises_on_import_is_named_above_its_traceback(user_packag
     (tmp_path / "boomext-0.1.dist-info" / "entry_points.txt").write_text("[sinklab.plugins]\nboom = boomext\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.delenv("SINKLAB_PLUGINS", raising=False)
-    rc, out, err = run_sinklab(capsys, "eval", "streaming", "--help")
+    rc, out, err = run_cli("sinklab", "eval", "streaming", "--help")
     entry = subprocess.CompletedProcess([], rc, out, err)
     env, argv = (done(p) for p in started)
     cases = [(env, "sinklab components", "'labext.boom' (named by SINKLAB_PLUGINS) raised RuntimeError",
@@ -338,11 +326,11 @@ def test_a_sweep_of_external_ops_runs_under_the_submitit_launcher(user_package, 
     """`sinklab-train -m hydra/launcher=submitit_local plugins=...`: each job, in its own process, finds the plugin
     (SINKLAB_PLUGINS, exported by the entry point) and trains with its knob's value (~45 s)."""
     sweep = tmp_path / "sweep"
-    proc = run(user_package, "-m", "sinklab.train.entry", "-m", "hydra/launcher=submitit_local",
-               "hydra.launcher.timeout_min=5", f"hydra.sweep.dir={sweep}", *FAST, "plugins=labext.metrics",
-               "model/attn=scaled_sigmoid", "model.scaled_alpha=1.5,3", "trainer.max_steps=3",
-               "trainer.val_check_interval=3", "callbacks.sink.every_n_steps=3",
-               "callbacks.checkpoint.every_n_train_steps=3")
+    proc = run_cli("sinklab-train", "-m", "hydra/launcher=submitit_local", "hydra.launcher.timeout_min=5",
+                   f"hydra.sweep.dir={sweep}", *FAST, "plugins=labext.metrics", "model/attn=scaled_sigmoid",
+                   "model.scaled_alpha=1.5,3", "trainer.max_steps=3", "trainer.val_check_interval=3",
+                   "callbacks.sink.every_n_steps=3", "callbacks.checkpoint.every_n_train_steps=3", process=True,
+                   env=user_env(user_package))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for job, alpha in (("0", 1.5), ("1", 3.0)):
         assert OmegaConf.load(sweep / job / ".hydra" / "config.yaml").model.scaled_alpha == alpha

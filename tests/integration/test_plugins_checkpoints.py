@@ -21,7 +21,7 @@ from sinklab.errors import UserError
 from sinklab.model import ModelConfig
 from sinklab.model.ops.base import AttentionOp
 from sinklab.model.registry import ATTENTION_OPS
-from tests.helpers import run_sinklab, save_ckpt, small_model
+from tests.helpers import run_cli, save_ckpt, small_model
 
 PLANTED = "planted_sinklab_op"  # a module name no other test imports
 PLANTED_SOURCE = '''
@@ -81,7 +81,7 @@ def test_a_checkpoint_naming_a_module_is_refused_and_never_imports_it(planted, c
     with pytest.raises(UserError) as refused:
         sinklab.load_model(path)
     assert_refused(str(refused.value), path)
-    rc, out, err = run_sinklab(capsys, "measure", str(path), "--input", "random", "--num-seqs", "2")
+    rc, out, err = run_cli("sinklab", "measure", str(path), "--input", "random", "--num-seqs", "2")
     assert rc == 2 and out == ""
     assert_refused(err.removeprefix("sinklab measure: error: "), path)
     with pytest.raises(UserError) as resumed:  # resuming training reads the saved model through the same check

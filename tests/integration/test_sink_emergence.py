@@ -14,14 +14,12 @@ lr 1e-2, 1 layer, 1 head).
 With one torch thread the two training runs take ~10 s each (sigmoid run alone: 8.5 s at load ~2.7); with torch's
 default 2 threads on the shared 2-core machine they took 31 s + 126 s, and 14 min in all at load ~7.
 """
-import csv
 import time
-from pathlib import Path
 
 import torch
 
-from sinklab.config import compose
 from sinklab.data.synthetic import SyntheticDataModule
+from tests.helpers import rows as metric_rows, train
 
 STEPS = 400
 TINY = ["~scale", "data=synthetic", "data.task=seen_flag", "model.n_layer=1", "model.n_head=1", "model.d_model=64",
@@ -29,20 +27,6 @@ TINY = ["~scale", "data=synthetic", "data.task=seen_flag", "model.n_layer=1", "m
         "callbacks.sink.every_n_steps=100", f"trainer.val_check_interval={STEPS}", "trainer.limit_val_batches=2",
         "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false", "callbacks.checkpoint=null",
         "callbacks.sink.heatmap=false", "seed=0"]
-
-
-def run(out: Path, *overrides: str) -> tuple[dict, list[dict]]:
-    from sinklab.train.entry import train
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny model: one thread is fastest, and 2 threads on shared cores ran ~10x slower
-    try:
-        final = train(compose([f"paths.output_dir={out}", *TINY, *overrides]))
-    finally:
-        torch.set_num_threads(threads)
-    with open(out / "metrics.csv") as f:
-        rows = [r for r in csv.DictReader(f) if r.get("sink/alpha1")]
-    return final, rows
 
 
 def test_synthetic_datamodule_api():
@@ -74,7 +58,9 @@ def test_synthetic_datamodule_api():
 
 def test_pipeline_detects_sink_for_softmax_and_none_for_sigmoid(tmp_path):
     t0 = time.perf_counter()
-    final, rows = run(tmp_path / "softmax")
+    # tiny model: one thread is fastest, and 2 threads on shared cores ran ~10x slower
+    final = train(tmp_path / "softmax", recipe=TINY, job=False, threads=1).final
+    rows = [r for r in metric_rows(tmp_path / "softmax" / "metrics.csv") if r.get("sink/alpha1")]
     t_softmax = time.perf_counter() - t0
     sink = [(int(r["step"]), float(r["sink/sink1"]), float(r["sink/alpha1"])) for r in rows]
     assert sink[-1][0] == STEPS
@@ -83,7 +69,8 @@ def test_pipeline_detects_sink_for_softmax_and_none_for_sigmoid(tmp_path):
     assert final["sink/alpha1"] >= 0.35, sink
     assert final["sink/alpha1"] > sink[0][2] or sink[0][1] >= 80.0, sink  # it rose (or was already there)
 
-    final_sig, rows_sig = run(tmp_path / "sigmoid", "model.attn_op=sigmoid")
+    final_sig = train(tmp_path / "sigmoid", "model.attn_op=sigmoid", recipe=TINY, job=False, threads=1).final
+    rows_sig = [r for r in metric_rows(tmp_path / "sigmoid" / "metrics.csv") if r.get("sink/alpha1")]
     # no row normalisation: the metric scores the renormalised map (Sink*), which stays near zero
     # (the raw map is no distribution: its Sink_1 is ~100% because the unnormalised row sums are large; the
     # renormalised score is the one that counts). Measured at step 400: Sink*_1 16% (seed 0), 0% (seed 1).

@@ -2,32 +2,21 @@
 [0, 100] %, cosines in [-1, 1], norms and losses >= 0, MFU in (0, 1], SiLU gate scores >= their minimum -0.278. A
 utilisation above 1 is never logged."""
 import math
-import warnings
 
 import pandas as pd
 import pytest
 
-from sinklab.config import compose
 from sinklab.metrics.base import all_bounds, bounds
-from sinklab.train.entry import train as train_cfg
+from tests.helpers import train
 
 SHORT = ["trainer.max_steps=30", "trainer.val_check_interval=15", "callbacks.sink.every_n_steps=15",
          "trainer.log_every_n_steps=5", "trainer.enable_progress_bar=false", "data.batch_size=8"]
 
 
-def train(tmp_path, *overrides):
-    """A SHORT run trained in this process (`train(cfg)`): its metrics.csv and the warnings it gave, one a line."""
-    out = tmp_path / "run"
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        train_cfg(compose([*SHORT, *overrides, f"paths.output_dir={out}"]))
-    return pd.read_csv(out / "metrics.csv"), "\n".join(str(w.message) for w in caught)
-
-
 @pytest.mark.parametrize("switches", [[], ["model/bias=kv", "model/attn=sigmoid"], ["model/gate=elementwise_silu"]],
                          ids=["softmax", "kv_sigmoid", "silu_gate"])
 def test_every_logged_metric_is_within_its_bounds(tmp_path, switches):
-    metrics, _ = train(tmp_path, *switches)
+    metrics = pd.read_csv(train(tmp_path / "run", *switches, recipe=SHORT, job=False).dir / "metrics.csv")
     families = {"sink/sink1", "sink/alpha1", "act/cos_q_k1", "act/massive_ratio", "train/loss", "val/loss",
                 "perf/tokens_per_sec", "lr-AdamW", "act/resid_inf_norm", "act/attn_kurtosis", "act/attn_top_median",
                 "act/layer1/resid_sink_ratio", "act/resid_sink_channel_share", "act/layer0/ffn_norm_min",
@@ -47,7 +36,9 @@ def test_every_logged_metric_is_within_its_bounds(tmp_path, switches):
 
 
 def test_an_mfu_above_one_is_dropped_with_a_warning(tmp_path):
-    metrics, warned = train(tmp_path, "peak_flops=1000.0", "callbacks.sink=null")  # any step beats 1 kFLOP/s
+    run = train(tmp_path / "run", "peak_flops=1000.0", "callbacks.sink=null", recipe=SHORT, job=False,
+                warnings="always")  # any step beats 1 kFLOP/s
+    metrics, warned = pd.read_csv(run.dir / "metrics.csv"), "\n".join(run.warned)
     assert "perf/mfu" not in metrics.columns and metrics["perf/tokens_per_sec"].notna().any()
     assert "perf/mfu dropped" in warned and "peak_flops=1000.0" in warned
 

@@ -11,22 +11,15 @@ import torch
 
 from sinklab.runs.checkpoints import load_model
 from sinklab.metrics.base import bounds
-from sinklab.cli.measure import main
 from sinklab.metrics import activation_stats, flatten_activation_stats, gate_stats, record_gates
 from sinklab.metrics.gates import GATE_KEYS
 from sinklab.runs.run_data import probe_tokens
-from tests.helpers import small_model, token_ids, train_here
+from tests.helpers import run_cli, small_model, token_ids, train
 
 STEPS = 4
 TINY = ["model.n_layer=2", "model.d_model=64", "model.d_ff=128", "data.batch_size=8", f"trainer.max_steps={STEPS}",
         "trainer.val_check_interval=2", "trainer.limit_val_batches=2", "callbacks.sink.every_n_steps=2",
         f"callbacks.checkpoint.every_n_train_steps={STEPS}", "trainer.enable_progress_bar=false"]
-
-
-def train(out: Path, *overrides: str) -> Path:
-    """`sinklab-train` in this process."""
-    assert train_here([f"paths.output_dir={out}", *TINY, *overrides]) == 0
-    return out
 
 
 def measured_rows(run: Path) -> list[dict]:
@@ -35,21 +28,14 @@ def measured_rows(run: Path) -> list[dict]:
         return [r for r in csv.DictReader(f) if r.get("sink/sink1") not in (None, "")]
 
 
-def measure(capsys, *args: str):
-    rc = main(list(args))
-    out, err = capsys.readouterr()
-    assert rc == 0, err
-    return out
-
-
 @pytest.fixture(scope="module")
 def gated(tmp_path_factory):
-    return train(tmp_path_factory.mktemp("gated") / "run", "model/gate=elementwise")
+    return train(tmp_path_factory.mktemp("gated") / "run", "model/gate=elementwise", recipe=TINY).dir
 
 
 @pytest.fixture(scope="module")
 def ungated(tmp_path_factory):
-    return train(tmp_path_factory.mktemp("ungated") / "run", "model/gate=none")
+    return train(tmp_path_factory.mktemp("ungated") / "run", "model/gate=none", recipe=TINY).dir
 
 
 GATE_NAMES = [f"act/{prefix}{key}" for prefix in ("", "layer0/", "layer1/") for key in GATE_KEYS]
@@ -72,7 +58,7 @@ def test_a_gated_run_logs_the_gate_statistics_within_bounds(gated):
 
 
 def test_measure_json_returns_gate_stats_of_the_probe_set(gated, capsys):
-    res = json.loads(measure(capsys, str(gated), "--json"))
+    res = json.loads(run_cli("sinklab", "measure", str(gated), "--json", capsys=capsys, check=True).stdout)
     model = load_model(gated / "checkpoints" / "last.ckpt").eval()
     probe = probe_tokens(gated, None, None)
     assert res["model"]["gate"] == "elementwise" and (res["num_seqs"], res["seq_len"]) == tuple(probe.shape)
@@ -91,7 +77,7 @@ def test_measure_json_returns_gate_stats_of_the_probe_set(gated, capsys):
     assert int(last["step"]) == STEPS
     for key in GATE_KEYS:
         assert float(last[f"act/{key}"]) == pytest.approx(direct[key], rel=1e-5, abs=1e-7), key
-    lines = measure(capsys, str(gated)).splitlines()
+    lines = run_cli("sinklab", "measure", str(gated), capsys=capsys, check=True).stdout.splitlines()
     gates = lines.index("gate scores act(X W_theta) per layer (model.gate=elementwise, gate_act=sigmoid; real tokens)")
     all_row = next(line for line in lines[gates:] if line.split()[:1] == ["all"])  # over all layers
     assert all_row.split() == ["all", f"{direct['gate_mean']:.4f}", f"{100 * direct['gate_low_share']:.1f}",
@@ -102,9 +88,9 @@ def test_a_run_without_a_gate_logs_and_measures_no_gate_statistics(ungated, caps
     rows = measured_rows(ungated)
     assert rows and not [name for name in rows[0] if "gate" in name]
     assert float(rows[-1]["act/massive_ratio"]) > 0  # the activation statistics of the same forward are there
-    res = json.loads(measure(capsys, str(ungated), "--json"))
+    res = json.loads(run_cli("sinklab", "measure", str(ungated), "--json", capsys=capsys, check=True).stdout)
     assert res["gates"] == {} and res["model"]["gate"] == "none"
-    assert "gate scores" not in measure(capsys, str(ungated))
+    assert "gate scores" not in run_cli("sinklab", "measure", str(ungated), capsys=capsys, check=True).stdout
 
 
 @pytest.mark.parametrize("act", ["sigmoid", "silu"])

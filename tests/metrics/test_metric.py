@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from sinklab.metrics import (activation_stats, attention_scores, brute_force_alpha, column_scores,
                              flatten_activation_stats, qkv_stats, sink_rate, slot_names, summarise)
 from sinklab.metrics import attention_maps, massive, norms, outliers, residual_sinks
+from tests.helpers import small_model
 
 NORM_KEYS, OUTLIER_KEYS = norms.KEYS, outliers.KEYS
 STAT_KEYS = massive.KEYS + norms.KEYS + outliers.KEYS + residual_sinks.PER_LAYER  # activation_stats lists
@@ -53,8 +54,8 @@ def test_sink_is_averaged_over_sequences_not_pooled():
                                 dict(window=6), dict(pos="alibi"), dict(sink_logit="learned"),
                                 dict(attn_op="softpick")],
                          ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()) or "default")
-def test_efficient_route_equals_brute_force(make_model, sw):
-    m = make_model(**sw)
+def test_efficient_route_equals_brute_force(sw):
+    m = small_model(**sw)
     tokens = torch.randint(0, 97, (5, 24), generator=torch.Generator().manual_seed(1))
     fast = attention_scores(m, tokens, k=4, batch_size=2, chunk=7)  # chunks that do not divide T
     slow = brute_force_alpha(m, tokens, k=4)
@@ -69,9 +70,9 @@ def test_efficient_route_equals_brute_force(make_model, sw):
 @pytest.mark.parametrize("sw", [{}, dict(attn_op="sigmoid"), dict(attn_bias="k"), dict(n_sink_tokens=1),
                                 dict(attn_bias="kv", n_sink_tokens=2, attn_op="elu")],
                          ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()) or "softmax")
-def test_efficient_route_is_exact_at_T64(make_model, sw):
+def test_efficient_route_is_exact_at_T64(sw):
     """The issue's exactness bar: <= 1e-5 against the full maps at T = 64 (block_size 64)."""
-    m = make_model(block_size=64, **sw)
+    m = small_model(block_size=64, **sw)
     tokens = torch.randint(0, 97, (3, 64), generator=torch.Generator().manual_seed(2))
     fast = attention_scores(m, tokens, k=4, batch_size=2, chunk=24)  # 24 + 24 + 16 query rows
     with torch.no_grad():
@@ -110,8 +111,8 @@ def test_qkv_stats_against_pairwise_definition():
     assert out["k1"].mean() < 0.5  # the shrunk first key is seen
 
 
-def test_flatten_activation_stats_emits_every_per_layer_value(make_model):
-    m = make_model(n_layer=3)
+def test_flatten_activation_stats_emits_every_per_layer_value():
+    m = small_model(n_layer=3)
     stats = activation_stats(m, torch.randint(0, 97, (4, 24), generator=torch.Generator().manual_seed(3)),
                              batch_size=3)
     layer_free = {"h_avg", "resid_sink_channel_share", "final_norm_min"}  # (L, d) lists and scalars
@@ -135,8 +136,8 @@ def test_flatten_activation_stats_emits_every_per_layer_value(make_model):
                for i in range(3))
 
 
-def test_bias_slot_and_sink_tokens_are_scored_apart(make_model):
-    m = make_model(attn_bias="kv", n_sink_tokens=1)
+def test_bias_slot_and_sink_tokens_are_scored_apart():
+    m = small_model(attn_bias="kv", n_sink_tokens=1)
     tokens = torch.randint(0, 97, (3, 24))
     scores = attention_scores(m, tokens)
     assert scores.slot.shape == (3, 2, 4, 2) and slot_names(m.cfg) == ["bias", "token0"]
@@ -149,17 +150,17 @@ def test_bias_slot_and_sink_tokens_are_scored_apart(make_model):
     assert "slot_bias" in out and "slot_token0" in out and "sink1" in out
 
 
-def test_star_only_for_unnormalised_ops(make_model):
+def test_star_only_for_unnormalised_ops():
     tokens = torch.randint(0, 97, (2, 24))
-    assert attention_scores(make_model(), tokens).alpha_star is None
-    assert attention_scores(make_model(attn_op="sigmoid", attn_normalize=True), tokens).alpha_star is None
-    star = attention_scores(make_model(attn_op="sigmoid"), tokens).alpha_star
+    assert attention_scores(small_model(), tokens).alpha_star is None
+    assert attention_scores(small_model(attn_op="sigmoid", attn_normalize=True), tokens).alpha_star is None
+    star = attention_scores(small_model(attn_op="sigmoid"), tokens).alpha_star
     assert star is not None and torch.all(star <= 1)
 
 
-def test_memory_of_efficient_route_does_not_hold_full_maps(make_model):
+def test_memory_of_efficient_route_does_not_hold_full_maps():
     """At T = 512 one full map stack is 2 x 4 x 512 x 512 floats per sequence; the chunked route never builds it."""
-    m = make_model(block_size=512)
+    m = small_model(block_size=512)
     tokens = torch.randint(0, 97, (1, 512))
     seen = []
     orig = m.blocks[0].attn.probs

@@ -1,6 +1,6 @@
 """The contract every registered metric passes (sinklab/metrics/base.py), without new test code for a new metric:
-- every value it logs has physical bounds and lies within them, on random models of several switches and on a
-  trained one;
+- every value it logs has physical bounds and lies within them, on random models (SWITCHES: one per component that
+  changes what a metric is given, and per mask) and on a trained one;
 - the hooked, streamed value (batches of 2 sequences, maps in chunks of 7 query rows, one layer at a time) equals
   the direct computation (every sequence at once, every layer's whole explicit map from one forward);
 - a sinklab model exported to Hugging Face gives the same values through the Hugging Face path (`HFRecorder`) as

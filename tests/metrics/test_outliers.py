@@ -9,7 +9,7 @@ from sinklab.metrics import (Context, activation_stats, attention_maps, attentio
 from sinklab.metrics.activations import attention_output_stats
 from sinklab.metrics.outliers import Outliers, kurtosis, norm_weight_minima, residual_sink_summary, weight_min
 from sinklab.metrics.residual_sinks import ResidualSinks
-from tests.helpers import token_ids
+from tests.helpers import small_model, token_ids
 
 
 # ------------------------------------------------------------------------------------------------ kurtosis
@@ -66,9 +66,9 @@ def test_a_planted_channel_is_the_top_channel_with_its_ratio():
                     "resid_sink_channel_share": 0.5}
 
 
-def test_residual_sink_of_a_planted_embedding_channel(make_model):
+def test_residual_sink_of_a_planted_embedding_channel():
     """Channel 7 of every embedding is 40: it rides the residual stream through every block."""
-    m = make_model(n_layer=3)
+    m = small_model(n_layer=3)
     with torch.no_grad():
         m.tok_emb.weight[:, 7] = 40.0
     tokens = token_ids(3, 24)
@@ -91,10 +91,10 @@ def test_residual_sink_of_a_planted_embedding_channel(make_model):
 # ------------------------------------------------------------------------------------------------ brute force
 @pytest.mark.parametrize("sw", [{}, dict(attn_bias="kv", n_sink_tokens=1), dict(norm_position="post")],
                          ids=["default", "kv_sink_token", "post_norm"])
-def test_outliers_equal_brute_force_over_hooks(make_model, sw):
+def test_outliers_equal_brute_force_over_hooks(sw):
     """Per layer, from forward hooks on the blocks and on o_proj (not the records): inf-norm and kurtosis per
     sequence, averaged; the attention output's max over sequences / mean median; real tokens only."""
-    m = make_model(**sw)
+    m = small_model(**sw)
     S = m.cfg.n_sink_tokens
     tokens = token_ids(5, 24, seed=2)
     stats = activation_stats(m, tokens, batch_size=2)
@@ -119,8 +119,8 @@ def test_outliers_equal_brute_force_over_hooks(make_model, sw):
 
 
 # ------------------------------------------------------------------------------------------------ norm weights
-def test_norm_weight_minima_find_a_planted_small_weight(make_model):
-    m = make_model(n_layer=3)
+def test_norm_weight_minima_find_a_planted_small_weight():
+    m = small_model(n_layer=3)
     with torch.no_grad():
         m.blocks[1].norm2.weight[3] = 0.02
         m.blocks[2].norm1.weight[5] = -0.01  # a sign flip is not a collapse: |w| counts
@@ -131,7 +131,7 @@ def test_norm_weight_minima_find_a_planted_small_weight(make_model):
     flat = flatten_activation_stats({**got})
     assert flat["norm_min"] == pytest.approx(0.01) and flat["layer1/ffn_norm_min"] == pytest.approx(0.02)
     # LayerNorm has a weight too; a post-norm model has no final norm (nn.Identity: no weight, nothing logged)
-    post = make_model(norm_position="post", norm="layer")
+    post = small_model(norm_position="post", norm="layer")
     got = norm_weight_minima(post)
     assert got["final_norm_min"] is None and got["attn_norm_min"] == [1.0, 1.0]
     assert "final_norm_min" not in flatten_activation_stats(got) and weight_min(torch.nn.Identity()) is None
@@ -143,8 +143,8 @@ def test_norm_weight_minima_find_a_planted_small_weight(make_model):
 
 
 # ------------------------------------------------------------------------------------------------ first token
-def test_first_token_attention_is_alpha1_and_the_brute_force_mean(make_model):
-    m = make_model(attn_bias="kv")
+def test_first_token_attention_is_alpha1_and_the_brute_force_mean():
+    m = small_model(attn_bias="kv")
     tokens = token_ids(3, 24, seed=4)
     summary = summarise(attention_scores(m, tokens), (0.3,))
     ftok = first_token_attention(summary)
@@ -154,8 +154,8 @@ def test_first_token_attention_is_alpha1_and_the_brute_force_mean(make_model):
         assert ftok[f"layer{i}/first_token_attn"] == pytest.approx(p[..., 1].mean().item(), abs=1e-6)
 
 
-def test_every_new_logged_name_has_bounds(make_model):
-    flat = flatten_activation_stats(activation_stats(make_model(), token_ids(2, 24)))
+def test_every_new_logged_name_has_bounds():
+    flat = flatten_activation_stats(activation_stats(small_model(), token_ids(2, 24)))
     for name in list(flat) + ["first_token_attn", "layer0/first_token_attn"]:
         limits = bounds("act/" + name)
         assert limits is not None, name

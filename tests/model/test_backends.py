@@ -12,8 +12,8 @@ import torch
 
 from sinklab.model import ConfigError, ModelConfig, Transformer, backends
 from sinklab.model.config import KEPT_MAPS_BUDGET, preset
-from tests.helpers import (REPO, SMALL, assert_same_logits_and_grads, logits_and_grads, small_model, token_ids,
-                           training_peak)
+from tests.helpers import (REPO, SMALL, assert_one_line_error, assert_same_logits_and_grads, logits_and_grads,
+                           small_model, token_ids, training_peak)
 
 
 @pytest.mark.parametrize("bad,message", [
@@ -25,7 +25,7 @@ from tests.helpers import (REPO, SMALL, assert_same_logits_and_grads, logits_and
 def test_a_bad_execution_choice_is_one_line_naming_the_key(bad, message):
     with pytest.raises(ConfigError) as err:
         ModelConfig(**SMALL, **bad)
-    assert str(err.value).startswith(message) and "\n" not in str(err.value)
+    assert_one_line_error(err, starts=message)
 
 
 def test_the_backend_is_resolved_in_one_place():

@@ -17,7 +17,7 @@ import pytest
 
 from sinklab.contracts import component_checks as contract
 from sinklab.model import FAMILIES
-from tests.helpers import case_id, component_cases, covering
+from tests.helpers import REPO, case_id, component_cases, covering, run_cli
 
 CASES = component_cases()
 # the default suite: every registered component and every value of each of its knobs (covering); the rest of the
@@ -115,18 +115,29 @@ def test_every_contract_check_runs_here():
 def test_components_command_lists_every_registered_component(capsys):
     import json
 
-    from sinklab.cli import main
-
-    assert main(["components", "--json"]) == 0
-    listed = {(e["key"], e["name"]): e for e in json.loads(capsys.readouterr().out)}
+    rc, out, err = run_cli("sinklab", "components", "--json", capsys=capsys)
+    assert rc == 0, err
+    listed = {(e["key"], e["name"]): e for e in json.loads(out)}
     for registry in FAMILIES:
         for name in registry.names():
             entry = listed[(f"model.{registry.key}", name)]
             assert entry["files"] and entry["about"], entry
     assert listed[("model.attn_op", "sigmoid")]["knobs"] == {"attn_normalize": False, "sigmoid_bias": 0.0}
-    assert main(["components"]) == 0  # the table the README points to
-    table = capsys.readouterr().out
+    rc, table, err = run_cli("sinklab", "components", capsys=capsys)  # the table the README points to
+    assert rc == 0, err
     assert "model.attn_op=sigmoid" in table and "knobs: attn_normalize=False, sigmoid_bias=0.0" in table
+
+
+def test_extending_md_names_every_registry():
+    """docs/extending.md, which says how the model is put together, names each family's registry with the key that
+    selects it: a new family cannot go undocumented."""
+    from sinklab.model import registry
+
+    text = (REPO / "docs" / "extending.md").read_text()
+    names = {id(value): name for name, value in vars(registry).items() if isinstance(value, registry.Registry)}
+    missing = [f"`{names[id(r)]}` (`model.{r.key}`)" for r in FAMILIES
+               if f"`{names[id(r)]}` (`model.{r.key}`" not in " ".join(text.split())]
+    assert not missing, f"docs/extending.md does not name {missing}"
 
 
 def test_the_default_suite_has_every_component_and_every_knob_value():

@@ -3,16 +3,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from sinklab.cli.export_hf import main
 from sinklab.export.llama import unrepresentable
 from sinklab.model import ModelConfig, Transformer
-from tests.helpers import REPO, natural_run, save_ckpt
+from tests.helpers import REPO, assert_one_line_error, natural_run, run_cli, save_ckpt
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "offline",
        "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
@@ -35,8 +32,8 @@ def test_gqa_export_has_the_same_logits(tmp_path, capsys):
     model = random_model(n_kv_head=2, rope_base=500.0, norm_eps=1e-6)
     ckpt = save_ckpt(model, tmp_path / "m.ckpt")
     out = tmp_path / "hf"
-    assert main([str(ckpt), str(out), "--no-tokenizer"]) == 0, capsys.readouterr().err
-    printed = capsys.readouterr().out
+    rc, printed, err = run_cli("sinklab", "export-hf", str(ckpt), str(out), "--no-tokenizer", capsys=capsys)
+    assert rc == 0, err
     assert "check: max |logit difference|" in printed and "tokenizer: skipped" in printed
     assert (out / "config.json").is_file() and (out / "model.safetensors").is_file()
     config = json.loads((out / "config.json").read_text())
@@ -57,9 +54,9 @@ def test_gqa_export_has_the_same_logits(tmp_path, capsys):
 
 def test_refuses_what_llama_cannot_represent(tmp_path, capsys):
     ckpt = save_ckpt(random_model(pos="alibi"), tmp_path / "alibi.ckpt")
-    assert main([str(ckpt), str(tmp_path / "out")]) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "model.pos=alibi (LLaMA needs rope)" in err
+    rc, out, err = run_cli("sinklab", "export-hf", str(ckpt), str(tmp_path / "out"), capsys=capsys)
+    assert rc == 2
+    assert_one_line_error(err, "model.pos=alibi (LLaMA needs rope)")
     assert not (tmp_path / "out").exists()
 
     cfg = ModelConfig(**SMALL, attn_bias="kv", norm="layer", window=8).validate()
@@ -74,22 +71,23 @@ def test_refuses_what_llama_cannot_represent(tmp_path, capsys):
             ["model." + next(iter(overrides))]
 
     # the module entry point, and an output dir that is not empty
-    proc = subprocess.run([sys.executable, "-m", "sinklab", "export-hf", str(ckpt), str(tmp_path / "o2")],
-                          capture_output=True, text=True, env=ENV, cwd=REPO, timeout=60)
-    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "model.pos=alibi" in proc.stderr
+    proc = run_cli("sinklab", "export-hf", str(ckpt), str(tmp_path / "o2"), process=True, env=ENV, timeout=60)
+    assert proc.returncode == 2
+    assert_one_line_error(proc.stderr, "model.pos=alibi")
     ok = save_ckpt(random_model(), tmp_path / "ok.ckpt")
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "x").write_text("x")
-    assert main([str(ok), str(tmp_path / "full")]) == 2
-    assert "OUT_DIR" in capsys.readouterr().err
+    rc, out, err = run_cli("sinklab", "export-hf", str(ok), str(tmp_path / "full"), capsys=capsys)
+    assert rc == 2 and "OUT_DIR" in err
 
 
 def test_exports_the_runs_tokenizer(tmp_path, capsys):
     transformers = pytest.importorskip("transformers")
     run, dm = natural_run(tmp_path)
     save_ckpt(random_model(vocab_size=dm.vocab_size), run / "checkpoints" / "last.ckpt")
-    assert main([str(run), str(tmp_path / "hf")]) == 0, capsys.readouterr().err
-    assert "tokenizer: from the run's data module" in capsys.readouterr().out
+    rc, out, err = run_cli("sinklab", "export-hf", str(run), str(tmp_path / "hf"), capsys=capsys)
+    assert rc == 0, err
+    assert "tokenizer: from the run's data module" in out
     tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
     text = "the quick brown fox sings of golden hills"
     assert tok(text)["input_ids"] == dm.tokenizer.encode(text).ids

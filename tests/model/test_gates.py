@@ -10,7 +10,7 @@ from sinklab.metrics import attention_maps
 
 from sinklab.metrics.gates import gate_stats, record_gates
 from sinklab.model import ATTENTION_OPS, ConfigError, ModelConfig
-from tests.helpers import SMALL, small_model, token_ids
+from tests.helpers import SMALL, assert_one_line_error, run_cli, small_model, token_ids
 
 H, HD, D = 4, 8, 32  # SMALL's heads, head width and model width
 ACTS = {"sigmoid": torch.sigmoid, "silu": F.silu}
@@ -141,7 +141,7 @@ def test_fused_and_explicit_paths_agree_under_gqa_and_rope(position, gate, share
 def test_impossible_gate_and_clipping_settings_are_refused_in_one_line(bad, match):
     with pytest.raises(ConfigError, match=match) as e:
         ModelConfig(**{**SMALL, **bad})
-    assert "\n" not in str(e.value)
+    assert_one_line_error(e)
 
 
 def test_default_gate_is_g1_sigmoid_head_specific_with_the_0_1_parameter_name():
@@ -228,10 +228,9 @@ def test_clipped_softmax_gives_exact_zeros_and_is_scored_with_sink_star():
 
 
 def test_components_lists_the_gate_knobs_and_clipped_softmax(capsys):
-    from sinklab.cli import main
-
-    assert main(["components", "--json"]) == 0
-    listed = {(e["key"], e["name"]): e for e in json.loads(capsys.readouterr().out)}
+    rc, out, err = run_cli("sinklab", "components", "--json", capsys=capsys)
+    assert rc == 0, err
+    listed = {(e["key"], e["name"]): e for e in json.loads(out)}
     knobs = {"gate_position": "G1", "gate_shared": False, "gate_act": "sigmoid"}
     assert listed[("model.gate", "headwise")]["knobs"] == listed[("model.gate", "elementwise")]["knobs"] == knobs
     assert {"model/gate=g2_elementwise", "model/gate=g5_elementwise", "model/gate=elementwise_shared",

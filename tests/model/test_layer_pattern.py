@@ -10,7 +10,7 @@ from sinklab.metrics.record import attention_maps
 from sinklab.model import ConfigError, ModelConfig
 from sinklab.model.ops.kernel import KernelAttention
 from sinklab.model.ops.softmax import LearnedSinkLogitSoftmax, Softmax
-from tests.helpers import SMALL, small_model, token_ids
+from tests.helpers import SMALL, assert_one_line_error, small_model, token_ids
 
 
 def test_the_pattern_repeats_over_the_depth_and_is_cut_at_n_layer():
@@ -90,7 +90,7 @@ def test_the_ops_of_a_pattern_own_their_knobs():
 def test_bad_patterns_are_refused_in_one_line(overrides, message):
     with pytest.raises(ConfigError) as err:
         ModelConfig(**{**SMALL, **overrides})
-    assert message in str(err.value) and "\n" not in str(err.value), str(err.value)
+    assert_one_line_error(err, message)
 
 
 def test_export_hf_refuses_a_pattern():

@@ -7,10 +7,11 @@ import torch
 from sinklab.metrics import attention_maps
 
 from sinklab.model import PRESETS, ConfigError, ModelConfig, Transformer, preset
+from tests.helpers import small_model
 
 
-def test_shapes_and_default_architecture(make_model):
-    m = make_model()
+def test_shapes_and_default_architecture():
+    m = small_model()
     idx = torch.randint(0, 97, (3, 24))
     assert m(idx).shape == (3, 24, 97)
     assert m(idx, return_hidden=True).shape == (3, 24, 32)
@@ -28,8 +29,8 @@ def test_init_std_matches_reference():
     assert abs(m.blocks[0].attn.q_proj.weight.std().item() - math.sqrt(2 / (5 * 256))) < 3e-3
 
 
-def test_causality(make_model):
-    m = make_model()
+def test_causality():
+    m = small_model()
     idx = torch.randint(0, 97, (2, 24))
     ref = m(idx)
     changed = idx.clone()
@@ -39,11 +40,11 @@ def test_causality(make_model):
     assert (out[:, 15:] - ref[:, 15:]).abs().max() > 1e-4
 
 
-def test_fused_and_explicit_paths_agree(make_model):
-    m = make_model()
+def test_fused_and_explicit_paths_agree():
+    m = small_model()
     idx = torch.randint(0, 97, (2, 24))
     fused = m(idx)
-    explicit = make_model(attn_backend="explicit")(idx)
+    explicit = small_model(attn_backend="explicit")(idx)
     probs = attention_maps(m, idx)
     torch.testing.assert_close(fused, explicit, atol=1e-5, rtol=1e-5)
     assert len(probs) == 2 and probs[0].shape == (2, 4, 24, 24)

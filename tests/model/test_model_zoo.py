@@ -9,7 +9,7 @@ from sinklab.config import validate_config
 from sinklab.metrics import attention_maps
 from sinklab.model import FAMILIES, PRESETS, ModelConfig, Transformer
 from sinklab.model.positional import Rotary, alibi_slopes
-from tests.helpers import REPO, configs, explicit_logits, layer_records
+from tests.helpers import REPO, configs, explicit_logits, layer_records, small_model
 
 V = 97
 
@@ -22,8 +22,8 @@ def maps(m, idx):
     return attention_maps(m, idx)
 
 
-def test_window_hides_tokens_before_the_window(make_model):
-    m = make_model(window=4, n_layer=1)
+def test_window_hides_tokens_before_the_window():
+    m = small_model(window=4, n_layer=1)
     idx = ids()
     ref = m(idx)
     changed = idx.clone()
@@ -35,8 +35,8 @@ def test_window_hides_tokens_before_the_window(make_model):
     assert torch.all(a[..., 20, :17] == 0) and torch.all(a[..., 20, 17:21] > 0)
 
 
-def test_prefix_tokens_see_each_other_and_nothing_after(make_model):
-    m = make_model(prefix_len=5)
+def test_prefix_tokens_see_each_other_and_nothing_after():
+    m = small_model(prefix_len=5)
     a = maps(m, ids())[0]  # (B, H, T, T)
     assert torch.all(a[..., :5, :5] > 0)  # prefix rows see every prefix column, also later ones
     assert torch.all(a[..., :5, 5:] == 0)  # nothing after the prefix
@@ -56,8 +56,8 @@ def test_prefix_loss_skips_first_targets():
     torch.testing.assert_close(lit.loss(batch), expect)
 
 
-def test_k_bias_slot_is_seen_by_every_query_and_has_zero_value(make_model):
-    m = make_model(attn_bias="k")
+def test_k_bias_slot_is_seen_by_every_query_and_has_zero_value():
+    m = small_model(attn_bias="k")
     a = maps(m, ids())[0]  # (B, H, T, 1 + T)
     assert a.shape[-1] == 25 and torch.all(a[..., :, 0] > 0)
     records = layer_records(m, ids())
@@ -65,22 +65,22 @@ def test_k_bias_slot_is_seen_by_every_query_and_has_zero_value(make_model):
     assert not torch.all(records[0]["k"][:, :, 0] == 0)
 
 
-def test_kv_bias_has_learned_value_and_is_not_rotated(make_model):
-    m = make_model(attn_bias="kv", n_layer=1)
+def test_kv_bias_has_learned_value_and_is_not_rotated():
+    m = small_model(attn_bias="kv", n_layer=1)
     records = layer_records(m, ids())
     slot_k = records[0]["k"][:, :, 0]
     torch.testing.assert_close(slot_k[0], m.blocks[0].attn.attn_bias.k_bias.detach())  # not rotated by RoPE
     torch.testing.assert_close(records[0]["v"][0, :, 0], m.blocks[0].attn.attn_bias.v_bias.detach())
 
 
-def test_shared_bias_has_one_vector_for_all_heads(make_model):
-    assert make_model(attn_bias="kv", attn_bias_shared=True).blocks[0].attn.attn_bias.k_bias.shape == (1, 8)
-    assert make_model(attn_bias="kv").blocks[0].attn.attn_bias.k_bias.shape == (4, 8)
+def test_shared_bias_has_one_vector_for_all_heads():
+    assert small_model(attn_bias="kv", attn_bias_shared=True).blocks[0].attn.attn_bias.k_bias.shape == (1, 8)
+    assert small_model(attn_bias="kv").blocks[0].attn.attn_bias.k_bias.shape == (4, 8)
 
 
 @pytest.mark.parametrize("shared", [True, False])
-def test_v_bias_shared_adds_one_vector_to_every_head(make_model, shared):
-    m = make_model(attn_bias="v", attn_bias_shared=shared, n_layer=1)
+def test_v_bias_shared_adds_one_vector_to_every_head(shared):
+    m = small_model(attn_bias="v", attn_bias_shared=shared, n_layer=1)
     attn = m.blocks[0].attn
     assert attn.attn_bias.v_out_bias.shape == ((1, 8) if shared else (4, 8))
     x = torch.randn(1, 6, 32, generator=torch.Generator().manual_seed(0))
@@ -98,15 +98,15 @@ def test_v_bias_shared_adds_one_vector_to_every_head(make_model, shared):
     assert shared == bool(torch.all(per_head == per_head[:1]))  # one vector for all heads only when shared
 
 
-def test_fixed_value_bias_has_the_requested_norm(make_model):
-    m = make_model(attn_bias="k", attn_bias_fixed_value_scale=5.0)
+def test_fixed_value_bias_has_the_requested_norm():
+    m = small_model(attn_bias="k", attn_bias_fixed_value_scale=5.0)
     records = layer_records(m, ids())
     torch.testing.assert_close(records[0]["v"][:, :, 0].norm(dim=-1), torch.full((2, 4), 5.0))
     assert "v_fixed" not in dict(m.named_parameters())
 
 
-def test_v_bias_is_added_to_the_attention_output(make_model):
-    m = make_model(attn_bias="v", n_layer=1)
+def test_v_bias_is_added_to_the_attention_output():
+    m = small_model(attn_bias="v", n_layer=1)
     attn = m.blocks[0].attn
     x = torch.randn(1, 6, 32)
     layout = m.layout(6, x.device)
@@ -120,8 +120,8 @@ def test_v_bias_is_added_to_the_attention_output(make_model):
     assert diff.abs().max() > 1e-6
 
 
-def test_sink_tokens_are_prepended_and_never_predicted(make_model):
-    m = make_model(n_sink_tokens=2)
+def test_sink_tokens_are_prepended_and_never_predicted():
+    m = small_model(n_sink_tokens=2)
     idx = ids()
     logits, probs = m(idx), attention_maps(m, idx)
     assert logits.shape == (2, 24, V)  # only the real tokens are predicted
@@ -129,8 +129,8 @@ def test_sink_tokens_are_prepended_and_never_predicted(make_model):
     assert m.sink_tokens.requires_grad and m.sink_tokens.shape == (2, 32)
 
 
-def test_sink_tokens_stay_causal_under_a_prefix(make_model):
-    m = make_model(n_sink_tokens=2, prefix_len=5)
+def test_sink_tokens_stay_causal_under_a_prefix():
+    m = small_model(n_sink_tokens=2, prefix_len=5)
     idx = ids()
     a = maps(m, idx)[0]  # (B, H, 2 + T, 2 + T): two sink rows, then the real tokens
     assert torch.all(a[..., :2, 2:] == 0)  # sink-token rows see no real token, not even prefix ones
@@ -146,10 +146,10 @@ def test_sink_tokens_stay_causal_under_a_prefix(make_model):
         assert (out[-1]["h"][:, 2:] - ref[-1]["h"][:, 2:]).abs().max() > 1e-4
 
 
-def test_nope_has_no_position_parameter_and_is_permutation_equivariant(make_model):
+def test_nope_has_no_position_parameter_and_is_permutation_equivariant():
     from sinklab.model.masks import prefix_block
 
-    m = make_model(pos="nope")
+    m = small_model(pos="nope")
     assert type(m.pos).__name__ == "NoPositions" and not list(m.pos.parameters())
     assert not any("pos" in n for n, _ in m.named_parameters())
     # without the causal mask, permuting the input permutes the output
@@ -170,15 +170,15 @@ def test_alibi_slopes_match_the_geometric_sequence():
     assert len(alibi_slopes(6)) == 6
 
 
-def test_alibi_bias_decays_with_distance(make_model):
-    m = make_model(pos="alibi")
+def test_alibi_bias_decays_with_distance():
+    m = small_model(pos="alibi")
     layout = m.layout(8, torch.device("cpu"))
     b = layout.bias(torch.arange(8))
     torch.testing.assert_close(b[0, 7, 7 - 3], -3 * alibi_slopes(4)[0])
 
 
-def test_relative_bias_uses_t5_buckets(make_model):
-    m = make_model(pos="relative")
+def test_relative_bias_uses_t5_buckets():
+    m = small_model(pos="relative")
     rel = torch.arange(-200, 1)
     buckets = m.pos.bucket(rel)
     assert buckets.max() == 31 and buckets[-1] == 0  # 32 buckets, distance 0 in bucket 0
@@ -208,23 +208,23 @@ def test_rope_scores_depend_only_on_the_offset():
 
 
 @pytest.mark.parametrize("base", [10000.0, 500.0])
-def test_rope_matches_the_rotation_formula_with_base_10000_by_default(make_model, base):
+def test_rope_matches_the_rotation_formula_with_base_10000_by_default(base):
     assert ModelConfig().rope_base == 10000.0
-    m = make_model() if base == 10000.0 else make_model(rope_base=base)
+    m = small_model() if base == 10000.0 else small_model(rope_base=base)
     x = torch.randn(1, 1, 24, 8, generator=torch.Generator().manual_seed(0))
     torch.testing.assert_close(m.pos(x)[0, 0], rope_reference(x[0, 0], base), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("pos", ["sinusoidal", "learnable"])
-def test_absolute_positions_are_added_to_embeddings(make_model, pos):
-    m = make_model(pos=pos)
+def test_absolute_positions_are_added_to_embeddings(pos):
+    m = small_model(pos=pos)
     x = m.embed(torch.zeros(1, 5, dtype=torch.long))
     assert not torch.allclose(x[0, 0], x[0, 1])  # same token, different positions
     assert (pos == "learnable") == any(n.startswith("pos.") for n, _ in m.named_parameters())
 
 
-def test_post_norm_puts_a_norm_after_each_residual_add(make_model):
-    m = make_model(norm_position="post")
+def test_post_norm_puts_a_norm_after_each_residual_add():
+    m = small_model(norm_position="post")
     assert isinstance(m.norm, torch.nn.Identity)  # no final norm, as in the reference
     calls = []
     for name, mod in m.named_modules():
@@ -238,14 +238,14 @@ def test_post_norm_puts_a_norm_after_each_residual_add(make_model):
     torch.testing.assert_close(rms, torch.ones_like(rms), atol=1e-3, rtol=1e-3)
 
 
-def test_layernorm_switch(make_model):
-    assert isinstance(make_model(norm="layer").blocks[0].norm1, torch.nn.LayerNorm)
+def test_layernorm_switch():
+    assert isinstance(small_model(norm="layer").blocks[0].norm1, torch.nn.LayerNorm)
 
 
-def test_layernorm_centres_and_scales_each_token_and_rmsnorm_only_scales(make_model):
+def test_layernorm_centres_and_scales_each_token_and_rmsnorm_only_scales():
     x = 3 * torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(0)) + 2  # mean 2, std 3 per token
-    ln = make_model(norm="layer", norm_eps=1e-6).blocks[0].norm1
-    rms = make_model().blocks[0].norm1
+    ln = small_model(norm="layer", norm_eps=1e-6).blocks[0].norm1
+    rms = small_model().blocks[0].norm1
     assert ln.eps == 1e-6 and torch.all(ln.weight == 1)  # the affine part is the identity at init
     with torch.no_grad():
         y, z = ln(x), rms(x)
@@ -276,51 +276,51 @@ def test_ffn_types(ffn, gated):
         torch.testing.assert_close(f(x), h @ f.w2.weight.T, atol=1e-6, rtol=1e-5)
 
 
-def test_heads_independent_of_width_and_gqa(make_model):
-    m = make_model(n_head=2, head_dim=24)
+def test_heads_independent_of_width_and_gqa():
+    m = small_model(n_head=2, head_dim=24)
     assert m.blocks[0].attn.q_proj.weight.shape == (48, 32)
-    g = make_model(n_head=4, n_kv_head=2)
+    g = small_model(n_head=4, n_kv_head=2)
     assert g.blocks[0].attn.k_proj.weight.shape == (16, 32)
     k = layer_records(g, ids())[0]["k"]
     torch.testing.assert_close(k[:, 0], k[:, 1])  # heads 0 and 1 share a kv head
 
 
-def test_softmax_scale_sharpens(make_model):
-    a1 = maps(make_model(softmax_scale=1.0), ids())[0]
-    a4 = maps(make_model(softmax_scale=4.0), ids())[0]
+def test_softmax_scale_sharpens():
+    a1 = maps(small_model(softmax_scale=1.0), ids())[0]
+    a4 = maps(small_model(softmax_scale=4.0), ids())[0]
     ent = lambda a: -(a.clamp_min(1e-12).log() * a).sum(-1).mean()  # noqa: E731
     assert ent(a4) < ent(a1)
 
 
-def test_sigmoid_rows_do_not_sum_to_one_unless_normalised(make_model):
-    a = maps(make_model(attn_op="sigmoid"), ids())[0]
+def test_sigmoid_rows_do_not_sum_to_one_unless_normalised():
+    a = maps(small_model(attn_op="sigmoid"), ids())[0]
     assert (a.sum(-1) - 1).abs().max() > 0.1
     assert torch.all(a.triu(1) == 0)  # still causal
-    an = maps(make_model(attn_op="sigmoid", attn_normalize=True), ids())[0]
+    an = maps(small_model(attn_op="sigmoid", attn_normalize=True), ids())[0]
     torch.testing.assert_close(an.sum(-1), torch.ones_like(an.sum(-1)))
 
 
-def test_sigmoid_bias_shifts_scores(make_model):
-    a0 = maps(make_model(attn_op="sigmoid"), ids())[0]
-    ab = maps(make_model(attn_op="sigmoid", sigmoid_bias=-3.0), ids())[0]
+def test_sigmoid_bias_shifts_scores():
+    a0 = maps(small_model(attn_op="sigmoid"), ids())[0]
+    ab = maps(small_model(attn_op="sigmoid", sigmoid_bias=-3.0), ids())[0]
     assert ab.sum() < a0.sum()
 
 
-def test_elu_plus_one_is_positive_and_unnormalised(make_model):
-    a = maps(make_model(attn_op="elu"), ids())[0]
+def test_elu_plus_one_is_positive_and_unnormalised():
+    a = maps(small_model(attn_op="elu"), ids())[0]
     causal = torch.ones(24, 24).tril().bool()
     assert torch.all(a[..., causal] > 0) and (a.sum(-1) - 1).abs().max() > 0.1
 
 
-def test_elu_plus_one_normalised_rows_sum_to_one(make_model):
-    a = maps(make_model(attn_op="elu", attn_normalize=True), ids())[0]
+def test_elu_plus_one_normalised_rows_sum_to_one():
+    a = maps(small_model(attn_op="elu", attn_normalize=True), ids())[0]
     torch.testing.assert_close(a.sum(-1), torch.ones_like(a.sum(-1)))
     assert torch.all(a.triu(1) == 0) and torch.all(a[..., torch.ones(24, 24).tril().bool()] > 0)
 
 
 @pytest.mark.parametrize("kmap", ["identity", "elu", "mlp"])
-def test_kernel_attention_normalisation(make_model, kmap):
-    m = make_model(attn_op="kernel", kernel_map=kmap, attn_normalize=True)
+def test_kernel_attention_normalisation(kmap):
+    m = small_model(attn_op="kernel", kernel_map=kmap, attn_normalize=True)
     a = maps(m, ids())[0]
     s = a.sum(-1)
     if kmap == "elu":
@@ -330,16 +330,16 @@ def test_kernel_attention_normalisation(make_model, kmap):
     assert (kmap == "mlp") == hasattr(m.blocks[0].attn.op, "phi")
 
 
-def test_kernel_identity_can_be_negative(make_model):
-    a = maps(make_model(attn_op="kernel", kernel_map="identity"), ids())[0]
+def test_kernel_identity_can_be_negative():
+    a = maps(small_model(attn_op="kernel", kernel_map="identity"), ids())[0]
     assert (a < 0).any()
 
 
-def test_gated_attention(make_model):
+def test_gated_attention():
     from sinklab.model import GATES
 
     for gate, out in (("headwise", 4), ("elementwise", 32)):
-        m = make_model(gate=gate)
+        m = small_model(gate=gate)
         attn = m.blocks[0].attn
         assert attn.gate_proj.out_features == out
         x = torch.randn(2, 6, 32)
@@ -353,8 +353,8 @@ def test_gated_attention(make_model):
 
 
 @pytest.mark.parametrize("kind", ["learned", "zero"])
-def test_sink_logit_absorbs_mass(make_model, kind):
-    m = make_model(sink_logit=kind)
+def test_sink_logit_absorbs_mass(kind):
+    m = small_model(sink_logit=kind)
     a = maps(m, ids())[0]
     assert torch.all(a.sum(-1) < 1) and torch.all(a.sum(-1) > 0)
     assert (kind == "learned") == hasattr(m.blocks[0].attn.op, "sink_logit")
@@ -367,8 +367,8 @@ def test_sink_logit_absorbs_mass(make_model, kind):
         torch.testing.assert_close(a.sum(-1), e / (1 + e), atol=1e-5, rtol=1e-5)
 
 
-def test_softpick_rectifies_and_excludes_masked_positions(make_model):
-    a = maps(make_model(attn_op="softpick"), ids())[0]
+def test_softpick_rectifies_and_excludes_masked_positions():
+    a = maps(small_model(attn_op="softpick"), ids())[0]
     assert (a == 0).float()[..., torch.ones(24, 24).tril().bool()].mean() > 0.05  # some visible keys get exactly 0
     assert torch.all(a.triu(1) == 0) and torch.all(a.sum(-1) <= 1 + 1e-5)
 
@@ -393,8 +393,8 @@ SWITCHES = [dict(pos=p) for p in POSITIONS[1:]] + [
 
 
 @pytest.mark.parametrize("sw", SWITCHES, ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()))
-def test_fused_and_explicit_agree_for_every_switch(make_model, sw):
-    m = make_model(**sw)
+def test_fused_and_explicit_agree_for_every_switch(sw):
+    m = small_model(**sw)
     idx = ids()
     torch.testing.assert_close(m(idx), explicit_logits(m, idx), atol=2e-5, rtol=1e-5)
 
@@ -417,10 +417,10 @@ MASKS = [dict(), dict(window=5), dict(prefix_len=4), dict(n_sink_tokens=2, prefi
 
 @pytest.mark.parametrize("mask", MASKS, ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()) or "causal")
 @pytest.mark.parametrize("op", EXPLICIT, ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()))
-def test_chunked_explicit_path_equals_the_full_map(make_model, op, mask):
+def test_chunked_explicit_path_equals_the_full_map(op, mask):
     if op.get("attn_op") != "kernel" and mask.get("attn_bias"):
         mask = {**mask, "pos": "alibi"}  # logit ops also take an additive position bias per chunk
-    m = make_model(**op, **mask)
+    m = small_model(**op, **mask)
     idx = ids()
     full = m(idx)  # row_chunk 256 > N: every query row's map at once
     for block in m.blocks:
@@ -431,8 +431,8 @@ def test_chunked_explicit_path_equals_the_full_map(make_model, op, mask):
     torch.testing.assert_close(chunked, full, atol=1e-5, rtol=0)
 
 
-def test_chunked_explicit_path_never_holds_a_full_map(make_model):
-    m = make_model(attn_op="sigmoid", n_sink_tokens=2, attn_bias="kv")  # keys: 1 slot + 2 sinks + 24 tokens
+def test_chunked_explicit_path_never_holds_a_full_map():
+    m = small_model(attn_op="sigmoid", n_sink_tokens=2, attn_bias="kv")  # keys: 1 slot + 2 sinks + 24 tokens
     for block in m.blocks:
         block.attn.row_chunk = 5
     shapes = []

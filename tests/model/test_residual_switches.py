@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from sinklab.model import ConfigError, ModelConfig
 from sinklab.model.norms import DynamicTanh, GatedNorm, PreAffineRMSNorm, RMSNorm
 from sinklab.model.positional import Rotary, RotaryAt
-from tests.helpers import SMALL, component_cases, small_model, token_ids
+from tests.helpers import SMALL, assert_one_line_error, component_cases, run_cli, small_model, token_ids
 
 
 def x_of(*shape, seed=0, scale=1.0):
@@ -124,7 +124,7 @@ def test_only_plain_rms_full_rope_and_no_clip_are_llama(cfg, mismatch):
 def test_bad_settings_are_refused_in_one_line(bad, match):
     with pytest.raises(ConfigError, match=match) as err:
         ModelConfig(**{**SMALL, **bad})
-    assert "\n" not in str(err.value)
+    assert_one_line_error(err)
 
 
 # ------------------------------------------------------------------ residual clipping
@@ -234,10 +234,8 @@ def test_a_nope_layers_scores_do_not_depend_on_positions():
 
 
 def test_components_command_shows_the_new_switches(capsys):
-    from sinklab.cli import main
-
-    assert main(["components"]) == 0
-    table = capsys.readouterr().out
+    rc, table, err = run_cli("sinklab", "components", capsys=capsys)
+    assert rc == 0, err
     for text in ("model.norm=preaffine", "model.norm=dyt", "dyt_alpha_init=0.5", "gated_norm=False",
                  "gated_norm_rank=16", "gated_norm_gate_init=0.5", "model/norm=gated_rms", "rope_fraction=1.0",
                  "nope_every=None", "model/pos=p_rope", "model/pos=rope_nope2"):

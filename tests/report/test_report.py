@@ -15,8 +15,7 @@ import yaml
 from omegaconf import OmegaConf
 
 from sinklab import report
-from sinklab.cli.report import main as report_main
-from tests.helpers import REPO
+from tests.helpers import REPO, assert_one_line_error, run_cli
 from tests.helpers.sweeps import base_config, write_hydra, write_metrics
 
 WDS = [0.0, 0.1, 0.5, 1.0, 2.0]  # jobs 0-3 have dirs; job 4 was not started yet
@@ -175,19 +174,19 @@ def test_cli(tmp_path):
     sweep = make_sweep(tmp_path)
     out = tmp_path / "cli_out"
     env = dict(os.environ, WANDB_MODE="offline", HF_HUB_OFFLINE="1")
-    p = subprocess.run([sys.executable, "-m", "sinklab", "report", str(sweep), "--out", str(out)], cwd=REPO, env=env,
-                       capture_output=True, text=True, timeout=60)
+    p = run_cli("sinklab", "report", str(sweep), "--out", str(out), process=True, env=env, cwd=REPO, timeout=60)
     assert p.returncode == 0, p.stderr
     assert "5 jobs" in p.stdout
     assert (out / "report.md").is_file() and len(read_csv(out / "report.csv")) == 5
     assert (out / "sink1_over_steps.png").is_file()
-    assert report_main([str(sweep)]) == 0  # default out dir, which the next run must not take for a job
+    # the default out dir, which the next run must not take for a job
+    assert run_cli("sinklab", "report", str(sweep)).returncode == 0
     assert (sweep / "report" / "report.csv").is_file()
     assert len(report.build_report(sweep)["rows"]) == 5
-    assert report_main([str(tmp_path / "nowhere")]) == 1
+    assert run_cli("sinklab", "report", str(tmp_path / "nowhere")).returncode == 1
     tables = tmp_path / "tables.yaml"
     tables.write_text("weight_decay:\n  - {wd: 0.1, sink1: 99.5, loss: 3.0}\n")
-    assert report_main([str(sweep), "--out", str(out), "--paper-tables", str(tables)]) == 0
+    assert run_cli("sinklab", "report", str(sweep), "--out", str(out), "--paper-tables", str(tables)).returncode == 0
     assert [r["paper_sink1"] for r in read_csv(out / "report.csv")] == ["", "99.5", "", "", ""]
 
 
@@ -344,9 +343,10 @@ def test_real_hydra_multirun_is_read(tmp_path, capsys):
     # the seed statistics and, against a baseline named on the command line, the paired differences
     low = res["aggregate"][0]  # Sink_1 0 and 1: 0.5 -+ t(0.975, 1) * 0.5 = 0.5 -+ 6.353, within [0, 100]
     assert (low["sink1_n"], low["sink1_ci_low"]) == (2, 0.0) and low["sink1_ci_high"] == pytest.approx(6.8531024)
-    assert report_main([str(sweep), "--out", str(tmp_path / "out"), "--baseline", "optim.weight_decay=0.0",
-                        "--json"]) == 0
-    out = json.loads(capsys.readouterr().out)
+    rc, out, err = run_cli("sinklab", "report", str(sweep), "--out", str(tmp_path / "out"), "--baseline",
+                           "optim.weight_decay=0.0", "--json", capsys=capsys)
+    assert rc == 0, err
+    out = json.loads(out)
     diff = next(d for d in out["differences"] if d["metric"] == "sink1")
     assert (diff["optim.weight_decay"], diff["pairs"], diff["diff_mean"], diff["higher"]) == (0.5, 2, 50.0, 2)
     assert out["aggregate"][1]["sink1_median"] == 50.5 and out["claims"] == []
@@ -457,6 +457,6 @@ def test_bad_input_is_one_line(tmp_path, monkeypatch, capsys, args, message):
     Path("bad.yaml").write_text("weight_decay:\n  - {wd: 0.1, sink1: 120}\n")
     Path("list.yaml").write_text("- 1\n")
     Path("a_file").write_text("")
-    assert report_main([str(sweep), *args]) == 1
-    err = capsys.readouterr().err
-    assert err.startswith("sinklab report: error: ") and message in err and err.count("\n") == 1, err
+    rc, out, err = run_cli("sinklab", "report", str(sweep), *args, capsys=capsys)
+    assert rc == 1
+    assert_one_line_error(err, message, starts="sinklab report: error: ")

@@ -11,10 +11,9 @@ import pytest
 import yaml
 
 from sinklab import report
-from sinklab.cli.report import main as report_main
 from sinklab.errors import UserError
 from sinklab.report import verdicts
-from tests.helpers import readme_cli_lines
+from tests.helpers import assert_one_line_error, readme_cli_lines, run_cli
 from tests.helpers.sweeps import base_config, write_hydra, write_metrics
 
 T975 = {3: 3.182446305284263, 4: 2.7764451051977987}  # Student's t, 97.5% quantile, by degrees of freedom
@@ -177,24 +176,26 @@ def test_pairs_hold_a_seed_whatever_the_job_order(built, tmp_path):
 ])
 def test_a_malformed_claim_is_one_line_before_any_work(tmp_path, capsys, claim, message):
     sweep = make_seed_sweep(tmp_path, claims=[claim])
-    assert report_main([str(sweep), "--out", str(tmp_path / "out")]) == 1
-    err = capsys.readouterr().err
-    assert err.startswith("sinklab report: error: ") and message in err and err.count("\n") == 1, err
+    rc, out, err = run_cli("sinklab", "report", str(sweep), "--out", str(tmp_path / "out"), capsys=capsys)
+    assert rc == 1
+    assert_one_line_error(err, message, starts="sinklab report: error: ")
     assert not (tmp_path / "out").exists()
 
 
 def test_json_and_a_baseline_from_the_command_line(built, tmp_path, capsys):
     sweep, _ = built
-    assert report_main([str(sweep), "--out", str(tmp_path / "out"), "--json", "--baseline",
-                        "model/gate=elementwise"]) == 0
-    res = json.loads(capsys.readouterr().out)
+    rc, out, err = run_cli("sinklab", "report", str(sweep), "--out", str(tmp_path / "out"), "--json", "--baseline",
+                           "model/gate=elementwise", capsys=capsys)
+    assert rc == 0, err
+    res = json.loads(out)
     assert res["baseline"] == {"model/gate": "elementwise"} and res["rule"]["min_pairs"] == verdicts.MIN_PAIRS
     d = next(d for d in res["differences"] if d["model/gate"] == "none" and d["metric"] == "sink1")
     assert d["diff_mean"] == pytest.approx(23.4) and d["higher"] == 5
     assert {c["claim"]: c["verdict"] for c in res["claims"]} == EXPECTED  # the claims keep the preset's baseline
     assert res["files"]["claims_csv"].endswith("report_claims.csv")
-    assert report_main([str(sweep), "--out", str(tmp_path / "out"), "--baseline", "model/gate"]) == 1
-    assert "--baseline 'model/gate' is not KEY=VALUE" in capsys.readouterr().err
+    rc, out, err = run_cli("sinklab", "report", str(sweep), "--out", str(tmp_path / "out"), "--baseline", "model/gate",
+                           capsys=capsys)
+    assert rc == 1 and "--baseline 'model/gate' is not KEY=VALUE" in err
 
 
 @pytest.mark.parametrize("diffs, sign, want", [
@@ -223,15 +224,13 @@ def test_a_malformed_preset_claim_is_refused_when_the_config_is_validated():
 
 def test_the_readme_report_commands(built, capsys):
     """The README's `sinklab report` lines, on the synthetic sweep: the file list with the verdicts, and --json."""
-    from sinklab.cli import main
-
     sweep, _ = built
     lines = readme_cli_lines("sinklab report ", {"logs/train/multiruns/2026-11-22_10-00-00": sweep,
                                                  "logs/train/multiruns/<time>": sweep})
     assert any("--json" in line for line in lines)
     for args in lines:
-        assert main(args) == 0, args
-        out = capsys.readouterr().out
+        rc, out, err = run_cli("sinklab", *args, capsys=capsys)
+        assert rc == 0, args
         if "--json" in args:
             assert {c["claim"]: c["verdict"] for c in json.loads(out)["claims"]} == EXPECTED
         else:
@@ -263,11 +262,11 @@ def test_another_presets_claims_judged_on_this_sweep(built, tmp_path, capsys):
     assert res["claims_from"] == f"{own} (--claims)"
     res = report.build_report(sweep, tmp_path / "out2", claims_from="gate_positions")
     assert {c["claim"] for c in res["claims"]} >= {"g1_removes_sink", "g1_lower_loss"}
-    assert report_main([str(sweep), "--out", str(tmp_path / "out3"), "--claims", "nosuch"]) == 1
-    err = capsys.readouterr().err
-    assert "--claims nosuch: no such preset or yaml file (allowed: " in err and "sink_uses" in err
-    assert err.count("\n") == 1 and not (tmp_path / "out3").exists()
-
+    rc, out, err = run_cli("sinklab", "report", str(sweep), "--out", str(tmp_path / "out3"), "--claims", "nosuch",
+                           capsys=capsys)
+    assert rc == 1
+    assert_one_line_error(err, "--claims nosuch: no such preset or yaml file (allowed: ", "sink_uses")
+    assert not (tmp_path / "out3").exists()
 
 # ------------------------------------------------------------------------------------------- an ad hoc sweep
 def make_adhoc_sweep(root, swept, values, fixed=("trainer.max_steps=100",)):
@@ -329,8 +328,8 @@ def test_an_ad_hoc_sweep_is_compared_with_the_swept_keys_default(built, tmp_path
     assert diffs["sink1"]["diff_mean"] == pytest.approx(-23.4)
     note = "baseline model/gate=none (the default of model/gate); another: --baseline model/gate=elementwise"
     assert res["baseline_note"] == note and f"\nB{note[1:]}.\n" in res["md"].read_text()
-    assert report_main([str(sweep), "--out", str(tmp_path / "out")]) == 0  # (--baseline: the preset test above)
-    out = capsys.readouterr().out.splitlines()
+    out = run_cli("sinklab", "report", str(sweep), "--out", str(tmp_path / "out"), capsys=capsys,
+                  check=True).stdout.splitlines()  # (--baseline: the preset test above)
     assert out[1] == note and str(tmp_path / "out" / "report_differences.csv") in out
 
 
@@ -367,7 +366,8 @@ def test_a_default_that_was_not_swept_gives_the_first_swept_value(tmp_path):
 ])
 def test_a_baseline_the_sweep_did_not_run_is_one_line_before_any_work(tmp_path, capsys, baseline, message):
     sweep = make_adhoc_sweep(tmp_path, {"model/gate": ["elementwise", "none"]}, gate_values)
-    assert report_main([str(sweep), "--out", str(tmp_path / "out"), "--baseline", baseline]) == 1
-    err = capsys.readouterr().err
-    assert err == f"sinklab report: error: {message.format(sweep=sweep)}\n"
+    rc, _, err = run_cli("sinklab", "report", str(sweep), "--out", str(tmp_path / "out"), "--baseline", baseline,
+                         capsys=capsys)
+    assert rc == 1 and err == f"sinklab report: error: {message.format(sweep=sweep)}\n"
     assert not (tmp_path / "out").exists()
+

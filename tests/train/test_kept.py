@@ -10,7 +10,7 @@ from sinklab.runs.checkpoints import TOKENS_SEEN, kept_checkpoints, load_model, 
 from sinklab.config import compose, validate_config
 from sinklab.errors import UserError
 from sinklab.train.kept import is_kept, keep_config, log_marks
-from tests.helpers import small, train_here
+from tests.helpers import assert_one_line_error, run_cli, small
 
 PER_STEP = 4 * 32  # small(): 4 blocks of 32 tokens per step
 
@@ -51,7 +51,7 @@ def test_the_schedule_every_n_steps_log_spaced_and_both():
 def test_a_bad_schedule_is_one_line_before_training(override, message):
     with pytest.raises(UserError) as err:
         validate_config(compose([override]))
-    assert str(err.value).startswith(message) and "\n" not in str(err.value)
+    assert_one_line_error(err, starts=message)
 
 
 def test_kept_checkpoints_beside_last_and_a_resume(corpus, tmp_path):
@@ -61,7 +61,7 @@ def test_kept_checkpoints_beside_last_and_a_resume(corpus, tmp_path):
     keep = ["callbacks.checkpoint.keep.every_n_steps=2", f"callbacks.checkpoint.keep.log_tokens.start={PER_STEP}",
             "callbacks.checkpoint.keep.log_tokens.per_decade=2"]
     base = [f"paths.output_dir={out}", *small(corpus), "callbacks.checkpoint.every_n_train_steps=4", *keep]
-    assert train_here([*base, "trainer.max_steps=6"]) == 0
+    run_cli("sinklab-train", *base, "trainer.max_steps=6", check=True)
     kept = kept_checkpoints(out)
     assert [(s, t) for s, t, _ in kept] == [(s, s * PER_STEP) for s in (1, 2, 4, 6)]  # marks at 128, 405, 1280
     assert [p.name for _, _, p in kept][:2] == ["step0000001-tokens128.ckpt", "step0000002-tokens256.ckpt"]
@@ -78,7 +78,7 @@ def test_kept_checkpoints_beside_last_and_a_resume(corpus, tmp_path):
     first_at_6 = load_model(kept[-1][2]).state_dict()
     assert not all(torch.equal(v, first_at_6[k]) for k, v in load_model(kept[-2][2]).state_dict().items())
 
-    assert train_here([*base, "trainer.max_steps=8", "ckpt_path=auto"]) == 0
+    run_cli("sinklab-train", *base, "trainer.max_steps=8", "ckpt_path=auto", check=True)
     kept = kept_checkpoints(out)
     assert [s for s, _, _ in kept] == [1, 2, 4, 6, 8]
     assert read_checkpoint(out / "checkpoints" / "last.ckpt")["global_step"] == 8

@@ -13,11 +13,9 @@ import math
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Optional
 
 import pytest
 import torch
@@ -25,30 +23,7 @@ import torch
 from sinklab.runs.checkpoints import read_checkpoint
 from sinklab.config import compose, validate_config
 from sinklab.errors import UserError
-from tests.helpers import REPO, data_args, rows, series, small, train_here
-
-
-
-def run(args: list[str], capsys=None) -> int:
-    """`sinklab-train ARGS` in this process; returns the exit code (0 when main returns)."""
-    return train_here(args)
-
-
-def run_cli(args: list[str], extra_env: Optional[dict] = None, **kw) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-           "PYTHONWARNINGS": "ignore", "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
-           **(extra_env or {})}
-    return subprocess.Popen([sys.executable, "-m", "sinklab.train.entry", *args], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, **kw)
-
-
-def error_lines(err: str) -> list[str]:
-    """stderr without log lines (Hydra's job logging: "[time][logger][LEVEL] - ...") and progress bars (tqdm:
-    "... [00:01, 12.3 examples/s]")."""
-    import re
-
-    return [line for line in err.replace("\r", "\n").splitlines()
-            if line.strip() and not line.startswith("[") and not re.search(r"\[\d+:\d\d", line)]
+from tests.helpers import REPO, assert_one_line_error, data_args, error_lines, rows, run_cli, series, small, start_cli
 
 
 def status(run_dir: Path) -> dict:
@@ -76,7 +51,7 @@ def wait_for(path: Path, proc: subprocess.Popen, timeout: float = 300.0) -> None
 def reference(corpus, tmp_path_factory):
     """An uninterrupted 8-step run: what every interrupted and resumed run must reproduce."""
     out = tmp_path_factory.mktemp("reference")
-    assert run([f"paths.output_dir={out}", *small(corpus)]) == 0
+    run_cli("sinklab-train", f"paths.output_dir={out}", *small(corpus), check=True)
     assert status(out)["status"] == "completed"
     return out
 
@@ -136,21 +111,19 @@ BAD_OVERRIDES = [
 def test_bad_override_is_one_clear_line_and_exit_2(override, expected, tmp_path, capsys):
     if override == "trainer=gpu" and torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
-    code = run([f"paths.output_dir={tmp_path}", override])
-    out, err = capsys.readouterr()
+    code, out, err = run_cli("sinklab-train", f"paths.output_dir={tmp_path}", override, capsys=capsys)
     assert code == 2, (out, err)
-    lines = error_lines(err)
-    assert len(lines) == 1 and lines[0].startswith("error: " + expected), lines
-    assert "Traceback" not in err + out
+    assert_one_line_error(err, starts="error: " + expected, logs=True)
+    assert "Traceback" not in out
     assert not (tmp_path / "metrics.csv").exists() and not (tmp_path / "checkpoints").exists()  # nothing ran
 
 
 def test_console_script_reports_hydra_errors_in_one_line(tmp_path):
     """The real command line: Hydra's own error for an unknown key, as one line and exit 2 (Hydra: 7 lines, exit 1)."""
-    proc = run_cli([f"paths.output_dir={tmp_path}", "optim.lrr=1"])
+    proc = start_cli("sinklab-train", f"paths.output_dir={tmp_path}", "optim.lrr=1", warnings="ignore")
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 2, err
-    assert error_lines(err) == [f"error: {BAD_OVERRIDES[0][1]}"]
+    assert assert_one_line_error(err, logs=True) == f"error: {BAD_OVERRIDES[0][1]}"
 
 
 def test_preset_file_with_an_unknown_or_mistyped_trainer_key_is_one_line(tmp_path, monkeypatch):
@@ -168,10 +141,11 @@ def test_preset_file_with_an_unknown_or_mistyped_trainer_key_is_one_line(tmp_pat
             ("typo", "conf/trainer/typo.yaml: trainer.max_stepss is not an option of trainer (did you mean "
                      "trainer.max_steps?); allowed: accelerator, "),
             ("words", "conf/trainer/words.yaml: trainer.max_steps='many' is not allowed; allowed: an integer >= 1")):
-        proc = run_cli([f"paths.output_dir={tmp_path / preset}", f"trainer={preset}"])
+        proc = start_cli("sinklab-train", f"paths.output_dir={tmp_path / preset}", f"trainer={preset}",
+                         warnings="ignore")
         out, err = proc.communicate(timeout=300)
-        lines = error_lines(err)
-        assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith(f"error: {expected}"), err[-3000:]
+        assert proc.returncode == 2, err[-3000:]
+        assert_one_line_error(err, starts=f"error: {expected}", logs=True)
         assert not (tmp_path / preset / "metrics.csv").exists()
 
 
@@ -196,7 +170,8 @@ def test_a_bug_still_shows_its_traceback(corpus, tmp_path, capsys):
     from hydra.errors import InstantiationException
 
     with pytest.raises(InstantiationException, match="boom: a bug"):
-        run([f"paths.output_dir={tmp_path}", *small(corpus), "+callbacks.boom._target_=tests.helpers.faults.Boom"])
+        run_cli("sinklab-train", f"paths.output_dir={tmp_path}", *small(corpus),
+                "+callbacks.boom._target_=tests.helpers.faults.Boom")
     assert status(tmp_path)["status"] == "failed" and "boom" in status(tmp_path)["error"]
 
 
@@ -231,12 +206,12 @@ def test_bad_data_file_is_one_line_and_exit_2(name, make, expected, corpus, tmp_
     import re
 
     files = make(tmp_path)
-    code = run([f"paths.output_dir={tmp_path / 'run'}", *small(corpus), *data_args(files, tmp_path / "cache")])
-    out, err = capsys.readouterr()
+    code, out, err = run_cli("sinklab-train", f"paths.output_dir={tmp_path / 'run'}", *small(corpus),
+                             *data_args(files, tmp_path / "cache"), capsys=capsys)
     assert code == 2, (out, err)
-    lines = error_lines(err)
-    assert len(lines) == 1 and lines[0].startswith("error: ") and re.search(expected, lines[0]), lines
-    assert "Traceback" not in err + out
+    line = assert_one_line_error(err, starts="error: ", logs=True)
+    assert re.search(expected, line), line
+    assert "Traceback" not in out
 
 
 @pytest.fixture(scope="module")
@@ -260,17 +235,17 @@ def test_damaged_or_foreign_token_store_is_one_line(prepared, corpus, tmp_path, 
     shard = store / "train" / "shard_00000.bin"
     shard.write_bytes(shard.read_bytes()[:-10])  # truncated
     base = [f"paths.output_dir={tmp_path / 'run'}", *small(corpus), f"data.prepared_dir='{store}'"]
-    assert run(base) == 2
-    lines = error_lines(capsys.readouterr().err)
-    assert len(lines) == 1 and "shard_00000.bin is truncated or damaged" in lines[0], lines
+    code, _, err = run_cli("sinklab-train", *base, capsys=capsys)
+    assert code == 2
+    assert_one_line_error(err, "shard_00000.bin is truncated or damaged", logs=True)
     # another tokenizer than the one the directory was built with
     shutil.rmtree(store)
     shutil.copytree(prepared, store)
     other = train_bpe([Path(f).read_text()[::-1] for f in corpus.files], 300)
     other.save(str(tmp_path / "other.json"))
-    assert run([*base, f"data.tokenizer='{tmp_path / 'other.json'}'"]) == 2
-    lines = error_lines(capsys.readouterr().err)
-    assert len(lines) == 1 and "was built with another tokenizer" in lines[0], lines
+    code, _, err = run_cli("sinklab-train", *base, f"data.tokenizer='{tmp_path / 'other.json'}'", capsys=capsys)
+    assert code == 2
+    assert_one_line_error(err, "was built with another tokenizer", logs=True)
 
 
 # ---------------------------------------------------------------------------------------------- bad checkpoints
@@ -291,10 +266,10 @@ def test_truncated_foreign_or_unsafe_checkpoint_is_refused(reference, corpus, tm
         run_dir = tmp_path / f"run{len(list(tmp_path.iterdir()))}"
         (run_dir / "checkpoints").mkdir(parents=True)
         make(run_dir / "checkpoints" / "last.ckpt")
-        code = run([f"paths.output_dir={run_dir}", *small(corpus), "ckpt_path=last", *extra])
-        lines = error_lines(capsys.readouterr().err)
-        assert code == 2 and len(lines) == 1, lines
-        return lines[0]
+        code, _, err = run_cli("sinklab-train", f"paths.output_dir={run_dir}", *small(corpus), "ckpt_path=last",
+                               *extra, capsys=capsys)
+        assert code == 2, err
+        return assert_one_line_error(err, logs=True)
 
     # truncated (a copy cut short, as a writer killed mid-save would leave it)
     line = resume_from(lambda p: p.write_bytes(good.read_bytes()[: good.stat().st_size // 2]))
@@ -377,14 +352,13 @@ def test_nan_stops_with_the_step_and_keeps_the_last_good_checkpoint(corpus, tmp_
     update would): the weights after
     step 5 are NaN. The checkpoint due after step 5 (every 2 steps here, at global step 6) is refused, so last.ckpt
     stays the one of step 4, and the run is marked failed."""
-    code = run([f"paths.output_dir={tmp_path}", *small(corpus), "callbacks.checkpoint.every_n_train_steps=2",
-                "+callbacks.nan._target_=tests.helpers.faults.NanGradientsAt", "+callbacks.nan.step=5"])
-    out, err = capsys.readouterr()
-    lines = error_lines(err)
-    assert code == 1 and len(lines) == 1, (out, err)
-    assert lines[0].startswith("error: the weights after step 6 are not finite (") and \
-        "training stopped without saving them, the last good checkpoint is kept (" in lines[0], lines
-    assert "Traceback" not in err
+    code, out, err = run_cli("sinklab-train", f"paths.output_dir={tmp_path}", *small(corpus),
+                             "callbacks.checkpoint.every_n_train_steps=2",
+                             "+callbacks.nan._target_=tests.helpers.faults.NanGradientsAt", "+callbacks.nan.step=5",
+                             capsys=capsys)
+    assert code == 1, (out, err)
+    assert_one_line_error(err, "training stopped without saving them, the last good checkpoint is kept (",
+                          starts="error: the weights after step 6 are not finite (", logs=True)
     ckpt = read_checkpoint(tmp_path / "checkpoints" / "last.ckpt")
     assert ckpt["global_step"] == 4
     assert all(torch.isfinite(v).all() for v in ckpt["state_dict"].values())
@@ -408,11 +382,12 @@ def test_sweep_contains_failed_jobs_and_reports_them(corpus, tmp_path, capsys):
 
     sweep = tmp_path / "sweep"
     faults = ["{_target_:tests.helpers.faults.BugAt,step:1}", "{_target_:tests.helpers.faults.NoSuchCallback}", "null"]
-    code = run(["-m", f"hydra.sweep.dir={sweep}", *small(corpus), "trainer.max_steps=4", "ckpt_path=auto",
-                "callbacks.checkpoint.every_n_train_steps=2", "+callbacks.fault=" + ",".join(faults),
-                "+callbacks.nan=" + ",".join(["{_target_:tests.helpers.faults.NanGradientsAt,step:2}", "null"])])
+    code, _, err = run_cli("sinklab-train", "-m", f"hydra.sweep.dir={sweep}", *small(corpus), "trainer.max_steps=4",
+                           "ckpt_path=auto", "callbacks.checkpoint.every_n_train_steps=2",
+                           "+callbacks.fault=" + ",".join(faults),
+                           "+callbacks.nan=" + ",".join(["{_target_:tests.helpers.faults.NanGradientsAt,step:2}",
+                                                         "null"]), capsys=capsys)
     assert code == 0
-    err = capsys.readouterr().err
     jobs = {}
     for job in sorted(sweep.glob("[0-9]*"), key=lambda p: int(p.name)):
         overrides = (job / ".hydra" / "overrides.yaml").read_text()
@@ -474,7 +449,7 @@ def test_sigkill_then_resume_equals_an_uninterrupted_run(reference, corpus, tmp_
     marker = tmp_path / "at-step-6"
     stall = ["+callbacks.stall._target_=tests.helpers.faults.StallAt", "+callbacks.stall.step=6",
              f"+callbacks.stall.marker='{marker}'"]
-    proc = run_cli([f"paths.output_dir={tmp_path}", *small(corpus), *stall])
+    proc = start_cli("sinklab-train", f"paths.output_dir={tmp_path}", *small(corpus), *stall, warnings="ignore")
     wait_for(marker, proc)
     proc.send_signal(signal.SIGKILL)
     proc.communicate(timeout=60)
@@ -482,7 +457,7 @@ def test_sigkill_then_resume_equals_an_uninterrupted_run(reference, corpus, tmp_
     assert read_checkpoint(tmp_path / "checkpoints" / "last.ckpt")["global_step"] == 4
     assert max(series(tmp_path / "metrics.csv", "train/loss")) == 5  # rows of the steps to be trained again
     assert status(tmp_path)["status"] == "running"  # what a hard kill leaves; the report calls it stalled later
-    assert run([f"paths.output_dir={tmp_path}", *small(corpus), "ckpt_path=last"]) == 0
+    run_cli("sinklab-train", f"paths.output_dir={tmp_path}", *small(corpus), "ckpt_path=last", check=True)
     assert status(tmp_path)["status"] == "completed"
     assert_same_run(tmp_path, reference)
 
@@ -494,7 +469,7 @@ def test_sigterm_saves_stops_and_requeued_job_resumes(reference, corpus, tmp_pat
     marker = tmp_path / "at-step-5"
     stall = ["+callbacks.stall._target_=tests.helpers.faults.StallAt", "+callbacks.stall.step=5",
              f"+callbacks.stall.marker='{marker}'", "+callbacks.stall.seconds=120"]
-    proc = run_cli([f"paths.output_dir={tmp_path}", *small(corpus), *stall])
+    proc = start_cli("sinklab-train", f"paths.output_dir={tmp_path}", *small(corpus), *stall, warnings="ignore")
     wait_for(marker, proc)
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=300)
@@ -506,7 +481,7 @@ def test_sigterm_saves_stops_and_requeued_job_resumes(reference, corpus, tmp_pat
     assert read_checkpoint(tmp_path / "checkpoints" / "last.ckpt")["global_step"] == 6
     st = status(tmp_path)
     assert st["status"] == "preempted" and st["step"] == 6
-    assert run([f"paths.output_dir={tmp_path}", *small(corpus), "ckpt_path=auto"]) == 0
+    run_cli("sinklab-train", f"paths.output_dir={tmp_path}", *small(corpus), "ckpt_path=auto", check=True)
     assert_same_run(tmp_path, reference)
 
 
@@ -517,16 +492,16 @@ def test_submitit_usr2_saves_then_hands_over_to_the_requeue_handler(corpus, tmp_
     previous = signal.signal(signal.SIGUSR2, lambda signum, frame: calls.append((signum, (tmp_path / "checkpoints" /
                                                                                           "last.ckpt").exists())))
     try:
-        code = run([f"paths.output_dir={tmp_path}", *small(corpus), "trainer.max_steps=4",
-                    "+callbacks.usr2._target_=tests.helpers.faults.SignalAt", "+callbacks.usr2.step=1",
-                    "+callbacks.usr2.signum=SIGUSR2"])
+        code, _, err = run_cli("sinklab-train", f"paths.output_dir={tmp_path}", *small(corpus), "trainer.max_steps=4",
+                               "+callbacks.usr2._target_=tests.helpers.faults.SignalAt", "+callbacks.usr2.step=1",
+                               "+callbacks.usr2.signum=SIGUSR2", capsys=capsys)
     finally:
         signal.signal(signal.SIGUSR2, previous)
     assert code == 128 + signal.SIGUSR2
     assert calls == [(signal.SIGUSR2, True)]  # called once, after the checkpoint was written
     assert read_checkpoint(tmp_path / "checkpoints" / "last.ckpt")["global_step"] == 2
     assert status(tmp_path)["status"] == "preempted"
-    assert "preempted: SIGUSR2 received: stopped after step 2" in capsys.readouterr().err
+    assert "preempted: SIGUSR2 received: stopped after step 2" in err
 
 
 def test_lightnings_slurm_requeue_is_off(corpus, tmp_path):
@@ -537,7 +512,8 @@ def test_lightnings_slurm_requeue_is_off(corpus, tmp_path):
              "SLURM_LOCALID": "0", "SLURM_NODEID": "0", "SLURM_NODELIST": "localhost"}
     usr1 = ["+callbacks.usr1._target_=tests.helpers.faults.SignalAt", "+callbacks.usr1.step=2",
             "+callbacks.usr1.signum=SIGUSR1"]
-    proc = run_cli([f"paths.output_dir={tmp_path}", *small(corpus), *usr1], extra_env=slurm)
+    proc = start_cli("sinklab-train", f"paths.output_dir={tmp_path}", *small(corpus), *usr1,
+                     env={**os.environ, **slurm}, warnings="ignore")
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == -signal.SIGUSR1, err[-3000:]
     assert not list(tmp_path.glob("hpc_ckpt_*.ckpt"))
@@ -625,8 +601,8 @@ def test_ddp_cpu_matches_a_single_process_run(corpus, tmp_path):
     common = [*small(corpus), "trainer.max_steps=3", "trainer.val_check_interval=3",
               "callbacks.sink.every_n_steps=3", "callbacks.checkpoint.every_n_train_steps=3"]
     single, ddp = tmp_path / "single", tmp_path / "ddp"
-    assert run([f"paths.output_dir={single}", *common, "data.batch_size=4"]) == 0
-    assert run([f"paths.output_dir={ddp}", *common, "data.batch_size=2", "trainer=ddp_cpu"]) == 0
+    run_cli("sinklab-train", f"paths.output_dir={single}", *common, "data.batch_size=4", check=True)
+    run_cli("sinklab-train", f"paths.output_dir={ddp}", *common, "data.batch_size=2", "trainer=ddp_cpu", check=True)
     a, b = weights(single / "checkpoints" / "last.ckpt"), weights(ddp / "checkpoints" / "last.ckpt")
     for k in a:
         torch.testing.assert_close(b[k], a[k], rtol=1e-4, atol=1e-6)

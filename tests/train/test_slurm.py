@@ -20,7 +20,6 @@ import re
 import shlex
 import socket
 import subprocess
-import sys
 import time
 from datetime import datetime
 from pathlib import Path
@@ -28,7 +27,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tests.helpers import HYDRA_SCHEMA_WARNING, REPO, readme_commands, rows, series, small
+from tests.helpers import HYDRA_SCHEMA_WARNING, REPO, readme_commands, rows, run_cli, series, small, start_cli
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -102,10 +101,6 @@ def readme_launcher_args() -> list[str]:
     return [a for a in shlex.split(line)[1:] if a.startswith(keep)]
 
 
-def train_cmd(*args: str) -> list[str]:
-    return [sys.executable, "-m", "sinklab.train.entry", *args]
-
-
 def job_env(conf: str) -> dict[str, str]:
     """This process's environment (the jobs inherit it through sbatch) with the test callbacks importable; Python's
     warnings are left on, so that a deprecation warning would show."""
@@ -158,16 +153,15 @@ def sweep(cluster, corpus, tmp_path_factory):  # noqa: F811
     root = tmp_path_factory.mktemp("slurm-sweep")
     common = small(corpus, *TRAINING)
     reference = root / "reference"
-    ref = subprocess.run(train_cmd(f"paths.output_dir={reference}", *common), capture_output=True, text=True,
-                         timeout=300, env=job_env(cluster))
+    ref = run_cli("sinklab-train", f"paths.output_dir={reference}", *common, process=True, env=job_env(cluster),
+                  timeout=300)
     assert ref.returncode == 0, ref.stderr[-3000:]
 
     sweep_dir = root / "multirun"
     args = ["-m", *readme_launcher_args(), f"hydra.launcher.timeout_min={TIME_LIMIT_MIN}",
             f"hydra.launcher.signal_delay_s={SIGNAL_DELAY_S}", *common, "+callbacks.pace._target_=tests.helpers.faults.Pace",
             f"+callbacks.pace.seconds={PACE_S}", "tags=[requeue],[timelimit]", f"hydra.sweep.dir={sweep_dir}"]
-    proc = subprocess.Popen(train_cmd(*args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=job_env(cluster))
+    proc = start_cli("sinklab-train", *args, env=job_env(cluster))
     try:
         # job 0 is the one to requeue: time enough for it, so that only job 1 meets its time limit
         job0 = wait("job 0 in the queue", lambda: array_task(cluster, 0), proc)
@@ -181,8 +175,7 @@ def sweep(cluster, corpus, tmp_path_factory):  # noqa: F811
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
-    report = subprocess.run([sys.executable, "-m", "sinklab", "report", str(sweep_dir)], capture_output=True,
-                            text=True, timeout=300, env=job_env(cluster))
+    report = run_cli("sinklab", "report", str(sweep_dir), process=True, env=job_env(cluster), timeout=300)
     jobs = [SimpleNamespace(dir=sweep_dir / str(i), name=name, state=job_field(cluster, name, "JobState"),
                             restarts=int(job_field(cluster, name, "Restarts")),
                             out=submitit_log(sweep_dir / ".submitit", name, "out"),

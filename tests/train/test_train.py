@@ -3,8 +3,6 @@ import csv
 import math
 import os
 import re
-import subprocess
-import sys
 import time
 import warnings
 from pathlib import Path
@@ -14,7 +12,7 @@ import pytest
 import torch
 
 import sinklab
-from tests.helpers import FAST, train
+from tests.helpers import FAST, run_cli, train
 
 def rows(path: Path) -> list[dict]:
     with open(path) as f:
@@ -66,7 +64,7 @@ def test_the_summary_the_heatmap_and_measure_number_layers_alike(run, capsys):
     map)."""
     from PIL import Image
 
-    from tests.helpers import run_sinklab
+    from tests.helpers import run_cli
 
     out, proc = run
     last = rows(out / "metrics.csv")
@@ -84,7 +82,7 @@ def test_the_summary_the_heatmap_and_measure_number_layers_alike(run, capsys):
     heat_rows = dict(re.findall(r"(\d+): ([\d.]+)%", png.text["Description"].split("rows: ", 1)[1]))
     assert heat_rows == {str(i): f"{v:.1f}" for i, v in per_layer.items()}, png.text
 
-    rc, text, err = run_sinklab(capsys, "measure", str(out), "--eps", EPS, "--batch-size", "50")
+    rc, text, err = run_cli("sinklab", "measure", str(out), "--eps", EPS, "--batch-size", "50")
     assert rc == 0, err
     table = text[text.index("alpha_1 per layer and head"):].splitlines()[2:4]
     measured = {int(line.split()[0]): line.split()[2] for line in table}
@@ -266,10 +264,9 @@ def test_wandb_offline_without_key_and_one_run_per_job(tmp_path):
     env.update(HOME=str(tmp_path), PYTHONWARNINGS="ignore", SINKLAB_CACHE=os.environ.get(
         "SINKLAB_CACHE", str(Path.home() / ".cache" / "sinklab")))
     sweep = tmp_path / "2026-11-22_10-00-00"
-    cmd = [sys.executable, "-m", "sinklab.train.entry", "-m", f"hydra.sweep.dir={sweep}", "logger=wandb",
-           *FAST, "trainer.max_steps=4", "callbacks.sink.every_n_steps=2", "seed=0,1", "experiment.name=wb",
-           "tags=[wb,scale-cpu]"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    proc = run_cli("sinklab-train", "-m", f"hydra.sweep.dir={sweep}", "logger=wandb", *FAST, "trainer.max_steps=4",
+                   "callbacks.sink.every_n_steps=2", "seed=0,1", "experiment.name=wb", "tags=[wb,scale-cpu]",
+                   process=True, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     runs = sorted(sweep.glob("*/wandb/offline-run-*"))
     assert len(runs) == 2, runs  # one offline run per job, finished before the next job
@@ -283,10 +280,10 @@ def test_wandb_offline_without_key_and_one_run_per_job(tmp_path):
     assert (sweep / "0" / "metrics.csv").is_file()  # csv stays on next to wandb
 
     single = tmp_path / "single"
-    cmd = [sys.executable, "-m", "sinklab.train.entry", f"paths.output_dir={single}", "logger=wandb", *FAST,
-           "trainer.max_steps=3", "callbacks.sink.every_n_steps=2", "+callbacks.nan={_target_:tests.helpers.faults.NanGradientsAt,step:1}"]
     started = time.time()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    proc = run_cli("sinklab-train", f"paths.output_dir={single}", "logger=wandb", *FAST, "trainer.max_steps=3",
+                   "callbacks.sink.every_n_steps=2",
+                   "+callbacks.nan={_target_:tests.helpers.faults.NanGradientsAt,step:1}", process=True, env=env)
     assert proc.returncode == 1, proc.stderr[-3000:]  # diverged: failed in status.json, metrics.csv and wandb
     record = wandb_run_record(next((single / "wandb").glob("offline-run-*/run-*.wandb")))
     match = re.fullmatch(r"default-(\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d)", record.group)
