@@ -26,7 +26,6 @@ import importlib.metadata
 import os
 import sys
 import traceback
-from pathlib import Path
 from typing import Any, Sequence
 
 from sinklab.errors import UserError
@@ -118,59 +117,3 @@ def use_from_command_line(argv: list[str]) -> list[str]:
 def is_plugin(obj: Any) -> bool:
     """A component or metric registered from outside sinklab."""
     return not (obj.__module__ == "sinklab" or obj.__module__.startswith("sinklab."))
-
-
-def conf_dirs() -> list[Path]:
-    """`conf/` of the top-level package of each plugin module and of each component or metric registered from
-    outside sinklab, where it has one with a `model/` folder."""
-    from sinklab.metrics import METRICS
-    from sinklab.model.registry import FAMILIES
-
-    roots = {c.__module__.split(".")[0] for family in (*FAMILIES, METRICS) for c in family if is_plugin(c)}
-    roots |= {module.split(".")[0] for module in LOADED}
-    dirs = []
-    for root in sorted(roots):
-        module = sys.modules.get(root)
-        where = getattr(module, "__path__", None) or []
-        dirs += [Path(p) / "conf" for p in where if (Path(p) / "conf" / "model").is_dir()]
-    return dirs
-
-
-def options() -> dict[str, dict[str, dict]]:
-    """Config group options of the plugins: 'model/<group>' -> option name -> the model keys it sets. Each
-    component selects itself under its name; each yaml of a plugin's conf/model/<group>/ is an option too."""
-    from omegaconf import OmegaConf
-
-    from sinklab.model.registry import FAMILIES
-
-    found: dict[str, dict[str, dict]] = {}
-    for registry in FAMILIES:
-        for cls in registry:
-            if is_plugin(cls):
-                found.setdefault(f"model/{registry.group}", {})[cls.name] = {registry.key: cls.name}
-    for conf in conf_dirs():
-        for path in sorted((conf / "model").glob("*/*.yaml")):
-            node = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
-            found.setdefault(f"model/{path.parent.name}", {})[path.stem] = node
-    from sinklab.config.store import CONF_DIR
-
-    for group, named in found.items():
-        clash = sorted(name for name in named if (CONF_DIR / group / f"{name}.yaml").exists())
-        if clash:
-            raise UserError(f"{group}={clash[0]} of a plugin has the name of sinklab's {group}/{clash[0]}.yaml; "
-                            f"rename the component or the plugin's yaml")
-    return found
-
-
-def store_options(cs: Any) -> None:
-    """Put the plugins' config group options in Hydra's ConfigStore (package `model`, as conf/model/<group>/)."""
-    for group, named in options().items():
-        for name, node in named.items():
-            cs.store(group=group, name=name, node=node, package="model")
-
-
-def state() -> tuple:
-    """What the ConfigStore's entries depend on beyond sinklab itself (register_configs stores again on a change)."""
-    from sinklab.model.config import KNOBS_ADDED
-
-    return KNOBS_ADDED[0], tuple(LOADED), tuple((g, tuple(n)) for g, n in options().items())

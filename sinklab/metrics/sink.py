@@ -291,3 +291,12 @@ def first_token_attention(summary: dict[str, float]) -> dict[str, float]:
     whether it drops query 1), so these are `summarise`'s alpha1 values under Qwen's name, not a second computation."""
     return {name.removesuffix("alpha1") + "first_token_attn": value for name, value in summary.items()
             if name == "alpha1" or name.endswith("/alpha1")}
+
+
+_LAYER_SINK1 = re.compile(rf"^{re.escape(SINK_PREFIX)}layer(\d+)/sink1$")
+
+
+def layer_sink1(logged: dict[str, float]) -> dict[int, float]:
+    """{layer: Sink_1 of its heads (%)} from the logged values (sink/layer<i>/sink1): layers numbered from 0 as in
+    the log keys, in the training summary and the heat map alike."""
+    return {int(m.group(1)): v for k, v in logged.items() if (m := _LAYER_SINK1.match(k))}

@@ -15,13 +15,13 @@ def catalog(conf_dir: Optional[Path] = None) -> list[dict]:
     from sinklab.config import CONF_DIR
     from sinklab.model import FAMILIES
     from sinklab.model.config import KNOBS
-    from sinklab.plugins import options
+    from sinklab.config.store import plugin_options
 
     conf = (conf_dir or CONF_DIR) / "model"
     entries = []
     for registry in FAMILIES:
         files = {p.stem: OmegaConf.load(p) for p in sorted((conf / registry.group).glob("*.yaml"))}
-        files.update(options().get(f"model/{registry.group}", {}))  # components from the user's packages
+        files.update(plugin_options().get(f"model/{registry.group}", {}))  # components from the user's packages
         for cls in registry:
             doc = (cls.__doc__ or "").strip().splitlines()
             entries.append({

@@ -13,9 +13,9 @@ import torch
 from sinklab.errors import describe
 from sinklab.keys import SINK1, SINK_PREFIX
 from sinklab.metrics import METRICS, SinklabRecorder, measure_all
+from sinklab.metrics.sink import layer_sink1
 from sinklab.runs.status import Status, write_status
 from sinklab.train.fault import Preempted
-from sinklab.train.summary import layer_sink1
 
 
 class SinkCallback(L.Callback):

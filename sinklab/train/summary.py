@@ -10,7 +10,6 @@ The first and last lines are what scripts (and CI) read; the lines between say w
 """
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Any, Optional
 
@@ -22,18 +21,10 @@ from sinklab.runs.status import Status
 NEXT = ("sinklab-train model/bias=k (a learned key bias takes the sink: Sink_1 falls to ~0, sink/slot_bias rises) or "
         "sinklab-train model/attn=sigmoid (no row normalisation, no sink: sink/sink1_star ~0); "
         "compare runs with `sinklab report`")
-_LAYER_SINK = re.compile(r"^sink/layer(\d+)/sink1$")
-
-
-def layer_sink1(logged: dict[str, float]) -> dict[int, float]:
-    """{layer: Sink_1 of its heads (%)} from the logged values (sink/layer<i>/sink1): layers numbered from 0 as in
-    the log keys, in the closing lines and the heatmap alike."""
-    return {int(m.group(1)): v for k, v in logged.items() if (m := _LAYER_SINK.match(k))}
-
-
 def summary(trainer: Any, callbacks: list[Any], out: Path) -> dict[str, Any]:
     """The final metrics (the trainer's and the sink callback's last measurement), status.json = completed, and
     the closing lines on rank 0."""
+    from sinklab.metrics.sink import layer_sink1
     from sinklab.train.callbacks import SinkCallback, StatusFile
 
     final = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}

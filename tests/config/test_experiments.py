@@ -40,7 +40,7 @@ from sinklab.config.claims import parse_claims
 from sinklab.errors import UserError
 from sinklab.report import build_report, load_paper_tables, match_paper_row
 from sinklab.report.paper import values_match
-from tests.helpers import configs, run_cli
+from tests.helpers import REPO, configs, run_cli
 from tests.helpers.configs import composed, sweep_jobs
 
 PRESETS = sorted(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml"))

@@ -200,9 +200,10 @@ def test_an_external_op_and_metric_train_from_the_command_line(user_package, tmp
         print(rc, json.loads(measured.getvalue())["resid_rms"]["mean"] > 0, type(op).__name__, op.alpha)""")
     (user_package / "labext-0.1.dist-info" / "entry_points.txt").rename(tmp_path / "entry_points.txt")
     try:  # the package importable, its entry point taken away
-        named = start(user_package, "-c", probe, SINKLAB_PLUGINS="labext.ops,labext.metrics")
-        unnamed = start(user_package, "-m", "sinklab", "measure", str(out), "--num-seqs", "4")
-        loaded, refused = done(named), done(unnamed)
+        named = subprocess.Popen([sys.executable, "-c", probe], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 text=True, env=user_env(user_package, SINKLAB_PLUGINS="labext.ops,labext.metrics"))
+        unnamed = start_cli("sinklab", "measure", str(out), "--num-seqs", "4", env=user_env(user_package))
+        loaded, refused = finish(named), finish(unnamed)
     finally:
         (tmp_path / "entry_points.txt").rename(user_package / "labext-0.1.dist-info" / "entry_points.txt")
     assert loaded.returncode == 0, loaded.stderr[-2000:]
@@ -289,8 +290,8 @@ def test_a_plugin_that_raises_on_import_is_named_above_its_traceback(user_packag
     """Named by SINKLAB_PLUGINS (`sinklab`), by plugins= (`sinklab-train`), each in a process of its own, and by an
     entry point (an installed distribution of its own, put on this process's path): the line naming the module and
     where, then its own traceback (from its own frame), exit code 1."""
-    started = [start(user_package, "-m", "sinklab", "components", SINKLAB_PLUGINS="labext.boom"),
-               start(user_package, "-m", "sinklab.train.entry", "plugins=labext.needs_missing")]
+    started = [start_cli("sinklab", "components", env=user_env(user_package, SINKLAB_PLUGINS="labext.boom")),
+               start_cli("sinklab-train", "plugins=labext.needs_missing", env=user_env(user_package))]
     (tmp_path / "boomext").mkdir()
     (tmp_path / "boomext" / "__init__.py").write_text(RAISES["boom"])
     (tmp_path / "boomext-0.1.dist-info").mkdir()
@@ -300,7 +301,7 @@ def test_a_plugin_that_raises_on_import_is_named_above_its_traceback(user_packag
     monkeypatch.delenv("SINKLAB_PLUGINS", raising=False)
     rc, out, err = run_cli("sinklab", "eval", "streaming", "--help")
     entry = subprocess.CompletedProcess([], rc, out, err)
-    env, argv = (done(p) for p in started)
+    env, argv = (finish(p) for p in started)
     cases = [(env, "sinklab components", "'labext.boom' (named by SINKLAB_PLUGINS) raised RuntimeError",
               "labext/boom.py", "RuntimeError: boom at import"),
              (argv, "sinklab-train", "'labext.needs_missing' (named by plugins= on the command line) raised "
