@@ -37,7 +37,7 @@ def paper_sink1(model: str) -> dict[str, float]:
 
 
 def row(res: dict, paper: dict[str, float]) -> dict[str, Any]:
-    """One measurement (`sinklab.analysis.measurement.measure_hf` / `measure_checkpoint`'s result) as a record."""
+    """One measurement (`sinklab.analysis.measurement.measure_target`'s result) as a record."""
     slot = res.get("slot", {}).get("sink_logit")
     massive = res.get("massive") or {}
     return {"model": res["target"], "revision": res.get("revision"), "input": res["input"],

@@ -4,17 +4,16 @@ named by an `InputSpec`."""
 from __future__ import annotations
 
 import math
-from pathlib import Path
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional, Sequence
 
 import numpy as np
 import torch
 
 from sinklab.errors import UserError
+from sinklab.targets.interface import DEFAULT_NUM_SEQS, DEFAULT_SEQ_LEN, no_natural_input
 
-DEFAULT_SEQ_LEN = 64
-DEFAULT_NUM_SEQS = 100
 INPUTS = ("natural", "random", "repeat")
 
 
@@ -106,7 +105,7 @@ def choose_tokens(spec: InputSpec, target) -> tuple[torch.Tensor, str, Optional[
     if kind is None:
         missing = target.no_probe_set()
         if missing is not None:
-            raise UserError(f"choose the input: {missing}; pass --tokens FILE.npy or --input random|repeat")
+            raise no_natural_input(None, missing)
         kind = "natural"
     if context is not None and spec.seq_len is not None and spec.seq_len > context:
         raise UserError(f"--seq-len {spec.seq_len} exceeds the model context {context}")

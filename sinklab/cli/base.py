@@ -57,7 +57,7 @@ def pick_device(name: str) -> torch.device:
 def add_target_args(parser: argparse.ArgumentParser, uses: str, hf_help: str, many: bool = False) -> None:
     """TARGET (a checkpoint or run dir, of which the command `uses` ...) or --hf-model NAME_OR_DIR (`many`: one or
     more), with --revision and --dtype (`add_hf_args`): one of the two (`check_one_target`);
-    `sinklab.model.lm_loss.load_target` loads it."""
+    `sinklab.targets.load_target` loads it (`target_spec`)."""
     parser.add_argument("target", nargs="?", default=None,
                         help=f"a sinklab .ckpt or a run dir (uses its checkpoints/last.ckpt and {uses})")
     parser.add_argument("--hf-model", metavar="NAME_OR_DIR", nargs="+" if many else None, default=None,

@@ -182,6 +182,8 @@ def check_inputs(args, inputs: list) -> None:
     """Before any model is loaded: the files named exist, and each input has what it reads (a run's probe set for
     natural, by default for a run; a transformers model reads natural text through its tokenizer instead)."""
     from sinklab.runs.run_data import checkpoint_and_run_dir
+    from sinklab.targets.interface import no_natural_input
+    from sinklab.targets.native import no_run_config
 
     check_files(("--tokens", args.tokens), *(("--text", f) for f in args.text or []))
     if args.tokens is not None or args.hf_model is not None:
@@ -189,12 +191,8 @@ def check_inputs(args, inputs: list) -> None:
     if checkpoint_and_run_dir(args.target)[1] is not None:
         return
     for kind in inputs:
-        if kind is None:
-            raise UserError(f"choose the input: {args.target} has no run config (.hydra/config.yaml) to read the probe "
-                            "set from; pass --tokens FILE.npy or --input random|repeat")
-        if kind == "natural":
-            raise UserError(f"--input natural: {args.target} has no run config (.hydra/config.yaml); pass --tokens "
-                            "FILE.npy or --input random|repeat")
+        if kind in (None, "natural"):
+            raise no_natural_input(kind, no_run_config(args.target))
 
 
 def model_table(args, specs: list[TargetSpec], inputs: list) -> dict:

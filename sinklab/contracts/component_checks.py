@@ -18,7 +18,7 @@ import torch
 
 from sinklab.metrics.record import attention_maps
 from sinklab.metrics.sink import attention_scores, brute_force_alpha
-from sinklab.model import ATTENTION_OPS, FAMILIES, ConfigError, ModelConfig, Transformer
+from sinklab.model import FAMILIES, ConfigError, ModelConfig, Transformer
 from sinklab.model.config import KNOBS
 from sinklab.model.ops.softmax import Softmax
 

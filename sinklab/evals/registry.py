@@ -23,10 +23,11 @@ import json
 import math
 import re
 from pathlib import Path
-from typing import Any, ClassVar, Iterator, Optional, Sequence
+from typing import Any, ClassVar, Optional, Sequence
 
 from sinklab.errors import UserError
 from sinklab.keys import ANY, NON_NEGATIVE, PERCENT, UNIT  # noqa: F401  (the bounds evaluations declare)
+from sinklab.registries import NameRegistry
 
 PERPLEXITY = (1.0, math.inf)
 Bounds = tuple[tuple[str, tuple[float, float]], ...]
@@ -52,39 +53,17 @@ class Evaluation:
         return next((b for pattern, b in cls.bounds if re.search(pattern, column)), None)
 
 
-class EvaluationRegistry:
+class EvaluationRegistry(NameRegistry[type[Evaluation]]):
     """name -> Evaluation class, in registration order (the order of `sinklab eval --help`)."""
 
-    def __init__(self):
-        self._classes: dict[str, type[Evaluation]] = {}
+    what = "evaluation"
 
-    def register(self, name: str):
-        def deco(cls: type[Evaluation]) -> type[Evaluation]:
-            if name in self._classes and self._classes[name] is not cls:
-                raise ValueError(f"evaluation {name!r} is already registered by {self._classes[name].__module__}")
-            if not re.fullmatch(r"[a-z][a-z0-9_-]*", name):
-                raise ValueError(f"evaluation name {name!r}: allowed: lower-case letters, digits, _ and - (it names "
-                                 "a command, a file and a column prefix)")
-            if not cls.command or not cls.bounds:
-                raise ValueError(f"evaluation {name!r} declares no command or no bounds (sinklab.evals.registry)")
-            cls.name = name
-            self._classes[name] = cls
-            return cls
-        return deco
-
-    def __iter__(self) -> Iterator[type[Evaluation]]:
-        return iter(list(self._classes.values()))
-
-    def __contains__(self, name: str) -> bool:
-        return name in self._classes
-
-    def names(self) -> list[str]:
-        return list(self._classes)
-
-    def get(self, name: str) -> type[Evaluation]:
-        if name not in self._classes:
-            raise KeyError(f"evaluation {name!r} is unknown; allowed: {', '.join(self._classes)}")
-        return self._classes[name]
+    def check(self, name: str, cls: type[Evaluation]) -> None:
+        if not re.fullmatch(r"[a-z][a-z0-9_-]*", name):
+            raise ValueError(f"evaluation name {name!r}: allowed: lower-case letters, digits, _ and - (it names "
+                             "a command, a file and a column prefix)")
+        if not cls.command or not cls.bounds:
+            raise ValueError(f"evaluation {name!r} declares no command or no bounds (sinklab.evals.registry)")
 
     def owner(self, column: str) -> Optional[tuple[type[Evaluation], str]]:
         """(the evaluation, its own column name) of a report column ``NAME/<column>``; None for a column of no

@@ -7,8 +7,6 @@ as one dict (for scripts and tests that want them all).
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.nn.functional as F
 from einops import rearrange

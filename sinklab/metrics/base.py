@@ -32,11 +32,12 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Iterator, Optional, Sequence
+from typing import Any, ClassVar, Optional, Sequence
 
 import torch
 
 from sinklab.keys import ANY, NON_NEGATIVE, PERCENT, TRAINING_BOUNDS, UNIT  # noqa: F401  (the bounds metrics declare)
+from sinklab.registries import NameRegistry
 
 RECORDABLE = frozenset({"q", "k", "v", "v_extra", "attn", "h", "gate", "maps"})
 
@@ -146,37 +147,15 @@ class Metric:
         return scalar_text(title, values) or [title, "(no numbers to show here: see `sinklab measure --json`)"]
 
 
-class MetricRegistry:
+class MetricRegistry(NameRegistry[type[Metric]]):
     """name -> Metric class, in registration order (the order `measure --json` and the logs follow)."""
 
-    def __init__(self):
-        self._classes: dict[str, type[Metric]] = {}
+    what = "metric"
 
-    def register(self, name: str):
-        def deco(cls: type[Metric]) -> type[Metric]:
-            if name in self._classes and self._classes[name] is not cls:
-                raise ValueError(f"metric {name!r} is already registered by {self._classes[name].__module__}")
-            unknown = set(cls.records) - RECORDABLE
-            if unknown:
-                raise ValueError(f"metric {name!r} records {sorted(unknown)}; allowed: {', '.join(sorted(RECORDABLE))}")
-            cls.name = name
-            self._classes[name] = cls
-            return cls
-        return deco
-
-    def __iter__(self) -> Iterator[type[Metric]]:
-        return iter(list(self._classes.values()))
-
-    def __contains__(self, name: str) -> bool:
-        return name in self._classes
-
-    def names(self) -> list[str]:
-        return list(self._classes)
-
-    def get(self, name: str) -> type[Metric]:
-        if name not in self._classes:
-            raise KeyError(f"metric {name!r} is unknown; allowed: {', '.join(self._classes)}")
-        return self._classes[name]
+    def check(self, name: str, cls: type[Metric]) -> None:
+        unknown = set(cls.records) - RECORDABLE
+        if unknown:
+            raise ValueError(f"metric {name!r} records {sorted(unknown)}; allowed: {', '.join(sorted(RECORDABLE))}")
 
     def build(self, ctx: Context, names: Optional[list[str]] = None) -> list[Metric]:
         """The metrics `names` (default: every registered one) that apply to the model of `ctx`, built."""

@@ -21,13 +21,18 @@ import contextlib
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Iterable, Iterator, Optional, Protocol, Sequence, Union
+from typing import Any, Callable, ClassVar, Iterable, Optional, Protocol, Sequence, Union
 
 import torch
 
 from sinklab.errors import UserError
 from sinklab.model.lm_loss import mean_nll
+from sinklab.registries import NameRegistry
 
+# what a measurement runs on when the user sets no size: sequences of DEFAULT_SEQ_LEN tokens (within the model context),
+# DEFAULT_NUM_SEQS of them (`Target.natural_tokens` of a source without a probe set of its own, `sinklab measure`)
+DEFAULT_SEQ_LEN = 64
+DEFAULT_NUM_SEQS = 100
 Step = Callable[[torch.Tensor], torch.Tensor]  # one token (1, 1) -> logits of the next one (1, V)
 MaskFn = Callable  # flex-style mask function (b, h, q_idx, kv_idx) -> bool tensor: True where the key is kept
 
@@ -63,6 +68,13 @@ class TargetMeta:
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+def no_natural_input(kind: Optional[str], missing: str) -> UserError:
+    """The one line refusing natural input (`kind` natural, or None: the default input) to a model without a probe
+    set of its own; `missing` says why (`Target.no_probe_set`)."""
+    where = "choose the input" if kind is None else "--input natural"
+    return UserError(f"{where}: {missing}; pass --tokens FILE.npy or --input random|repeat")
 
 
 class Recorder(Protocol):
@@ -168,28 +180,13 @@ class Target(ABC):
         return None
 
 
-class SourceRegistry:
-    """source name -> Target class, in registration order (a plugin's source registers as sinklab's do)."""
+class SourceRegistry(NameRegistry[type[Target]]):
+    """source name -> Target class, in registration order (a plugin's source registers as sinklab's do); an unknown
+    source is a one-line UserError (it is named by the user)."""
 
-    def __init__(self):
-        self._classes: dict[str, type[Target]] = {}
-
-    def register(self, name: str):
-        def deco(cls: type[Target]) -> type[Target]:
-            if name in self._classes and self._classes[name] is not cls:
-                raise ValueError(f"target source {name!r} is already registered by {self._classes[name].__module__}")
-            cls.source = name
-            self._classes[name] = cls
-            return cls
-        return deco
-
-    def names(self) -> list[str]:
-        return list(self._classes)
-
-    def get(self, name: str) -> type[Target]:
-        if name not in self._classes:
-            raise UserError(f"target source {name!r} is unknown; allowed: {', '.join(self._classes)}")
-        return self._classes[name]
+    what = "target source"
+    attribute = "source"
+    unknown = UserError
 
 
 SOURCES = SourceRegistry()
@@ -200,8 +197,3 @@ def load_target(spec: TargetSpec) -> Target:
     import sinklab.targets  # noqa: F401  (registers sinklab's sources)
 
     return SOURCES.get(spec.source).load(spec)
-
-
-@contextlib.contextmanager
-def no_change() -> Iterator[None]:
-    yield

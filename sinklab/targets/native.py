@@ -16,7 +16,7 @@ import torch
 from sinklab.errors import UserError
 from sinklab.metrics.record import SinklabRecorder
 
-from .interface import SOURCES, MaskFn, Step, Target, TargetMeta, TargetSpec
+from .interface import SOURCES, MaskFn, Step, Target, TargetMeta, TargetSpec, no_natural_input
 
 
 @SOURCES.register("sinklab")
@@ -118,11 +118,15 @@ class SinklabTarget(Target):
         if texts:
             raise UserError("--text goes with --hf-model and --input natural (the text the model's tokenizer reads)")
         if self.meta.run_dir is None:
-            raise UserError(f"--input natural: {self.meta.target} has no run config (.hydra/config.yaml); pass "
-                            "--tokens FILE.npy or --input random|repeat")
+            raise no_natural_input("natural", no_run_config(self.meta.target))
         return probe_tokens(self.meta.run_dir, num_seqs, seq_len), None
 
     def no_probe_set(self) -> Optional[str]:
         if self.meta.run_dir is not None:
             return None
-        return f"{self.meta.target} has no run config (.hydra/config.yaml) to read the probe set from"
+        return no_run_config(self.meta.target)
+
+
+def no_run_config(name: str) -> str:
+    """Why a checkpoint outside a run has no probe set (it is read through the run's data config)."""
+    return f"{name} has no run config (.hydra/config.yaml) to read the probe set from"

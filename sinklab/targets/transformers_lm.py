@@ -25,7 +25,7 @@ from torch import nn
 
 from sinklab.errors import UserError
 
-from .interface import SOURCES, Target, TargetMeta, TargetSpec
+from .interface import DEFAULT_NUM_SEQS, DEFAULT_SEQ_LEN, SOURCES, Target, TargetMeta, TargetSpec
 
 INSTALL_HINT = "--hf-model needs transformers, an optional extra: pip install 'sinklab[hf]'"
 ROW_SUM_TOL = 1e-3  # rows whose sum differs from 1 by more than this: the op is not row-normalised (Sink* reported)
@@ -446,13 +446,12 @@ class TransformersTarget(Target):
                        texts: Optional[Sequence[str]] = None) -> tuple[torch.Tensor, str]:
         """Text (the files `texts`, default the validation plays of sinklab's Shakespeare) through the model's own
         tokenizer, in consecutive pieces of seq_len tokens that start as the tokenizer starts a text."""
-        from sinklab.analysis.probe_inputs import DEFAULT_NUM_SEQS, DEFAULT_SEQ_LEN, positive
-
         context = self.meta.context
         seq_len = seq_len or (min(DEFAULT_SEQ_LEN, context) if context else DEFAULT_SEQ_LEN)
         if context is not None and seq_len > context:
             raise UserError(f"--seq-len {seq_len} exceeds the model context {context}")
-        positive("--seq-len", seq_len)
+        if seq_len < 1:
+            raise UserError(f"--seq-len {seq_len} must be a positive integer")
         tokenizer = load_hf_tokenizer(self.meta.target, self.meta.revision)
         found, where = natural_texts(list(texts) if texts else None)
         tokens = text_tokens(tokenizer, found, num_seqs or DEFAULT_NUM_SEQS, seq_len, self.meta.vocab_size, where)

@@ -15,7 +15,6 @@ from lightning.fabric.utilities.throughput import Throughput
 
 from sinklab import plugins
 from sinklab.runs.checkpoints import PLUGINS, TOKENS_SEEN
-from sinklab.errors import UserError
 from sinklab.model.lm_loss import IGNORE, next_token_targets
 from sinklab.model import ModelConfig, Transformer
 from sinklab.model.compile import (CompileFallbackWarning, backward_compiled_with_forward, compile_errors,

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sinklab.model import ModelConfig, Transformer
+from sinklab.model import Transformer
 from sinklab.quant import (SCHEMES, asymmetric_grid, calibrate, evaluate, fake_quantized, quantizable_layers,
                            quantize_asymmetric, quantize_symmetric)
 from tests.helpers import HF_KINDS, README, assert_one_line_error, run_cli, save_ckpt, small_model

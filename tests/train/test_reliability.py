@@ -15,7 +15,6 @@ import signal
 import subprocess
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
