@@ -87,8 +87,9 @@ class Attention(nn.Module):
         return self.op.probs(q, k, self.own(layout), rows, self.scale)
 
     def own(self, layout: Layout) -> Layout:
-        """The layout this layer attends through: the windowed one in a local layer of a pattern."""
-        return layout.windowed if self.local else layout
+        """The layout this layer attends through: the windowed one in a local layer of a pattern, restricted by the
+        operation's own fixed pattern (a sparse operation's: `AttentionOp.restrict`)."""
+        return self.op.restrict(layout.windowed if self.local else layout)
 
     def explicit(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Layout) -> torch.Tensor:
         """Query rows in chunks: memory O(B * H * row_chunk * Tk), linear in the sequence length (in training too

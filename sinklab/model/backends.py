@@ -89,7 +89,8 @@ class FlexBackend(SDPABackend):
             warn_once(f"model.attn_backend=flex falls back to sdpa (the explicit path for a sink logit): {missing}")
             return super().softmax(q, k, v, layout, scale, sink)
         if "flex" not in layout.memo:  # once per forward, for every layer
-            mask = create_block_mask(layout.key_mask_mod(), None, None, layout.n_pos, layout.n_keys, device=q.device)
+            mask = create_block_mask(layout.key_mask_mod(), None, layout.heads, layout.n_pos, layout.n_keys,
+                                     device=q.device)
             layout.memo["flex"] = (mask, distance_score_mod(layout))
         block_mask, score_mod = layout.memo["flex"]
         run = compiled_flex() if q.device.type == "cuda" else flex_attention

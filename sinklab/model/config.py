@@ -151,6 +151,12 @@ class ModelConfigMethods:
         return "linear" if self.kept_map_bytes > KEPT_MAPS_BUDGET else "keep_maps"
 
     @property
+    def sparse_attention(self) -> bool:
+        """Whether some query does not see every earlier key: a sparse operation (`AttentionOp.sparse`) in some
+        layer, or a window (model.window, the local layers of a layer pattern included)."""
+        return self.window is not None or any(ATTENTION_OPS.selected(c).sparse for c in self.layer_configs())
+
+    @property
     def can_fuse(self) -> bool:
         """Whether some layer's op has a fused path under this config."""
         return any(ATTENTION_OPS.selected(c).fusable(c) for c in self.layer_configs())

@@ -10,7 +10,7 @@ With a KV cache (`cache.py`) the queries are the new positions start .. start + 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional
 
 import torch
@@ -78,6 +78,9 @@ class Layout:
     memo: dict = field(default_factory=dict, repr=False)  # what a backend builds once per forward for every layer
     # the local layers' layout under model.layer_pattern: the same positions, cache and RoPE, the window's mask
     windowed: Optional["Layout"] = field(default=None, repr=False)
+    # None: every head sees the same keys; H: mask_mod depends on the head (a fixed sparse pattern per head, e.g.
+    # strided heads), and `mask` gives (H, R, n_keys)
+    heads: Optional[int] = None
 
     @property
     def n_key_pos(self) -> int:
@@ -104,12 +107,29 @@ class Layout:
         return self.plain_causal and self.logit_bias is None and self.n_pos == 1
 
     def mask(self, rows: torch.Tensor) -> torch.Tensor:
-        """rows: (R,) query positions -> (R, n_keys) bool, True where the query sees the key."""
-        b = h = torch.zeros((), dtype=torch.long, device=self.device)  # every batch row and head sees the same keys
-        seen = self.mask_mod(b, h, rows[:, None], torch.arange(self.n_key_pos, device=self.device)[None, :])
+        """rows: (R,) query positions -> (R, n_keys) bool, True where the query sees the key; (H, R, n_keys) where
+        the mask depends on the head (`heads`). Either broadcasts against maps (B, H, R, n_keys)."""
+        b = torch.zeros((), dtype=torch.long, device=self.device)  # every batch row sees the same keys
+        keys = torch.arange(self.n_key_pos, device=self.device)
+        if self.heads is None:
+            h = torch.zeros((), dtype=torch.long, device=self.device)
+            seen = self.mask_mod(b, h, rows[:, None], keys[None, :])  # (R, n_key_pos)
+        else:
+            h = torch.arange(self.heads, device=self.device)[:, None, None]
+            seen = self.mask_mod(b, h, rows[None, :, None], keys[None, None, :])
+            seen = seen.expand(self.heads, len(rows), self.n_key_pos)  # (H, R, n_key_pos)
         if self.n_slots:
-            seen = torch.cat([torch.ones(len(rows), self.n_slots, dtype=torch.bool, device=self.device), seen], 1)
+            slots = torch.ones(*seen.shape[:-1], self.n_slots, dtype=torch.bool, device=self.device)
+            seen = torch.cat([slots, seen], -1)
         return seen
+
+    def restricted(self, key: Any, mask_mod: MaskMod, heads: Optional[int] = None) -> "Layout":
+        """This layout with `mask_mod` obeyed on top (a sparse operation's fixed pattern), built once per forward
+        and `key` (every layer with the same pattern shares it, and so its fused kernel's block mask)."""
+        if key not in self.memo:
+            self.memo[key] = replace(self, mask_mod=and_masks(self.mask_mod, mask_mod), plain_causal=False,
+                                     memo={}, windowed=None, heads=heads or self.heads)
+        return self.memo[key]
 
     def key_mask_mod(self) -> MaskMod:
         """`mask_mod` over this forward's query rows 0 .. n_pos - 1 and key indices 0 .. n_keys - 1 (the bias slots

@@ -29,6 +29,9 @@ class AttentionOp(Component, torch.nn.Module):
     """
 
     has_logits: ClassVar[bool] = True
+    # a sparse operation: each query attends to a subset of the keys its layout lets it see (a fixed pattern, or a
+    # selection made from the scores); the `sparse` metric scores it on the keys each query can see
+    sparse: ClassVar[bool] = False
     rows_sum_to_one: ClassVar[bool] = False  # what row_normalised says unless a knob decides
 
     def __init__(self, cfg: Any):
@@ -50,6 +53,11 @@ class AttentionOp(Component, torch.nn.Module):
         """q (B, H, N, hd), k and v (B, H, n_keys, hd) -> (B, H, N, hd), or None where this call has no fused path.
         Called only where `fusable(cfg)`."""
         return None
+
+    def restrict(self, layout: Layout) -> Layout:
+        """The layout this operation attends through: `layout` itself, or with its fixed sparse pattern on top
+        (`Layout.restricted`), so that the explicit map, a fused kernel and the metrics see the same keys."""
+        return layout
 
     def bind_layer(self, layer: int) -> None:
         """The index of the layer this op belongs to (from 0); most ops do not depend on it."""
