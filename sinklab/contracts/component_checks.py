@@ -142,8 +142,8 @@ def assert_same_logits_and_grads(got, want) -> None:
 
 def flex_layers(model) -> int:
     """How many layers attn_backend=flex computes: those whose operation is a softmax variant (a layer pattern may
-    mix ops)."""
-    return sum(isinstance(block.attn.op, Softmax) for block in model.blocks)
+    mix ops) and whose keys are not selected from the scores (model.sparsity=topk, moba: the explicit map)."""
+    return sum(isinstance(block.attn.op, Softmax) and not block.attn.sparsity.selects for block in model.blocks)
 
 
 # ---------------------------------------------------------------------------------------------- the checks

@@ -20,7 +20,7 @@ from .gates import G1, G2, G3, G4, G5
 from .hooks import HookPoint
 from .masks import Layout
 from .recompute import recomputed_rows
-from .registry import ATTENTION_OPS, ATTN_BIASES, GATES, POSITIONS, QK_NORMS
+from .registry import ATTENTION_OPS, ATTN_BIASES, GATES, POSITIONS, QK_NORMS, SPARSITIES
 
 
 class Attention(nn.Module):
@@ -43,6 +43,7 @@ class Attention(nn.Module):
         self.gate_proj = GATES.selected(cfg)(cfg)
         self.op = ATTENTION_OPS.selected(cfg)(cfg)
         self.op.bind_layer(layer)
+        self.sparsity = SPARSITIES.selected(cfg)(cfg, layer)  # which visible keys each query attends to
         self.backend = select_backend(cfg)
         # whether the op's fused path runs at all: its fusable(cfg), the one place that says "no fused path"
         self.use_fused = self.backend.fuses and self.op.fusable(cfg)
@@ -88,8 +89,8 @@ class Attention(nn.Module):
 
     def own(self, layout: Layout) -> Layout:
         """The layout this layer attends through: the windowed one in a local layer of a pattern, restricted by the
-        operation's own fixed pattern (a sparse operation's: `AttentionOp.restrict`)."""
-        return self.op.restrict(layout.windowed if self.local else layout)
+        operation's own (`AttentionOp.restrict`) and by the sparsity's pattern or selection (`model.sparsity`)."""
+        return self.sparsity.restrict(self.op.restrict(layout.windowed if self.local else layout))
 
     def explicit(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Layout) -> torch.Tensor:
         """Query rows in chunks: memory O(B * H * row_chunk * Tk), linear in the sequence length (in training too

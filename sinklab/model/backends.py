@@ -66,7 +66,7 @@ class SDPABackend(AttentionBackend):
     boolean mask, or an additive one with position biases; no extra logit."""
 
     def softmax(self, q, k, v, layout, scale, sink=None):
-        if sink is not None:
+        if sink is not None or layout.selector is not None:  # an extra logit; keys selected from the scores
             return None
         if layout.is_plain_causal:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
@@ -84,6 +84,8 @@ class FlexBackend(SDPABackend):
     """FlexAttention for every softmax variant (module docstring); sdpa where it is unavailable."""
 
     def softmax(self, q, k, v, layout, scale, sink=None):
+        if layout.selector is not None:  # keys selected from the scores: the explicit map
+            return None
         missing = flex_missing(q, k, v)
         if missing is not None:
             warn_once(f"model.attn_backend=flex falls back to sdpa (the explicit path for a sink logit): {missing}")

@@ -50,6 +50,7 @@ class BaseModelConfig:
     attn_bias: str = "none"
     gate: str = "none"
     qk_norm: str = "none"
+    sparsity: str = "none"
     norm_eps: float = 1e-5
     softmax_scale: float = 1.0  # alpha in op(alpha * q.k / sqrt(d_h))
     n_sink_tokens: int = 0  # learned embeddings prepended to every sequence, never predicted
@@ -152,9 +153,10 @@ class ModelConfigMethods:
 
     @property
     def sparse_attention(self) -> bool:
-        """Whether some query does not see every earlier key: a sparse operation (`AttentionOp.sparse`) in some
-        layer, or a window (model.window, the local layers of a layer pattern included)."""
-        return self.window is not None or any(ATTENTION_OPS.selected(c).sparse for c in self.layer_configs())
+        """Whether some query does not see every earlier key: a sparse pattern (model.sparsity), a sparse operation
+        (`AttentionOp.sparse`) in some layer, or a window (model.window, the local layers of a layer pattern included)."""
+        return self.window is not None or self.sparsity != "none" or any(
+            ATTENTION_OPS.selected(c).sparse for c in self.layer_configs())
 
     @property
     def can_fuse(self) -> bool:

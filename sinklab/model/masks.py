@@ -31,6 +31,22 @@ def sliding_window(window: int) -> MaskMod:
     return mask
 
 
+def first_positions(n: int) -> MaskMod:
+    """The first `n` positions (StreamingLLM's attention sinks in an A-shape mask)."""
+    def mask(b, h, q_idx, kv_idx):
+        return kv_idx < n
+    return mask
+
+
+def strided_heads(stride: int, n_local: int) -> MaskMod:
+    """Heads 0 .. n_local - 1 see the `stride` most recent positions, the others every `stride`-th position back
+    from the query (the Sparse Transformer's two strided heads)."""
+    def mask(b, h, q_idx, kv_idx):
+        back = q_idx - kv_idx
+        return torch.where(h < n_local, back < stride, back % stride == 0)
+    return mask
+
+
 def prefix_block(start: int, end: int) -> MaskMod:
     """Queries in [start, end) see every key before `end` (a prefix LM's bidirectional prefix)."""
     def mask(b, h, q_idx, kv_idx):
@@ -81,6 +97,9 @@ class Layout:
     # None: every head sees the same keys; H: mask_mod depends on the head (a fixed sparse pattern per head, e.g.
     # strided heads), and `mask` gives (H, R, n_keys)
     heads: Optional[int] = None
+    # a selection of keys per query from the scores (sinklab.model.sparsity: top-k, MoBA), applied by the
+    # operation's explicit map on top of `mask`; fused kernels decline a layout with one
+    selector: Optional[Any] = None
 
     @property
     def n_key_pos(self) -> int:
@@ -123,12 +142,15 @@ class Layout:
             seen = torch.cat([slots, seen], -1)
         return seen
 
-    def restricted(self, key: Any, mask_mod: MaskMod, heads: Optional[int] = None) -> "Layout":
-        """This layout with `mask_mod` obeyed on top (a sparse operation's fixed pattern), built once per forward
-        and `key` (every layer with the same pattern shares it, and so its fused kernel's block mask)."""
+    def restricted(self, key: Any, mask_mod: MaskMod, heads: Optional[int] = None,
+                   selector: Optional[Any] = None) -> "Layout":
+        """This layout with `mask_mod` obeyed on top (a sparse pattern) and a `selector` choosing among the keys it
+        leaves, built once per forward and `key` (every layer with the same pattern shares it, and so its fused
+        kernel's block mask)."""
         if key not in self.memo:
             self.memo[key] = replace(self, mask_mod=and_masks(self.mask_mod, mask_mod), plain_causal=False,
-                                     memo={}, windowed=None, heads=heads or self.heads)
+                                     memo={}, windowed=None, heads=heads or self.heads,
+                                     selector=selector or self.selector)
         return self.memo[key]
 
     def key_mask_mod(self) -> MaskMod:

@@ -158,7 +158,9 @@ FFNS: Registry = Registry("ffn", "feed-forward network", llama="swiglu", group="
 GATES: Registry = Registry("gate", "attention-output gate", llama="none", group="gate")
 ATTN_BIASES: Registry = Registry("attn_bias", "attention bias", llama="none", group="bias")
 QK_NORMS: Registry = Registry("qk_norm", "query/key norm", llama="none", group="qk_norm")
+SPARSITIES: Registry = Registry("sparsity", "sparse attention pattern", llama="none", group="sparsity")
 
-FAMILIES: tuple[Registry, ...] = (POSITIONS, NORMS, NORM_POSITIONS, FFNS, ATTENTION_OPS, ATTN_BIASES, GATES, QK_NORMS)
+FAMILIES: tuple[Registry, ...] = (POSITIONS, NORMS, NORM_POSITIONS, FFNS, ATTENTION_OPS, ATTN_BIASES, GATES, QK_NORMS,
+                                  SPARSITIES)
 # how attention runs, not what it computes (an execution choice, like model.compile): not an architecture family
 ATTN_BACKENDS: Registry = Registry("attn_backend", "attention backend", llama="sdpa", group="backend")

@@ -32,6 +32,9 @@ class AttentionOp(Component, torch.nn.Module):
     # a sparse operation: each query attends to a subset of the keys its layout lets it see (a fixed pattern, or a
     # selection made from the scores); the `sparse` metric scores it on the keys each query can see
     sparse: ClassVar[bool] = False
+    # its map comes from per-key logits through `normalise` (AttentionOp.probs), so a sparsity that selects keys from
+    # the logits (model.sparsity=topk, moba) can apply; False for an op with its own `probs`
+    takes_selection: ClassVar[bool] = True
     rows_sum_to_one: ClassVar[bool] = False  # what row_normalised says unless a knob decides
 
     def __init__(self, cfg: Any):
@@ -69,11 +72,13 @@ class AttentionOp(Component, torch.nn.Module):
     def probs(self, q: torch.Tensor, k: torch.Tensor, layout: Layout, rows: torch.Tensor,
               scale: float) -> torch.Tensor:
         """Explicit map for query rows: q (B, H, R, hd), k (B, H, n_keys, hd) -> A (B, H, R, n_keys)."""
-        seen = layout.mask(rows)  # (R, n_keys)
+        seen = layout.mask(rows)  # ((H,) R, n_keys)
         s = (q @ k.transpose(-1, -2)) * scale  # (B, H, R, n_keys)
         bias = layout.bias(rows)
         if bias is not None:
             s = s + bias.to(s.dtype)
+        if layout.selector is not None:  # a sparsity's choice among the visible keys (B, H, R, n_keys)
+            seen = layout.selector.keep(q, k, s, seen, layout.n_slots, rows)
         return self.normalise(s, seen)
 
     def normalise(self, s: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:

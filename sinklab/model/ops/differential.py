@@ -94,6 +94,8 @@ class DifferentialAttention(AttentionOp):
         o2 = backend.softmax(q2, k2, v, layout, scale * math.sqrt(2))
         return None if o1 is None or o2 is None else o1 - self.lam().to(o1.dtype) * o2
 
+    takes_selection = False  # its own probs: no per-key logits for a sparsity to select from
+
     def probs(self, q: torch.Tensor, k: torch.Tensor, layout: Layout, rows: torch.Tensor,
               scale: float) -> torch.Tensor:
         """q (B, H, R, hd), k (B, H, n_keys, hd) -> A1 - lambda A2 (B, H, R, n_keys), zero where not seen."""

@@ -71,6 +71,8 @@ class KernelAttention(NormalisableOp):
         whose |sum| exceeds 1 are divided."""
         return z.abs().clamp(min=1.0)
 
+    takes_selection = False  # its own probs: no per-key logits for a sparsity to select from
+
     def probs(self, q: torch.Tensor, k: torch.Tensor, layout: Layout, rows: torch.Tensor,
               scale: float) -> torch.Tensor:
         seen = layout.mask(rows)
