@@ -53,6 +53,9 @@ What is measured and how: `sinklab.analysis.measurement`. User errors are one li
         (sinklab.metrics.noop),
     induction {seq_len, repeat, num_seqs, seed, induction, prev_token, by_layer, by_head}: induction and
         previous-token scores on repeated random tokens (sinklab.metrics.induction),
+    sparse {eps, k, sink_vis, alpha_vis, visible, select1, select1_uniform, select1_ratio, by_layer, by_head}: the
+        sink metric on the keys each query can see and the selection of token 1, for sinklab models with a window
+        or a sparse operation only (sinklab.metrics.sparse),
     and the part of any other registered metric (`sinklab.metrics.METRICS`) under its json_key.
 Non-finite values (a norm ratio with T = 1) are null.
 """

@@ -49,7 +49,8 @@ class Context:
     n_layer, n_head; n_extra: key columns before the real tokens in `maps` (bias slot + sink tokens);
     slot_names: their names; row_normalised: whether every map row sums to one (None: not known before the maps
     are seen, as for Hugging Face models; `Target.row_normalised` says afterwards); eps, k: the sink thresholds and
-    how many first tokens are scored; model: the sinklab Transformer (None for other models)."""
+    how many first tokens are scored; model: the sinklab Transformer (None for other models); extra_mask: an
+    intervention's mask the forward obeys on top of the model's (`Transformer.layout`), None without one."""
 
     n_layer: int
     n_head: int
@@ -59,6 +60,7 @@ class Context:
     eps: list[float] = field(default_factory=lambda: [0.3])
     k: int = 4
     model: Any = None
+    extra_mask: Any = None
 
 
 class Metric:

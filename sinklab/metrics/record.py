@@ -35,7 +35,7 @@ class SinklabRecorder:
         cfg = self.model.cfg
         return Context(n_layer=cfg.n_layer, n_head=cfg.n_head, n_extra=cfg.n_slots + cfg.n_sink_tokens,
                        slot_names=slot_names(cfg), row_normalised=cfg.row_normalised, eps=list(eps), k=k,
-                       model=self.model)
+                       model=self.model, extra_mask=self.extra_mask)
 
     def settle(self, metrics: Sequence[Metric]) -> None:
         """Nothing to tell: a sinklab model's row normalisation is known from its config."""

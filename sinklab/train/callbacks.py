@@ -21,7 +21,8 @@ from sinklab.train.fault import Preempted
 class SinkCallback(L.Callback):
     """Logs every registered metric (`sinklab.metrics.METRICS`: Sink_k, alpha_k, Sink*, slot scores as sink/...;
     first-token attention, massive activations, first-token norms and angles, outliers, residual sinks and norm
-    weights, gate scores, attention entropy, secondary sinks, the no-op signature as act/...; induction and
+    weights, gate scores, attention entropy, secondary sinks, the no-op signature as act/...; with sparse attention,
+    Sink_k on the keys each query can see and token 1's selection as sparse/...; induction and
     previous-token scores on their own repeated random tokens; `activations=false`: the sink metric only) on the
     probe set every `every_n_steps` optimizer steps and at the end of training; a layer x head heatmap of alpha_1 at
     each validation. Runs on rank 0 only; its last measurement survives a resume. The allowed values of its arguments:

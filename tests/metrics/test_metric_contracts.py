@@ -19,7 +19,7 @@ from sinklab.analysis.measurement import format_tables, measure_target
 from sinklab.analysis.probe_inputs import InputSpec
 from sinklab.cli.base import finite
 from sinklab.contracts import metrics as contract
-from sinklab.contracts.metrics import SWITCHES, assert_within_bounds, logged
+from sinklab.contracts.metrics import SWITCHES, applicable, assert_within_bounds, logged
 from sinklab.metrics import METRICS
 from sinklab.targets.native import SinklabTarget
 from tests.helpers import small_model, token_ids
@@ -59,7 +59,9 @@ def test_every_measured_metric_shows_in_the_measure_text(switch):
     res = measure_target(target, InputSpec("random", seq_len=24, num_seqs=3), eps=(0.3, 0.5), k=3, batch_size=2)
     res = json.loads(json.dumps(finite(res), allow_nan=False))
     blocks = [(cls.name, cls.text(cls.part(res), res)) for cls in METRICS if cls.part(res) is not None]
-    assert [name for name, _ in blocks] == NAMES  # every metric applies to a sinklab model
+    measured = applicable(switch)  # every metric applies to a sinklab model, `sparse` where its mask is sparse
+    assert [name for name, _ in blocks] == [name for name in NAMES if name in measured]
+    assert ("sparse" in measured) == (SWITCHES[switch].get("window") is not None)
     gated = SWITCHES[switch].get("gate", "none") != "none"
     assert {name for name, block in blocks if not block} == (set() if gated else {"gates"})
     shown = [block for _, block in blocks if block]
