@@ -117,7 +117,7 @@ class SparseSinkMetric(Metric):
         self.acc["seen"] += counted.sum(-2)
         kept = (a != 0) & seen  # (B, H, R, T): the selection, the map's support on what the query can see
         sees1 = seen[..., 0]  # (R,) or (H, R): the queries that can see token 1
-        share = kept.sum(-1) / seen.sum(-1).clamp_min(1)  # (B, H, R): m_i / n_i
+        share = kept.sum(-1).double() / seen.sum(-1).clamp_min(1).double()  # (B, H, R): m_i / n_i, in float64
         self.acc["select"] += (kept[..., 0] & sees1).sum(-1)
         self.acc["uniform"] += (share * sees1).sum(-1)
         self.acc["queries"] += sees1.sum(-1)

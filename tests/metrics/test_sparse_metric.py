@@ -70,20 +70,41 @@ def test_the_chunked_metric_equals_the_brute_force(case):
 
 
 def test_a_head_dependent_pattern_is_scored_per_head():
-    """A fixed pattern that differs by head (head h sees every (h+1)-th earlier key, itself included) through
-    `Layout.restricted(..., heads=H)`, as a sparse operation's `restrict` gives it: the mask is (H, R, n_keys), and
-    the chunked metric equals the brute force head by head (visible_1 of head h: 1/(h+1) of the queries)."""
-    model, tokens = small_model(window=T), token_ids(B=2, T=T, seed=8)
-
-    def strided(b, h, q_idx, kv_idx):
-        return (q_idx - kv_idx) % (h + 1) == 0
-    for block in model.blocks:
-        block.attn.op.restrict = lambda layout: layout.restricted("strided", strided, heads=model.cfg.n_head)
+    """Strided heads (model.sparsity=strided, stride 4: heads 0-1 local, 2-3 every 4th key): the mask is
+    (H, R, n_keys), and the chunked metric equals the brute force head by head (visible_1: 4/T for the local heads,
+    the queries 0, 4, 8, ... for the strided ones)."""
+    model, tokens = small_model(sparsity="strided", strided_stride=4), token_ids(B=2, T=T, seed=8)
     _, res, _ = measured(model, tokens)
     for name, value in brute_force(model, tokens, 3).items():
         torch.testing.assert_close(res[name], value, rtol=1e-9, atol=1e-12, msg=name)
     visible1 = res["visible"][0, 0, :, 0]
-    assert visible1.tolist() == pytest.approx([len(range(0, T, h + 1)) / T for h in range(4)])
+    assert visible1.tolist() == pytest.approx([4 / T, 4 / T, len(range(0, T, 4)) / T, len(range(0, T, 4)) / T])
+
+
+@pytest.mark.parametrize("case", [dict(sparsity="topk", topk_k=5), dict(sparsity="moba", moba_block=4, moba_topk=2),
+                                  dict(sparsity="ashape", ashape_window=3, ashape_first=1)],
+                         ids=["topk", "moba", "ashape"])
+def test_selections_and_patterns_equal_the_brute_force(case):
+    """Keys selected from the scores (top-k, MoBA: every query can see token 1, its selection may drop it) and an
+    A-shape pattern: the chunked metric equals the definitions query by query."""
+    model, tokens = small_model(**case), token_ids(B=2, T=T, seed=3)
+    _, res, _ = measured(model, tokens)
+    for name, value in brute_force(model, tokens, 3).items():
+        torch.testing.assert_close(res[name], value, rtol=1e-9, atol=1e-12, msg=name)
+    if case["sparsity"] != "ashape":
+        assert (res["visible"] == 1).all() and (res["select"] < 1).any()
+
+
+def test_forcing_token_1_into_a_top_k_selects_it_for_every_query():
+    """topk_force_first: token 1 is in every selection (select1 = 1), against k / i for a uniform choice among the
+    i keys of query i (capped at 1): the ratio is above 1; without forcing, below the forced one."""
+    tokens = token_ids(B=2, T=T, seed=5)
+    forced = measured(small_model(sparsity="topk", topk_k=4, topk_force_first=True), tokens)[1]
+    free = measured(small_model(sparsity="topk", topk_k=4), tokens)[1]
+    assert (forced["select"] == 1).all()
+    uniform = torch.tensor([min(1.0, 4 / (i + 1)) for i in range(T)], dtype=torch.float64).mean()
+    torch.testing.assert_close(forced["uniform"], torch.full_like(forced["uniform"], uniform.item()))
+    assert (free["select"] < forced["select"]).any() and (free["select"] <= 1).all()
 
 
 def test_a_window_only_model_keeps_every_visible_key():
