@@ -142,8 +142,11 @@ def assert_same_logits_and_grads(got, want) -> None:
 
 def flex_layers(model) -> int:
     """How many layers attn_backend=flex computes: those whose operation is a softmax variant (a layer pattern may
-    mix ops) and whose keys are not selected from the scores (model.sparsity=topk, moba: the explicit map)."""
-    return sum(isinstance(block.attn.op, Softmax) and not block.attn.sparsity.selects for block in model.blocks)
+    mix ops) and whose keys, where a sparsity selects them from the scores, FlexAttention can select (moba: yes;
+    topk: the explicit map)."""
+    sparsity = [block.attn.sparsity for block in model.blocks]
+    return sum(isinstance(block.attn.op, Softmax) and (not s.selects or s.flex_selects)
+               for block, s in zip(model.blocks, sparsity))
 
 
 # ---------------------------------------------------------------------------------------------- the checks

@@ -84,17 +84,23 @@ class FlexBackend(SDPABackend):
     """FlexAttention for every softmax variant (module docstring); sdpa where it is unavailable."""
 
     def softmax(self, q, k, v, layout, scale, sink=None):
-        if layout.selector is not None:  # keys selected from the scores: the explicit map
+        selector = layout.selector
+        if selector is not None and not selector.flex_selects:  # keys selected from the scores: the explicit map
             return None
         missing = flex_missing(q, k, v)
         if missing is not None:
             warn_once(f"model.attn_backend=flex falls back to sdpa (the explicit path for a sink logit): {missing}")
             return super().softmax(q, k, v, layout, scale, sink)
-        if "flex" not in layout.memo:  # once per forward, for every layer
-            mask = create_block_mask(layout.key_mask_mod(), None, layout.heads, layout.n_pos, layout.n_keys,
-                                     device=q.device)
-            layout.memo["flex"] = (mask, distance_score_mod(layout))
-        block_mask, score_mod = layout.memo["flex"]
+        if selector is not None:  # a selection from this layer's q and k: a block mask of its own (B, H)
+            block_mask = create_block_mask(selector.flex_mask(q, k, layout), q.shape[0], q.shape[1], layout.n_pos,
+                                           layout.n_keys, device=q.device)
+            score_mod = distance_score_mod(layout)
+        else:
+            if "flex" not in layout.memo:  # once per forward, for every layer
+                mask = create_block_mask(layout.key_mask_mod(), None, layout.heads, layout.n_pos, layout.n_keys,
+                                         device=q.device)
+                layout.memo["flex"] = (mask, distance_score_mod(layout))
+            block_mask, score_mod = layout.memo["flex"]
         run = compiled_flex() if q.device.type == "cuda" else flex_attention
         if sink is None:
             return run(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale)

@@ -38,7 +38,9 @@ class Sparsity(Component):
     depends on the head); a selection sets `selects` and implements `keep`. `restrict` hands the layer the layout it
     attends through."""
 
-    selects: ClassVar[bool] = False  # chooses keys from the scores (explicit path only)
+    selects: ClassVar[bool] = False  # chooses keys from the scores (the explicit path, or flex through `flex_mask`)
+    # a selection FlexAttention can run: `flex_mask(q, k, layout)` gives its choice as a mask_mod (B and H dependent)
+    flex_selects: ClassVar[bool] = False
     per_head: ClassVar[bool] = False  # its pattern depends on the head
     llama = True  # only `none`: LLaMA attends to every key
 
@@ -149,9 +151,10 @@ class TopK(Sparsity):
 @SPARSITIES.register("moba")
 class MoBA(Sparsity):
     """MoBA's block router (module docstring): per query, its own block and the top `moba_topk - 1` earlier blocks by
-    <q, mean key of the block>; no gradient through the choice (it has no parameters)."""
+    <q, mean key of the block>; no gradient through the choice (it has no parameters). With attn_backend=flex the
+    choice is a block-table mask_mod, so the selected blocks run in FlexAttention's kernel."""
 
-    selects = True
+    selects = flex_selects = True
 
     @dataclasses.dataclass
     class Knobs:
@@ -172,8 +175,10 @@ class MoBA(Sparsity):
                     "blocks of the context, the query's own included"
                     + ("; moba_force_first=true needs the own block and block 0" if cfg.moba_force_first else ""))
 
-    def keep(self, q, k, s, seen, n_slots, rows):
-        B, H, R, _ = s.shape
+    def chosen_blocks(self, q: torch.Tensor, k: torch.Tensor, n_slots: int, rows: torch.Tensor) -> torch.Tensor:
+        """q (B, H, R, hd) at positions rows (R,), k (B, H, n_keys, hd) -> (B, H, R, nb) bool: the blocks each query
+        attends to (its own, and the top earlier ones by <q, mean key>)."""
+        B, H = q.shape[:2]
         keys = k[:, :, n_slots:]  # (B, H, P, hd), P key positions
         P, L = keys.shape[2], self.block
         n_blocks = -(-P // L)
@@ -181,20 +186,34 @@ class MoBA(Sparsity):
         means = padded.view(B, H, n_blocks, L, -1).sum(3) / L  # (B, H, nb, hd); only complete blocks are scored
         gate = q.detach() @ means.detach().transpose(-1, -2)  # (B, H, R, nb)
         own = rows // L  # (R,) the query's own block
-        blocks = torch.arange(n_blocks, device=s.device)
+        blocks = torch.arange(n_blocks, device=q.device)
         earlier = blocks[None, :] < own[:, None]  # (R, nb): complete blocks before the query's own
         gate = gate.masked_fill(~earlier, float("-inf"))
         if self.force_first:
             gate = forced_position(gate, earlier, 0)
-        n_pick = min(self.k - 1, n_blocks)
         chosen = torch.zeros_like(gate, dtype=torch.bool)
+        n_pick = min(self.k - 1, n_blocks)
         if n_pick:
-            top = gate.topk(n_pick, dim=-1).indices
-            chosen.scatter_(-1, top, True)
-        chosen = (chosen & earlier) | (blocks[None, :] == own[:, None])  # (B, H, R, nb), the own block always
-        key_block = torch.arange(P, device=s.device) // L  # (P,)
+            chosen.scatter_(-1, gate.topk(n_pick, dim=-1).indices, True)
+        return (chosen & earlier) | (blocks[None, :] == own[:, None])  # the own block always
+
+    def keep(self, q, k, s, seen, n_slots, rows):
+        chosen = self.chosen_blocks(q, k, n_slots, rows)  # (B, H, R, nb)
+        key_block = torch.arange(k.shape[2] - n_slots, device=s.device) // self.block  # (P,)
         kept = chosen[..., key_block]  # (B, H, R, P)
         return torch.cat([torch.ones_like(kept[..., :n_slots]), kept], -1) & seen
+
+    def flex_mask(self, q: torch.Tensor, k: torch.Tensor, layout: Layout) -> MaskMod:
+        """The selection as a FlexAttention mask_mod over this forward's query rows and key indices (bias slots
+        first), on top of the layout's: a (B, H, N, nb) table of chosen blocks looked up by key block."""
+        n_slots, L = layout.n_slots, self.block
+        chosen = self.chosen_blocks(q, k, n_slots, layout.rows())  # (B, H, N, nb)
+        visible = layout.key_mask_mod()
+
+        def mask(b, h, q_idx, kv_idx):
+            block = (kv_idx - n_slots).clamp(min=0) // L
+            return visible(b, h, q_idx, kv_idx) & ((kv_idx < n_slots) | chosen[b, h, q_idx, block])
+        return mask
 
 
 @SPARSITIES.register("ashape")
