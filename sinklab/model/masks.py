@@ -81,6 +81,12 @@ class Layout:
     # None: every head sees the same keys; H: mask_mod depends on the head (a fixed sparse pattern per head, e.g.
     # strided heads), and `mask` gives (H, R, n_keys)
     heads: Optional[int] = None
+    # the positional encoding's rotation of positions 0 .. n - 1 (`PositionalEncoding.rotary(n)`, None without RoPE):
+    # for an op that rotates keys of its own at positions it picks (NSA's compressed blocks, at their last token)
+    rotary_at: Optional[Callable[[int], Any]] = field(default=None, repr=False)
+    # name -> the layers' auxiliary losses of this forward (`AttentionOp.aux_losses`), one dict shared by the
+    # layout's variants (windowed, restricted): the model sums them (`Transformer.aux_losses`)
+    aux_losses: dict = field(default_factory=dict, repr=False)
 
     @property
     def n_key_pos(self) -> int:
