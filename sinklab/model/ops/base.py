@@ -87,7 +87,7 @@ class AttentionOp(Component, torch.nn.Module):
                    extra: dict[str, torch.Tensor], chunk: int) -> dict[str, torch.Tensor]:
         """Scalar losses this op adds to the training loss, {name: loss}, computed in a training forward (grad
         enabled, module in train mode) from the layer's q (B, H, N, hd) and k (B, H, n_keys, hd), in row chunks of
-        `chunk`; the model sums each name over its layers (`Transformer.aux_losses`). None by default (an empty dict)."""
+        `chunk`; the model sums each name over its layers (`Transformer.aux_losses`). None by default."""
         return {}
 
     def output(self, o: torch.Tensor) -> torch.Tensor:
