@@ -2,6 +2,7 @@
 import math
 
 TRAIN_LOSS = "train/loss"
+AUX_PREFIX = "train/aux/"  # a component's auxiliary loss (train/aux/<name>, and train/aux/total), added in training
 VAL_LOSS = "val/loss"
 SINK1 = "sink/sink1"
 ALPHA1 = "sink/alpha1"
@@ -27,4 +28,5 @@ TRAINING_BOUNDS = (
     (r"^perf/tokens_per_sec$", NON_NEGATIVE),
     (r"^(step|epoch)$", NON_NEGATIVE),
     (r"^run/failed$", UNIT),
+    (r"^train/aux/", ANY),  # a component's auxiliary losses and their total (DSA's KL is >= 0; others may not be)
 )

@@ -248,13 +248,15 @@ def chunked_sink_metric_equals_brute_force(case: dict) -> None:
 
 
 def trains_a_step(case: dict) -> None:
-    """Two AdamW steps: a finite, non-zero gradient for every parameter, and a lower loss."""
+    """Two AdamW steps on what training minimises (the next-token loss and the forward's auxiliary losses, e.g. an
+    indexer's KL): a finite, non-zero gradient for every parameter, and a lower loss."""
     m = small_model(**case).train()
     opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
     idx = token_ids(B=4, T=25)
     losses = []
     for _ in range(2):
         loss = torch.nn.functional.cross_entropy(m(idx[:, :-1]).flatten(0, 1), idx[:, 1:].flatten())
+        loss = loss + sum(m.aux_losses.values())
         opt.zero_grad()
         loss.backward()
         for name, p in m.named_parameters():

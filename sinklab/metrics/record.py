@@ -67,9 +67,10 @@ class SinklabRecorder:
             for module, name, trim in wanted:
                 if name in names:
                     handles.append(module.register_forward_hook(keep(name, trim)))
-            if need_qk:  # the whole q and k, for the maps
+            if need_qk:  # the whole q and k, and the op's own tensors (`Attention.extras`), for the maps
                 handles.append(attn.hook_q.register_forward_hook(keep("q_all", lambda t: t)))
                 handles.append(attn.hook_k.register_forward_hook(keep("k_all", lambda t: t)))
+                handles.append(attn.hook_extra.register_forward_hook(keep("extra", lambda t: t)))
             act = getattr(attn.gate_proj, "gate_act", None)
             if "gate" in names and act is not None:
                 handles.append(act.register_forward_hook(keep("gate", lambda t: tokens(t).detach().float())))
@@ -95,7 +96,7 @@ class SinklabRecorder:
         attn = self.model.blocks[layer].attn
         for r0 in range(0, T, self.chunk):
             rows = torch.arange(S + r0, S + min(T, r0 + self.chunk), device=q.device)  # positions of real queries
-            yield rows - S, attn.probs(q[:, :, rows], k, layout, rows)
+            yield rows - S, attn.probs(q[:, :, rows], k, layout, rows, rec.get("extra"))
 
     def run(self, idx: torch.Tensor, metrics: Sequence[Metric]) -> None:
         names = set().union(*(m.records for m in metrics)) if metrics else set()
@@ -173,10 +174,11 @@ def attention_maps(model, tokens: torch.Tensor, extra_mask=None) -> list[torch.T
     handles = []
     for block in model.blocks:
         attn = block.attn
+        handles.append(attn.hook_extra.register_forward_hook(lambda _m, _i, out: qk.__setitem__("extra", out)))
         handles.append(attn.hook_q.register_forward_hook(lambda _m, _i, out: qk.__setitem__("q", out)))
 
         def on_k(_m, _i, out, attn=attn):
-            maps.append(attn.probs(qk["q"], out, layout, layout.rows()))
+            maps.append(attn.probs(qk["q"], out, layout, layout.rows(), qk["extra"]))
         handles.append(attn.hook_k.register_forward_hook(on_k))
     try:
         model(tokens, extra_mask=extra_mask)

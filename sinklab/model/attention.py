@@ -7,18 +7,24 @@ kept for backward (`model.attn_memory=keep_maps`, fastest at short T), or recomp
 recomputed); `auto`, the default, is resolved once, by `ModelConfig.memory`. With a KV cache in the layout, the keys
 and values of earlier positions come from the cache (an evicting cache stores them before RoPE, so that the kept keys
 are rotated at their new places; a dense one after).
+An operation with tensors of its own (`AttentionOp.project`: NSA's branch keys and gates, DSA's indexer) gets them
+from the same input x, rotated where it says so, through the cache, and as `extra` wherever it computes (`extras`).
 """
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 from torch import nn
+
+from sinklab.errors import UserError
 
 from .backends import select_backend
 from .gates import G1, G2, G3, G4, G5
 from .hooks import HookPoint
 from .masks import Layout
+from .positional import RotaryAt
 from .recompute import recomputed_rows
 from .registry import ATTENTION_OPS, ATTN_BIASES, GATES, POSITIONS, QK_NORMS, SPARSITIES
 
@@ -54,6 +60,25 @@ class Attention(nn.Module):
         self.qk_norm = QK_NORMS.selected(cfg)(cfg)  # before RoPE (model.qk_norm)
         # q, k, v as the operation sees them (after RoPE, with the bias slot): where measurements record them
         self.hook_q, self.hook_k, self.hook_v = HookPoint(), HookPoint(), HookPoint()
+        # the op's own per-token tensors (`extras`, a dict, {} for most ops), before hook_q: a measurement replays
+        # the maps from q, k and these
+        self.hook_extra = HookPoint()
+
+    def extras(self, x: torch.Tensor, layout: Layout) -> dict[str, torch.Tensor]:
+        """The op's per-token tensors (`AttentionOp.project`) over every key position: those it names in `rotated`
+        take this forward's RoPE, then a KV cache adds its earlier positions' (a dense cache; one that evicts would
+        have to re-derive them at new places, and is refused)."""
+        extra = self.op.project(x)
+        cache = layout.cache
+        if extra and cache is not None and not cache.stores_rotated:
+            raise UserError(f"model.attn_op={self.op.name} keeps per-token tensors of its own in the KV cache: a cache "
+                            "that evicts (keep_first / recent) is not supported; allowed: a dense cache")
+        rope = layout.rope if self.rotates else None
+        for name, t in extra.items():  # (B, h, N, w) each
+            if rope is not None and name in self.op.rotated:
+                t = rotate_leading(rope, t)
+            extra[name] = cache.extend_extra(self.layer, name, t) if cache is not None else t  # (B, h, P, w)
+        return self.hook_extra(extra)
 
     def qkv(self, x: torch.Tensor, layout: Layout):
         """x (B, N, d) -> q (B, H, N, hd), k and v (B, H, n_slots + start + N, hd), RoPE applied before the slot. A
@@ -83,8 +108,12 @@ class Attention(nn.Module):
         k, v = self.attn_bias.extend(k, v)
         return self.hook_q(q), self.hook_k(k), self.hook_v(v)
 
-    def probs(self, q: torch.Tensor, k: torch.Tensor, layout: Layout, rows: torch.Tensor) -> torch.Tensor:
-        """Explicit attention map for query rows: q (B, H, R, hd), k (B, H, Tk, hd) -> A (B, H, R, Tk)."""
+    def probs(self, q: torch.Tensor, k: torch.Tensor, layout: Layout, rows: torch.Tensor,
+              extra: Optional[dict[str, torch.Tensor]] = None) -> torch.Tensor:
+        """Explicit attention map for query rows: q (B, H, R, hd), k (B, H, Tk, hd) -> A (B, H, R, Tk); `extra`: the
+        op's tensors of this forward (`extras`, recorded at `hook_extra`), for an op that has them."""
+        if extra:
+            return self.op.probs(q, k, self.own(layout), rows, self.scale, extra)
         return self.op.probs(q, k, self.own(layout), rows, self.scale)
 
     def own(self, layout: Layout) -> Layout:
@@ -92,27 +121,52 @@ class Attention(nn.Module):
         operation's own (`AttentionOp.restrict`) and by the sparsity's pattern or selection (`model.sparsity`)."""
         return self.sparsity.restrict(self.op.restrict(layout.windowed if self.local else layout))
 
-    def explicit(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Layout) -> torch.Tensor:
+    def explicit(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Layout,
+                 extra: Optional[dict[str, torch.Tensor]] = None) -> torch.Tensor:
         """Query rows in chunks: memory O(B * H * row_chunk * Tk), linear in the sequence length (in training too
-        when each chunk is recomputed in backward)."""
+        when each chunk is recomputed in backward; the op's `extra` tensors take their gradients there too)."""
+        extra = extra or {}
         if self.recompute and torch.is_grad_enabled():
-            params = (*self.op.parameters(), *layout.bias_params)
-            return recomputed_rows(lambda qr, k_, v_, r0: self.rows_output(qr, k_, v_, layout, r0), self.row_chunk,
-                                   q, k, v, params)
-        chunks = [self.rows_output(q[:, :, r0:r0 + self.row_chunk], k, v, layout, r0)  # (B, H, R, hd) each
+            params, names = (*self.op.parameters(), *layout.bias_params), list(extra)
+            return recomputed_rows(lambda qr, k_, v_, r0, more: self.rows_output(qr, k_, v_, layout, r0,
+                                                                                 dict(zip(names, more))),
+                                   self.row_chunk, q, k, v, params, more=tuple(extra.values()))
+        chunks = [self.rows_output(q[:, :, r0:r0 + self.row_chunk], k, v, layout, r0, extra)  # (B, H, R, hd) each
                   for r0 in range(0, layout.n_pos, self.row_chunk)]
         return torch.cat(chunks, dim=2)  # (B, H, N, hd)
 
-    def rows_output(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Layout, r0: int) -> torch.Tensor:
+    def rows_output(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Layout, r0: int,
+                    extra: Optional[dict[str, torch.Tensor]] = None) -> torch.Tensor:
         """The output of query rows r0 .. r0 + R - 1 through their map: q (B, H, R, hd) -> (B, H, R, hd)."""
-        return self.probs(q, k, layout, layout.rows(r0, r0 + q.shape[2])) @ v
+        rows = layout.rows(r0, r0 + q.shape[2])
+        if extra:  # an op with tensors of its own: its branches may have values of their own
+            return self.op.attend(q, k, v, self.own(layout), rows, self.scale, extra)
+        return self.probs(q, k, layout, rows) @ v
 
     def forward(self, x: torch.Tensor, layout: Layout) -> torch.Tensor:
-        """x (B, N, d) -> (B, N, d), the output after o_proj (and a G5 gate)."""
+        """x (B, N, d) -> (B, N, d), the output after o_proj (and a G5 gate). In a training forward the op's
+        auxiliary losses join `layout.aux_losses` (the model sums them over its layers)."""
+        extra = self.extras(x, layout)
         q, k, v = self.qkv(x, layout)
         o = self.op.fused(q, k, v, self.own(layout), self.scale, self.backend) if self.use_fused else None
         if o is None:
-            o = self.explicit(q, k, v, layout)
+            o = self.explicit(q, k, v, layout, extra)
+        if self.training and torch.is_grad_enabled():
+            for name, loss in self.op.aux_losses(q, k, self.own(layout), self.scale, extra, self.row_chunk).items():
+                layout.aux_losses.setdefault(name, []).append(loss)
         o = self.gate_proj.at(G1, x, self.attn_bias.output(self.op.output(o)))
         out = self.o_proj(o.transpose(1, 2).flatten(2))  # (B, H, N, hd) -> (B, N, H * hd) -> (B, N, d)
         return self.gate_proj.at(G5, x, out)
+
+
+def rotate_leading(rope: RotaryAt, t: torch.Tensor) -> torch.Tensor:
+    """RoPE on the first min(w, hd) channels of t (B, h, N, w), the rest unrotated: a tensor as wide as a head is
+    rotated as the keys are; a narrower one takes the fastest w / 2 rotary pairs, a wider one rotates its first hd
+    channels (as DeepSeek-V3.2's indexer rotates a part of its query and key heads)."""
+    hd, w = rope.cos.shape[-1], t.shape[-1]
+    if w == hd:
+        return rope(t)
+    half = min(w, hd) // 2  # rotary pairs
+    if 2 * half < hd:  # the fastest pairs' tables, each half of the rotate-half layout cut to `half` pairs
+        rope = RotaryAt(torch.cat([rope.cos[:, :half]] * 2, -1), torch.cat([rope.sin[:, :half]] * 2, -1))
+    return torch.cat([rope(t[..., :2 * half]), t[..., 2 * half:]], dim=-1)

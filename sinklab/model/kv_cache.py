@@ -11,6 +11,9 @@ keys: O(1) RoPE work per step instead of O(L) past thousands of tokens. It gives
 Eviction, after each forward: with `keep_first` x and `recent` y set, the cache keeps the model's learned sink tokens,
 the first x text tokens and the y most recent ones; a forward's new tokens see all of them and themselves. x = 0 is
 window attention; no eviction (both None) is dense attention, which goes past the training context.
+
+An attention operation with per-token tensors of its own (`AttentionOp.project`: NSA's branch keys, DSA's indexer)
+keeps them here too, per layer and name (`extend_extra`), in a dense cache only.
 """
 from __future__ import annotations
 
@@ -39,6 +42,8 @@ class KVCache:
         self.n_sink, self.keep_first, self.recent = n_sink, keep_first, recent
         self.k: list[Optional[torch.Tensor]] = [None] * n_layer  # buffers (B, Hkv, room, hd)
         self.v: list[Optional[torch.Tensor]] = [None] * n_layer
+        # per layer, the operation's own per-token tensors (`extend_extra`): name -> buffer (B, h, room, w)
+        self.extra: list[dict[str, torch.Tensor]] = [{} for _ in range(n_layer)]
         self.length = 0  # positions held (sink tokens included) before the next forward
         self.seen = 0  # text tokens the model has been given, evicted ones included
         self._filled = 0  # positions written by the forward in progress (length + its new ones)
@@ -55,21 +60,35 @@ class KVCache:
 
     def extend(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Append a forward's new keys and values (B, Hkv, N, hd) to the layer's; return all of them (views)."""
+        self.k[layer] = buf_k = self.grown(self.k[layer], k)
+        self.v[layer] = buf_v = self.grown(self.v[layer], v)
         end = self.length + k.shape[2]
-        buf_k, buf_v = self.k[layer], self.v[layer]
-        if buf_k is None or buf_k.shape[2] < end or buf_k.shape[:2] != k.shape[:2] or buf_k.dtype != k.dtype:
-            room = max(end, 2 * buf_k.shape[2] if buf_k is not None else 0,
-                       (self.capacity or 0) + k.shape[2])
-            new_k = k.new_empty(k.shape[0], k.shape[1], room, k.shape[3])  # (B, Hkv, room, hd)
-            new_v = v.new_empty(v.shape[0], v.shape[1], room, v.shape[3])
-            if self.length:
-                new_k[:, :, :self.length] = buf_k[:, :, :self.length]
-                new_v[:, :, :self.length] = buf_v[:, :, :self.length]
-            self.k[layer], self.v[layer] = buf_k, buf_v = new_k, new_v
         buf_k[:, :, self.length:end] = k
         buf_v[:, :, self.length:end] = v
         self._filled = end
         return buf_k[:, :, :end], buf_v[:, :, :end]  # (B, Hkv, length + N, hd)
+
+    def extend_extra(self, layer: int, name: str, t: torch.Tensor) -> torch.Tensor:
+        """Append a forward's per-token tensor `name` of the layer's operation (`AttentionOp.project`), (B, h, N, w),
+        to the positions held; return all of them (a view). Only a dense cache holds them (the attention refuses an
+        evicting one before it gets here): nothing ever moves them."""
+        store = self.extra[layer]
+        store[name] = buf = self.grown(store.get(name), t)
+        end = self.length + t.shape[2]
+        buf[:, :, self.length:end] = t
+        return buf[:, :, :end]  # (B, h, length + N, w)
+
+    def grown(self, buf: Optional[torch.Tensor], new: torch.Tensor) -> torch.Tensor:
+        """`buf` (B, h, room, w), or a larger buffer holding its first `length` positions, with room for `new`
+        (B, h, N, w) after them: room doubles (at least), so that appending is amortised O(N)."""
+        end = self.length + new.shape[2]
+        if buf is not None and buf.shape[2] >= end and buf.shape[:2] == new.shape[:2] and buf.dtype == new.dtype:
+            return buf
+        room = max(end, 2 * buf.shape[2] if buf is not None else 0, (self.capacity or 0) + new.shape[2])
+        grown = new.new_empty(new.shape[0], new.shape[1], room, new.shape[3])  # (B, h, room, w)
+        if self.length:
+            grown[:, :, :self.length] = buf[:, :, :self.length]
+        return grown
 
     def commit(self, n_tokens: int) -> None:
         """After a forward that gave the model `n_tokens` text tokens: count them, then evict."""

@@ -100,6 +100,12 @@ class Layout:
     # a selection of keys per query from the scores (sinklab.model.sparsity: top-k, MoBA), applied by the
     # operation's explicit map on top of `mask`; fused kernels decline a layout with one
     selector: Optional[Any] = None
+    # the positional encoding's rotation of positions 0 .. n - 1 (`PositionalEncoding.rotary(n)`, None without RoPE):
+    # for an op that rotates keys of its own at positions it picks (NSA's compressed blocks, at their last token)
+    rotary_at: Optional[Callable[[int], Any]] = field(default=None, repr=False)
+    # name -> the layers' auxiliary losses of this forward (`AttentionOp.aux_losses`), one dict shared by the
+    # layout's variants (windowed, restricted): the model sums them (`Transformer.aux_losses`)
+    aux_losses: dict = field(default_factory=dict, repr=False)
 
     @property
     def n_key_pos(self) -> int:

@@ -76,6 +76,7 @@ class Transformer(nn.Module):
         self.local_mask_mod = compose_mask(cfg.n_sink_tokens, cfg.prefix_len, cfg.window) if window != cfg.window \
             else None
         self.register_load_state_dict_pre_hook(upgrade_state_dict)
+        self.aux_losses: dict[str, torch.Tensor] = {}  # the last forward's (`forward`)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -100,6 +101,11 @@ class Transformer(nn.Module):
         for child in self.children():
             init(child)
 
+    def set_step(self, step: int) -> None:
+        """Tell every layer's attention operation the training step about to run (a warm-up's clock)."""
+        for block in self.blocks:
+            block.attn.op.set_step(step)
+
     def new_cache(self, keep_first: Optional[int] = None, recent: Optional[int] = None) -> KVCache:
         """An empty KV cache for `forward(idx, cache=...)`: dense, or keeping the first / recent tokens."""
         return KVCache(self.cfg.n_layer, self.cfg.n_sink_tokens, keep_first, recent)
@@ -121,7 +127,8 @@ class Transformer(nn.Module):
                         mask_mod=mask_mod, plain_causal=self.plain_causal and extra_mask is None,
                         logit_bias=self.pos.logit_bias, rope=rope, device=device, start=start,
                         rope_keys=self.pos.rotary(start + n_pos) if start and not cache.stores_rotated else None,
-                        cache=cache, bias_params=tuple(self.pos.parameters()) if self.pos.logit_bias else ())
+                        cache=cache, bias_params=tuple(self.pos.parameters()) if self.pos.logit_bias else (),
+                        rotary_at=self.pos.rotary)
         if self.local_mask_mod is not None:  # the local layers' layout: the same sequence under the window
             local = self.local_mask_mod if extra_mask is None else and_masks(self.local_mask_mod, extra_mask)
             layout.windowed = dataclasses.replace(layout, mask_mod=local, plain_causal=False, memo={})
@@ -146,11 +153,15 @@ class Transformer(nn.Module):
         extra_mask: a mask function every query obeys on top of the model's (an intervention's).
         Measurements record q, k, v, the attention output and the residual stream through forward hooks
         (`sinklab.metrics.record`); nothing recorded changes what this returns.
+        After the forward, `aux_losses` holds the auxiliary losses the layers added in it ({} outside training, and
+        for most operations): name -> a scalar, which training adds to the loss (`sinklab.train.module`).
         """
         layout = self.layout(idx.shape[1], idx.device, cache, extra_mask)
         x = self.embed(idx, layout.start)
         for block in self.blocks:
             x = block(x, layout)
+        # each auxiliary loss summed over the layers (each layer's own term keeps its weight 1 at any depth)
+        self.aux_losses = {name: torch.stack(terms).sum() for name, terms in layout.aux_losses.items()}
         if cache is not None:
             cache.commit(idx.shape[1])
         x = self.norm(x[:, layout.n_pos - idx.shape[1]:])  # the real tokens

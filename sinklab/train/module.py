@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from lightning.fabric.utilities.throughput import Throughput
 
 from sinklab import plugins
+from sinklab.keys import AUX_PREFIX, TRAIN_LOSS
 from sinklab.runs.checkpoints import PLUGINS, TOKENS_SEEN
 from sinklab.model.lm_loss import IGNORE, next_token_targets
 from sinklab.model import ModelConfig, Transformer
@@ -158,7 +159,18 @@ class LitLM(L.LightningModule):
         self.throughput.available_flops = None
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
-        loss = self.loss(batch)
+        """The next-token loss plus the auxiliary losses the forward's components added (`Transformer.aux_losses`,
+        e.g. DSA's indexer KL), each logged as train/aux/<name> and their sum as train/aux/total; train/loss stays the
+        next-token loss, comparable across models. The model is told the step first (a warm-up's clock)."""
+        self.net.set_step(self.global_step)
+        loss = lm_loss = self.loss(batch)
+        aux = self.net.aux_losses  # the forward's, just run
+        for name, value in aux.items():
+            self.log(f"{AUX_PREFIX}{name}", value)
+        if aux:
+            total = torch.stack(list(aux.values())).sum()
+            self.log(f"{AUX_PREFIX}total", total)
+            loss = lm_loss + total
         bad = not bool(torch.isfinite(loss))
         if self._trainer is not None and self.trainer.world_size > 1:  # every rank stops at the same step
             bad = self.trainer.strategy.reduce_boolean_decision(bad, all=False)
@@ -166,7 +178,7 @@ class LitLM(L.LightningModule):
             raise TrainingDiverged(
                 f"non-finite training loss ({loss.item()}) at step {self.global_step}; training stopped, "
                 f"the last good checkpoint is kept{self._last_checkpoint_note()}")
-        self.log("train/loss", loss, prog_bar=True)
+        self.log(TRAIN_LOSS, lm_loss, prog_bar=True)
         self.log_throughput(batch)
         return loss
 

@@ -165,9 +165,9 @@ def test_memory_of_efficient_route_does_not_hold_full_maps():
     seen = []
     orig = m.blocks[0].attn.probs
 
-    def spy(q, k, layout, rows):
+    def spy(q, k, layout, rows, extra=None):
         seen.append(len(rows))
-        return orig(q, k, layout, rows)
+        return orig(q, k, layout, rows, extra)
 
     m.blocks[0].attn.probs = spy
     attention_scores(m, tokens, chunk=64)

@@ -476,6 +476,7 @@ def forward_backward(cfg: ModelConfig, T: int) -> None:
     idx = ids(B=2, T=T + 1)
     logits = m(idx[:, :-1])
     loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), idx[:, 1:].flatten())
+    loss = loss + sum(m.aux_losses.values())  # as training adds them (an indexer learns from its KL alone)
     loss.backward()
     assert torch.isfinite(loss)
     for name, p in m.named_parameters():

@@ -370,3 +370,48 @@ def test_closing_lines_say_where_the_sink_is_and_what_to_try():
     # a K bias: the heads sink on the slot instead
     slot = closing_lines(10, {"sink/sink1": 0.0, "sink/slot_bias": 62.5}, {0: 0.0}, "B", 0.3, 8, Path("/r"))
     assert "bias slot: 62.50% of the heads sink on it instead (sink/slot_bias)" in slot
+
+
+def test_aux_losses_dsa_kl_is_logged_falls_in_the_warmup_and_sparse_attention_starts_at_its_step(tmp_path):
+    """An auxiliary loss (DSA's indexer KL) is logged as train/aux/<name> and train/aux/total, train/loss stays the
+    next-token loss; over the dense warm-up the KL falls (the indexer learns the main attention); the op is dense
+    while the step the module tells it is below dsa_warmup_steps, sparse from that step on, and a checkpoint keeps
+    the step (a loaded model measures in the sparse phase)."""
+    import lightning as L
+    import pandas as pd
+    from lightning.pytorch.loggers import CSVLogger
+
+    from sinklab.train.module import LitLM
+
+    warmup = 6
+    model = dict(vocab_size=64, n_layer=1, n_head=2, d_model=32, d_ff=64, block_size=16, attn_op="dsa",
+                 dsa_warmup_steps=warmup, dsa_topk=4)
+    torch.manual_seed(0)
+    lit = LitLM(model=model, optim=dict(lr=3e-3, weight_decay=0.0, warmup_steps=0, schedule="constant"),
+                max_steps=10)
+    op = lit.net.blocks[0].attn.op
+    seen = []  # (step, dense, KL, next-token loss, total) after each training step
+
+    class Watch(L.Callback):
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            m = trainer.callback_metrics
+            seen.append((trainer.global_step - 1, op.dense, float(m["train/aux/dsa_kl"]), float(m["train/loss"]),
+                         float(outputs["loss"])))
+
+    batch = torch.randint(0, 64, (8, 17), generator=torch.Generator().manual_seed(0))  # one batch, every step
+    trainer = L.Trainer(max_steps=10, accelerator="cpu", devices=1, logger=CSVLogger(tmp_path), log_every_n_steps=1,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        limit_val_batches=0, num_sanity_val_steps=0, callbacks=[Watch()], default_root_dir=tmp_path)
+    trainer.fit(lit, train_dataloaders=torch.utils.data.DataLoader([batch[i] for i in range(8)], batch_size=8))
+    assert [s for s, *_ in seen] == list(range(10))
+    assert [dense for _, dense, *_ in seen] == [s < warmup for s in range(10)]
+    kl = [k for _, _, k, _, _ in seen]
+    assert all(k > 0 for k in kl) and kl[warmup - 1] < 0.8 * kl[0], kl  # the warm-up's KL falls
+    for _, _, k, lm, total in seen:  # the step's loss is the next-token loss plus the KL
+        assert total == pytest.approx(lm + k, rel=1e-5)
+    logged = pd.read_csv(next(tmp_path.glob("**/metrics.csv")))
+    assert logged["train/aux/dsa_kl"].notna().sum() == 10
+    assert (logged["train/aux/total"].dropna().values == logged["train/aux/dsa_kl"].dropna().values).all()
+    trainer.save_checkpoint(tmp_path / "last.ckpt")
+    loaded = sinklab.load_model(tmp_path / "last.ckpt").blocks[0].attn.op
+    assert (loaded.step, loaded.dense) == (9, False)

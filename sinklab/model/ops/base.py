@@ -26,6 +26,15 @@ class AttentionOp(Component, torch.nn.Module):
       output(o)            what the op does to the heads' output after the map (differential attention's norm)
       bind_layer(layer)    told its layer's index once, when the layer is built (a depth-dependent constant)
     Its parameters (a learned sink logit, a feature map) are submodules / parameters of the op.
+
+    An operation that needs more than q, k, v (its own keys and values, gates, an indexer), all optional:
+      project(x)           per-token tensors of its own from the layer's input x, {name: (B, h, N, w)}; the layer
+                           rotates those named in `rotated` as keys, extends them through a KV cache and passes them,
+                           over every key position, as `extra` to `probs`, `attend` and `aux_losses` (an op whose
+                           `project` returns nothing is called without `extra`, as before)
+      attend(...)          the output of query rows (map @ v unless its branches have values of their own)
+      aux_losses(...)      losses it adds to the training loss during a training forward (an indexer's KL)
+      set_step(step)       told the training step before each training forward (a warm-up)
     """
 
     has_logits: ClassVar[bool] = True
@@ -36,6 +45,8 @@ class AttentionOp(Component, torch.nn.Module):
     # the logits (model.sparsity=topk, moba) can apply; False for an op with its own `probs`
     takes_selection: ClassVar[bool] = True
     rows_sum_to_one: ClassVar[bool] = False  # what row_normalised says unless a knob decides
+    # the tensors of `project` that take RoPE as the keys do (on their first min(width, head width) channels)
+    rotated: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, cfg: Any):
         super().__init__()
@@ -65,13 +76,31 @@ class AttentionOp(Component, torch.nn.Module):
     def bind_layer(self, layer: int) -> None:
         """The index of the layer this op belongs to (from 0); most ops do not depend on it."""
 
+    def project(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        """x (B, N, d), the layer's (normed) input -> per-token tensors of the op's own, {name: (B, h, N, w)}, time on
+        dim 2; none by default. The layer extends them through a KV cache (an evicting cache is refused), so
+        `extra[name]` covers every key position 0 .. n_key_pos - 1 and a query row at position t reads
+        `extra[name][:, :, t]`. The layer's `hook_extra` sees the dict, so a measurement can replay the maps."""
+        return {}
+
+    def set_step(self, step: int) -> None:
+        """The training step about to run (from the LightningModule, before each training forward)."""
+
+    def aux_losses(self, q: torch.Tensor, k: torch.Tensor, layout: Layout, scale: float,
+                   extra: dict[str, torch.Tensor], chunk: int) -> dict[str, torch.Tensor]:
+        """Scalar losses this op adds to the training loss, {name: loss}, computed in a training forward (grad
+        enabled, module in train mode) from the layer's q (B, H, N, hd) and k (B, H, n_keys, hd), in row chunks of
+        `chunk`; the model sums each name over its layers (`Transformer.aux_losses`). None by default."""
+        return {}
+
     def output(self, o: torch.Tensor) -> torch.Tensor:
         """The heads' output map @ v (B, H, N, hd), fused or explicit -> what the layer's attention outputs."""
         return o
 
-    def probs(self, q: torch.Tensor, k: torch.Tensor, layout: Layout, rows: torch.Tensor,
-              scale: float) -> torch.Tensor:
-        """Explicit map for query rows: q (B, H, R, hd), k (B, H, n_keys, hd) -> A (B, H, R, n_keys)."""
+    def probs(self, q: torch.Tensor, k: torch.Tensor, layout: Layout, rows: torch.Tensor, scale: float,
+              extra: Optional[dict[str, torch.Tensor]] = None) -> torch.Tensor:
+        """Explicit map for query rows: q (B, H, R, hd), k (B, H, n_keys, hd) -> A (B, H, R, n_keys); `extra`: the
+        tensors of `project` (an op without them may leave the argument out of its own `probs`)."""
         seen = layout.mask(rows)  # ((H,) R, n_keys)
         s = (q @ k.transpose(-1, -2)) * scale  # (B, H, R, n_keys)
         bias = layout.bias(rows)
@@ -81,9 +110,24 @@ class AttentionOp(Component, torch.nn.Module):
             seen = layout.selector.keep(q, k, s, seen, layout.n_slots, rows)
         return self.normalise(s, seen)
 
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Layout, rows: torch.Tensor,
+               scale: float, extra: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The output of query rows of an op with `project` tensors, q (B, H, R, hd) -> (B, H, R, hd): the map @ v,
+        unless the op's branches have values of their own (NSA)."""
+        return self.probs(q, k, layout, rows, scale, extra) @ v
+
     def normalise(self, s: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
         """logits s (B, H, R, n_keys) and visibility seen (R, n_keys) -> the map, zero where not seen."""
         raise NotImplementedError
+
+
+def masked_softmax(s: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
+    """softmax of s over the entries `seen` (broadcast against s), zero elsewhere; a row that sees nothing is zero
+    (not NaN, in the gradient too): a sparse branch may have no key for a query (NSA's first compressed block is
+    complete only at position l - 1)."""
+    s = s.masked_fill(~seen, float("-inf"))
+    s = s.masked_fill(~seen.any(-1, keepdim=True), 0.0)  # an empty row: finite logits, masked below
+    return torch.softmax(s, dim=-1).masked_fill(~seen, 0.0)
 
 
 class NormalisableOp(AttentionOp):
