@@ -11,6 +11,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 if os.environ.get("PYTEST_XDIST_WORKER"):  # `pytest -n N`: N workers share the cores, one thread each (and the
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # trainings they start in subprocesses)
 
+from collections import Counter  # noqa: E402
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
@@ -71,3 +73,53 @@ def hf_models(tmp_path_factory) -> dict[str, Path]:
     pytest.importorskip("transformers")
     root = tmp_path_factory.mktemp("hf_models")
     return {kind: tiny_hf(kind, root / kind, tokenizer=True) for kind in HF_KINDS}
+
+
+# How `pytest -n N` shares the work (pytest-xdist, --dist loadfile and --no-loadscope-reorder in pyproject.toml): in
+# units of whole files, so that a file's module fixtures are built once, handed out in the collection's order below,
+# a worker taking the next unit when it has two tests left. Files that share an expensive session fixture are one unit,
+# so that one worker builds it: `trained_run`, a 120-step training (~20 s).
+ONE_UNIT = {"trained_run": ("tests/evals/test_streaming.py", "tests/evals/test_trajectory.py",
+                            "tests/metrics/test_metric_contracts.py", "tests/evals/test_sample.py")}
+# The units that take longest (training runs, subprocesses: ~8 s to ~100 s each on a 2-core machine), longest first;
+# the others follow, most tests first. (xdist's own order, most tests first, put the long files of a few tests each
+# last, where one worker ran them while the other had nothing left.)
+LONGEST_FIRST = (
+    "tests/config/test_experiments.py", "tests/train/test_reliability.py", "tests/train/test_train.py",
+    "tests/integration/test_plugins.py", "trained_run", "tests/golden/test_golden.py", "tests/model/test_contracts.py",
+    "tests/report/test_seed_statistics.py", "tests/integration/test_sink_emergence.py", "tests/report/test_report.py",
+    "tests/cli/test_readme.py", "tests/model/test_model_zoo.py", "tests/data/test_prepare.py",
+    "tests/train/test_launcher.py", "tests/metrics/test_bounds.py", "tests/evals/test_measure.py",
+    "tests/evals/test_hub.py", "tests/model/test_export_hf.py", "tests/data/test_data_config.py",
+    "tests/metrics/test_gate_metrics.py",
+)
+_UNIT_OF_FILE = {file: unit for unit, files in ONE_UNIT.items() for file in files}
+
+
+def unit_of(nodeid: str) -> str:
+    """The unit of work a test is handed out in: its file, or the ONE_UNIT group its file is in."""
+    file = nodeid.split("::", 1)[0]
+    return _UNIT_OF_FILE.get(file, file)
+
+
+@pytest.hookimpl(trylast=True)  # after `-m` / `-k` deselected what they deselect
+def pytest_collection_modifyitems(items):
+    """The units in the order of LONGEST_FIRST, then the others, most tests first; within a unit the collected order
+    is kept (a file's tests stay together)."""
+    rank = {unit: i for i, unit in enumerate(LONGEST_FIRST)}
+    tests = Counter(unit_of(item.nodeid) for item in items)
+    items.sort(key=lambda item: (rank.get(unit := unit_of(item.nodeid), len(rank)), -tests[unit], unit))
+
+
+@pytest.hookimpl(tryfirst=True, optionalhook=True)  # before xdist's own choice of scheduler
+def pytest_xdist_make_scheduler(config, log):
+    """--dist loadfile, with the files of a ONE_UNIT group as one unit."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class Scheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return unit_of(nodeid)
+
+    return Scheduling(config, log)

@@ -1,6 +1,6 @@
 """Helpers shared by the tests (fixtures live in tests/conftest.py): `from tests.helpers import small_model`."""
 from .cli import (HYDRA_SCHEMA_WARNING, README, REPO, assert_one_line_error, error_lines, finish, readme_cli_lines,
-                  readme_commands, run_cli, start_cli)
+                  readme_commands, run_cli, run_cli_in_one_process, start_cli)
 from .models import (SMALL, assert_same_logits_and_grads, case_id, component_cases, covering, explicit_logits,
                      layer_records, logits_and_grads, refused, save_ckpt, small_model, token_ids, training_peak)
 from .hf_models import ABSOLUTE_KINDS, HF_KINDS, MHA_KINDS, hub_cache, tiny_hf, tiny_tokenizer
@@ -12,5 +12,5 @@ __all__ = ["ABSOLUTE_KINDS", "FAST", "HF_KINDS", "HYDRA_SCHEMA_WARNING", "MHA_KI
            "assert_one_line_error", "assert_same_logits_and_grads", "bpe_corpus", "case_id", "component_cases",
            "covering", "data_args", "error_lines", "explicit_logits", "fake_text", "finish", "hub_cache",
            "layer_records", "logits_and_grads", "natural_run", "readme_cli_lines", "readme_commands", "refused",
-           "rows", "run_cli", "save_ckpt", "series", "small", "small_model", "start_cli", "tiny_hf",
-           "tiny_tokenizer", "token_ids", "train", "training_peak", "write_corpus"]
+           "rows", "run_cli", "run_cli_in_one_process", "save_ckpt", "series", "small", "small_model", "start_cli",
+           "tiny_hf", "tiny_tokenizer", "token_ids", "train", "training_peak", "write_corpus"]

@@ -1,15 +1,18 @@
 """The README's command lines; sinklab's commands run as a test needs them (`run_cli`: in this process, or in a
-subprocess as a user runs them); and the one-line error that every user error must be (`assert_one_line_error`)."""
+subprocess as a user runs them; `run_cli_in_one_process`: several calls in one subprocess); and the one-line error
+that every user error must be (`assert_one_line_error`)."""
 import contextlib
 import io
+import json
 import os
 import re
 import shlex
 import subprocess
 import sys
+import tempfile
 import warnings as _warnings
 from pathlib import Path
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Optional, Sequence
 
 import pytest
 
@@ -101,12 +104,54 @@ def start_cli(command: str, *args: str, env: Optional[dict] = None, warnings: Op
     """`python -m MODULE ARGS...` of the command, started in a subprocess with stdout and stderr piped: for a test
     that signals, kills or waits on it, or runs several at once (`finish` collects one). `env` is its whole
     environment (default: this process's), with this checkout first on PYTHONPATH."""
+    return subprocess.Popen([sys.executable, "-m", MODULES[command], *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=process_env(env, warnings), cwd=cwd)
+
+
+def process_env(env: Optional[dict], warnings: Optional[str]) -> dict:
+    """A subprocess's whole environment: `env` (default: this process's) with this checkout first on PYTHONPATH and
+    the warnings filter `warnings` (PYTHONWARNINGS) where given."""
     env = dict(os.environ if env is None else env)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     if warnings is not None:
         env["PYTHONWARNINGS"] = warnings
-    return subprocess.Popen([sys.executable, "-m", MODULES[command], *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env, cwd=cwd)
+    return env
+
+
+# run_cli_in_one_process's subprocess: each call as run_cli runs it in this process, os.environ put back after each
+# (sinklab-train exports plugins= to SINKLAB_PLUGINS), the results written as JSON to the file argv[1] names
+ONE_PROCESS = """
+import json, os, sys
+from tests.helpers.cli import _run_here
+out, command, calls, warnings = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), sys.argv[4] or None
+ran = []
+for args in calls:
+    environ = dict(os.environ)
+    ran.append(_run_here(command, args, None, warnings))
+    os.environ.clear()
+    os.environ.update(environ)
+with open(out, "w") as f:
+    json.dump(ran, f)
+"""
+
+
+def run_cli_in_one_process(command: str, calls: Sequence[Sequence[str]], env: Optional[dict] = None,
+                           warnings: Optional[str] = None, cwd: Optional[Path] = None,
+                           timeout: float = 600) -> list[Ran]:
+    """`COMMAND ARGS...` for each ARGS of `calls`, one after another in ONE subprocess, each through the console
+    script's main as `run_cli` runs it here: for calls that need a process of their own environment (`env`:
+    PYTHONPATH, SINKLAB_CONF, ...) but not one each, since a process's start-up and imports are most of a failing
+    call's time (~7 s for sinklab-train, which imports Lightning). The environment is put back between calls.
+    Returns each call's (exit code, stdout, stderr), in order; a call that raises fails the test, showing it."""
+    assert command in MODULES, f"unknown command {command!r}; allowed: {', '.join(MODULES)}"
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "ran.json"
+        argv = [str(out), command, json.dumps([list(c) for c in calls]), warnings or ""]
+        proc = subprocess.run([sys.executable, "-c", ONE_PROCESS, *argv], capture_output=True, text=True,
+                              env=process_env(env, warnings), cwd=cwd, timeout=timeout)
+        assert proc.returncode == 0 and out.is_file(), \
+            f"exit {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+        return [Ran(*ran) for ran in json.loads(out.read_text())]
 
 
 def finish(proc: subprocess.Popen, timeout: float = 600) -> Ran:

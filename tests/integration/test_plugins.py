@@ -20,7 +20,7 @@ from omegaconf import OmegaConf
 
 from sinklab.contracts.metrics import SWITCHES as METRIC_SWITCHES
 from sinklab.plugins import from_argv
-from tests.helpers import FAST, assert_one_line_error, finish, run_cli, start_cli, train
+from tests.helpers import FAST, assert_one_line_error, finish, run_cli, run_cli_in_one_process, start_cli, train
 
 OPS = '''
 """Scaled sigmoid attention: sigmoid(scaled_alpha * logit - 2) on the visible keys."""
@@ -180,8 +180,9 @@ def test_an_external_op_and_metric_train_from_the_command_line(user_package, tmp
     monkeypatch.delenv("SINKLAB_PLUGINS", raising=False)
     out = tmp_path / "run"
     # the op through the entry point, its yaml option (scaled_alpha 4.0) overridden by the knob, the metric by plugins=
-    train(out, "plugins=labext.metrics", "model/attn=scaled_sharp", "model.scaled_alpha=2.5",
-          "trainer.max_steps=20", process=True)
+    train(out, "plugins=labext.metrics", "model/attn=scaled_sharp", "model.scaled_alpha=2.5", "trainer.max_steps=4",
+          "trainer.val_check_interval=4", "callbacks.sink.every_n_steps=2",
+          "callbacks.checkpoint.every_n_train_steps=4", process=True)
     config = OmegaConf.load(out / ".hydra" / "config.yaml")
     assert config.model.attn_op == "scaled_sigmoid" and config.model.scaled_alpha == 2.5
     logged = pd.read_csv(out / "metrics.csv")
@@ -227,14 +228,23 @@ def test_sinklab_contract(what, run):
 '''
 
 
-def test_check_component_passes_an_external_op_and_metric(user_package, tmp_path):
+@pytest.fixture(scope="module")
+def checked(user_package) -> dict:
+    """`sinklab check-component` of the user's op and metric, then of the broken ones, one after the other in one
+    process with the package on its path (each call checks the modules it names): {modules: (exit code, stdout,
+    stderr)}."""
+    calls = {"labext.ops labext.metrics": ["check-component", "labext.ops", "labext.metrics"],
+             "labext.broken": ["check-component", "labext.broken"]}
+    return dict(zip(calls, run_cli_in_one_process("sinklab", list(calls.values()), env=user_env(user_package))))
+
+
+def test_check_component_passes_an_external_op_and_metric(user_package, checked, tmp_path):
     """`sinklab check-component`, and the same checks in the user's own pytest suite (sinklab.contracts.checks)."""
     (tmp_path / "test_user_contracts.py").write_text(USER_TEST)
     in_pytest = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                                   "test_user_contracts.py", "-k", "future or streamed"], cwd=tmp_path,
                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=user_env(user_package))
-    proc = run_cli("sinklab", "check-component", "labext.ops", "labext.metrics", process=True,
-                   env=user_env(user_package))
+    proc = checked["labext.ops labext.metrics"]
     user = finish(in_pytest)
     selected = 1 + len(METRIC_SWITCHES)  # the op's no-future check, the metric's streamed check on each switch
     assert user.returncode == 0 and f"{selected} passed," in user.stdout, user.stdout[-3000:]
@@ -245,8 +255,8 @@ def test_check_component_passes_an_external_op_and_metric(user_package, tmp_path
     assert "FAIL" not in proc.stdout
 
 
-def test_check_component_fails_a_broken_op_and_metric_one_line_per_check(user_package):
-    proc = run_cli("sinklab", "check-component", "labext.broken", process=True, env=user_env(user_package))
+def test_check_component_fails_a_broken_op_and_metric_one_line_per_check(checked):
+    proc = checked["labext.broken"]
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-2000:]
     failed = [line for line in proc.stdout.splitlines() if line.startswith("FAIL ")]
     assert any(line.startswith("FAIL no information from the future: attn_op=leaky: AssertionError: changing "
@@ -260,15 +270,25 @@ def test_check_component_fails_a_broken_op_and_metric_one_line_per_check(user_pa
     assert last.startswith(f"{total - len(failed)} of {total} contract checks passed for labext.broken"), last
 
 
-def test_a_bad_knob_or_plugin_is_one_line(user_package):
-    started = [start_cli("sinklab-train", "model/attn=scaled_sigmoid", "model.scaled_alpah=2",
-                         env=user_env(user_package)),
-               start_cli("sinklab-train", "model.scaled_alpha=2", env=user_env(user_package)),  # the op is not selected
-               start_cli("sinklab-train", env=user_env(user_package, SINKLAB_PLUGINS="labext.nope")),
-               start_cli("sinklab", "check-component", "json", env=user_env(user_package)),
-               start_cli("sinklab-train", "plugins=clashpkg", env=user_env(user_package)),
-               start_cli("sinklab-train", "plugins=labext.knob_window", env=user_env(user_package))]
-    typo, owner, missing, nothing, clash, window = (finish(p) for p in started)
+@pytest.fixture(scope="module")
+def refused(user_package) -> dict:
+    """The sinklab-train calls of the tests below, each refused before training, one after another in one process
+    with the user's package on the path (its entry point loaded for each, as in a process of its own; the clash,
+    which imports labext.broken, last): {name: (exit code, stdout, stderr)}."""
+    calls = {"typo": ["model/attn=scaled_sigmoid", "model.scaled_alpah=2"],
+             "owner": ["model.scaled_alpha=2"],  # the op is not selected
+             "window": ["plugins=labext.knob_window"],
+             "raises": ["plugins=labext.needs_missing"],
+             "clash": ["plugins=clashpkg"]}
+    return dict(zip(calls, run_cli_in_one_process("sinklab-train", list(calls.values()), env=user_env(user_package))))
+
+
+def test_a_bad_knob_or_plugin_is_one_line(user_package, refused, capsys):
+    """`sinklab check-component` of a module without components needs no plugin: it runs in this process."""
+    missing = start_cli("sinklab-train", env=user_env(user_package, SINKLAB_PLUGINS="labext.nope"))
+    nothing = run_cli("sinklab", "check-component", "json", capsys=capsys)
+    missing = finish(missing)
+    typo, owner, window, clash = (refused[name] for name in ("typo", "owner", "window", "clash"))
     for proc in (typo, owner, missing, nothing, clash, window):
         assert proc.returncode == 2, proc.stderr[-2000:]
         assert_one_line_error(proc.stderr)
@@ -286,12 +306,12 @@ def test_a_bad_knob_or_plugin_is_one_line(user_package):
         "window, the name of ModelConfig's own field model.window; give the knob another name"
 
 
-def test_a_plugin_that_raises_on_import_is_named_above_its_traceback(user_package, tmp_path, monkeypatch, capsys):
-    """Named by SINKLAB_PLUGINS (`sinklab`), by plugins= (`sinklab-train`), each in a process of its own, and by an
-    entry point (an installed distribution of its own, put on this process's path): the line naming the module and
-    where, then its own traceback (from its own frame), exit code 1."""
-    started = [start_cli("sinklab", "components", env=user_env(user_package, SINKLAB_PLUGINS="labext.boom")),
-               start_cli("sinklab-train", "plugins=labext.needs_missing", env=user_env(user_package))]
+def test_a_plugin_that_raises_on_import_is_named_above_its_traceback(user_package, refused, tmp_path, monkeypatch,
+                                                                    capsys):
+    """Named by SINKLAB_PLUGINS (`sinklab`) and by plugins= (`sinklab-train`, `refused`), each in a process with the
+    package on its path, and by an entry point (an installed distribution of its own, put on this process's path):
+    the line naming the module and where, then its own traceback (from its own frame), exit code 1."""
+    env = start_cli("sinklab", "components", env=user_env(user_package, SINKLAB_PLUGINS="labext.boom"))
     (tmp_path / "boomext").mkdir()
     (tmp_path / "boomext" / "__init__.py").write_text(RAISES["boom"])
     (tmp_path / "boomext-0.1.dist-info").mkdir()
@@ -301,7 +321,7 @@ def test_a_plugin_that_raises_on_import_is_named_above_its_traceback(user_packag
     monkeypatch.delenv("SINKLAB_PLUGINS", raising=False)
     rc, out, err = run_cli("sinklab", "eval", "streaming", "--help")
     entry = subprocess.CompletedProcess([], rc, out, err)
-    env, argv = (finish(p) for p in started)
+    env, argv = finish(env), refused["raises"]
     cases = [(env, "sinklab components", "'labext.boom' (named by SINKLAB_PLUGINS) raised RuntimeError",
               "labext/boom.py", "RuntimeError: boom at import"),
              (argv, "sinklab-train", "'labext.needs_missing' (named by plugins= on the command line) raised "

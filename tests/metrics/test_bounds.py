@@ -9,8 +9,9 @@ import pytest
 from sinklab.metrics.base import all_bounds, bounds
 from tests.helpers import train
 
-SHORT = ["trainer.max_steps=30", "trainer.val_check_interval=15", "callbacks.sink.every_n_steps=15",
-         "trainer.log_every_n_steps=5", "trainer.enable_progress_bar=false", "data.batch_size=8"]
+# 10 steps: the validation and sink measurements twice (steps 5 and 10), the training values every 2 steps
+SHORT = ["trainer.max_steps=10", "trainer.val_check_interval=5", "callbacks.sink.every_n_steps=5",
+         "trainer.log_every_n_steps=2", "trainer.enable_progress_bar=false", "data.batch_size=8"]
 
 
 @pytest.mark.parametrize("switches", [[], ["model/bias=kv", "model/attn=sigmoid"], ["model/gate=elementwise_silu"]],

@@ -22,7 +22,8 @@ import torch
 from sinklab.runs.checkpoints import read_checkpoint
 from sinklab.config import compose, validate_config
 from sinklab.errors import UserError
-from tests.helpers import REPO, assert_one_line_error, data_args, error_lines, rows, run_cli, series, small, start_cli
+from tests.helpers import (REPO, assert_one_line_error, data_args, error_lines, rows, run_cli, run_cli_in_one_process,
+                           series, small, start_cli)
 
 
 def status(run_dir: Path) -> dict:
@@ -128,7 +129,7 @@ def test_console_script_reports_hydra_errors_in_one_line(tmp_path):
 def test_preset_file_with_an_unknown_or_mistyped_trainer_key_is_one_line(tmp_path, monkeypatch):
     """A preset file is checked against the trainer's schema like the command line: an unknown key or a value of the
     wrong type is one line naming the file and the key, exit 2 (a copy of conf/ with two bad presets,
-    SINKLAB_CONF)."""
+    SINKLAB_CONF, which sinklab reads when it is imported: both calls in one process of that environment)."""
     import shutil
 
     conf = tmp_path / "conf"
@@ -136,14 +137,13 @@ def test_preset_file_with_an_unknown_or_mistyped_trainer_key_is_one_line(tmp_pat
     (conf / "trainer" / "typo.yaml").write_text("defaults:\n  - default\nmax_stepss: 3\n")
     (conf / "trainer" / "words.yaml").write_text("defaults:\n  - default\nmax_steps: many\n")
     monkeypatch.setenv("SINKLAB_CONF", str(conf))
-    for preset, expected in (
-            ("typo", "conf/trainer/typo.yaml: trainer.max_stepss is not an option of trainer (did you mean "
-                     "trainer.max_steps?); allowed: accelerator, "),
-            ("words", "conf/trainer/words.yaml: trainer.max_steps='many' is not allowed; allowed: an integer >= 1")):
-        proc = start_cli("sinklab-train", f"paths.output_dir={tmp_path / preset}", f"trainer={preset}",
-                         warnings="ignore")
-        out, err = proc.communicate(timeout=300)
-        assert proc.returncode == 2, err[-3000:]
+    presets = {"typo": "conf/trainer/typo.yaml: trainer.max_stepss is not an option of trainer (did you mean "
+                       "trainer.max_steps?); allowed: accelerator, ",
+               "words": "conf/trainer/words.yaml: trainer.max_steps='many' is not allowed; allowed: an integer >= 1"}
+    ran = run_cli_in_one_process("sinklab-train", [[f"paths.output_dir={tmp_path / preset}", f"trainer={preset}"]
+                                                   for preset in presets], warnings="ignore")
+    for (preset, expected), (code, out, err) in zip(presets.items(), ran):
+        assert code == 2, err[-3000:]
         assert_one_line_error(err, starts=f"error: {expected}", logs=True)
         assert not (tmp_path / preset / "metrics.csv").exists()
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import sinklab
-from tests.helpers import FAST, run_cli, train
+from tests.helpers import FAST, run_cli, run_cli_in_one_process, train
 
 def rows(path: Path) -> list[dict]:
     with open(path) as f:
@@ -133,13 +133,19 @@ def test_resume_from_last_continues_the_step_count(run, tmp_path):
     assert ckpt["global_step"] == 80
 
 
-def test_a_longer_constant_lr_run_repeats_the_shorter_one_step_for_step(run, tmp_path):
+@pytest.fixture(scope="module")
+def short(tmp_path_factory) -> Path:
+    """The run of `run` stopped at 40 steps (a constant lr after warmup)."""
+    out = tmp_path_factory.mktemp("short")
+    train(out, "trainer.max_steps=40", "optim.schedule=constant")
+    return out
+
+
+def test_a_longer_constant_lr_run_repeats_the_shorter_one_step_for_step(run, short):
     """With a constant lr after warmup, the 60-step run logs exactly the losses and sink metric of a 40-step run over
     its first 40 steps: the data order and the schedule do not depend on max_steps, so a long run's early
     measurements stand for the shorter runs (what experiment=no_bos's training-token axis rests on)."""
     longer, _ = run
-    short = tmp_path / "short"
-    train(short, "trainer.max_steps=40", "optim.schedule=constant")
     for key in ("train/loss", "sink/alpha1", "val/loss"):
         first = column(short / "metrics.csv", key)
         assert first, key
@@ -212,18 +218,17 @@ def test_compile_failure_falls_back_to_eager_with_one_warning():
 
 
 @pytest.mark.skipif(backend_is_installed("tvm"), reason="apache-tvm is installed: the tvm backend would compile")
-def test_compile_failure_in_a_real_run_trains_as_eager(run, tmp_path):
+def test_compile_failure_in_a_real_run_trains_as_eager(short, tmp_path):
     """sinklab-train model.compile=true compile_backend=tvm: compilation fails at the first forward; the run warns
-    once, finishes, and its losses and weights equal the eager run's."""
-    out, _ = run
-    proc = train(tmp_path, "trainer.max_steps=60", "model.compile=true", "compile_backend=tvm", warnings="default",
-                 process=True)  # the warning as a user sees it
+    once, finishes, and its losses and weights equal the eager run's (`short`, 40 steps)."""
+    proc = train(tmp_path, "trainer.max_steps=40", "optim.schedule=constant", "model.compile=true",
+                 "compile_backend=tvm", warnings="default", process=True)  # the warning as a user sees it
     warned = proc.stderr.count("model.compile=true: torch.compile failed (BackendCompilerFailed")
     assert warned == 1, proc.stderr[-3000:]
-    assert "done: 60 steps" in proc.stdout
-    assert column(tmp_path / "metrics.csv", "train/loss") == column(out / "metrics.csv", "train/loss")
+    assert "done: 40 steps" in proc.stdout
+    assert column(tmp_path / "metrics.csv", "train/loss") == column(short / "metrics.csv", "train/loss")
     a = sinklab.load_model(tmp_path).state_dict()
-    b = sinklab.load_model(out).state_dict()
+    b = sinklab.load_model(short).state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
@@ -263,10 +268,14 @@ def test_wandb_offline_without_key_and_one_run_per_job(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB")}
     env.update(HOME=str(tmp_path), PYTHONWARNINGS="ignore", SINKLAB_CACHE=os.environ.get(
         "SINKLAB_CACHE", str(Path.home() / ".cache" / "sinklab")))
-    sweep = tmp_path / "2026-11-22_10-00-00"
-    proc = run_cli("sinklab-train", "-m", f"hydra.sweep.dir={sweep}", "logger=wandb", *FAST, "trainer.max_steps=4",
-                   "callbacks.sink.every_n_steps=2", "seed=0,1", "experiment.name=wb", "tags=[wb,scale-cpu]",
-                   process=True, env=env)
+    sweep, single = tmp_path / "2026-11-22_10-00-00", tmp_path / "single"
+    started = time.time()
+    # the sweep, then a single run, one after the other in one process of that environment
+    proc, single_proc = run_cli_in_one_process("sinklab-train", [
+        ["-m", f"hydra.sweep.dir={sweep}", "logger=wandb", *FAST, "trainer.max_steps=4",
+         "callbacks.sink.every_n_steps=2", "seed=0,1", "experiment.name=wb", "tags=[wb,scale-cpu]"],
+        [f"paths.output_dir={single}", "logger=wandb", *FAST, "trainer.max_steps=3", "callbacks.sink.every_n_steps=2",
+         "+callbacks.nan={_target_:tests.helpers.faults.NanGradientsAt,step:1}"]], env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     runs = sorted(sweep.glob("*/wandb/offline-run-*"))
     assert len(runs) == 2, runs  # one offline run per job, finished before the next job
@@ -279,12 +288,8 @@ def test_wandb_offline_without_key_and_one_run_per_job(tmp_path):
         assert record.exit_code == 0 and "run/failed" not in record.history_keys
     assert (sweep / "0" / "metrics.csv").is_file()  # csv stays on next to wandb
 
-    single = tmp_path / "single"
-    started = time.time()
-    proc = run_cli("sinklab-train", f"paths.output_dir={single}", "logger=wandb", *FAST, "trainer.max_steps=3",
-                   "callbacks.sink.every_n_steps=2",
-                   "+callbacks.nan={_target_:tests.helpers.faults.NanGradientsAt,step:1}", process=True, env=env)
-    assert proc.returncode == 1, proc.stderr[-3000:]  # diverged: failed in status.json, metrics.csv and wandb
+    # diverged: failed in status.json, metrics.csv and wandb
+    assert single_proc.returncode == 1, single_proc.stderr[-3000:]
     record = wandb_run_record(next((single / "wandb").glob("offline-run-*/run-*.wandb")))
     match = re.fullmatch(r"default-(\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d)", record.group)
     assert match, record.group
