@@ -55,13 +55,14 @@ def test_every_measured_metric_shows_in_the_measure_text(switch):
     """The text has, after the header, each measured metric's own block from the strict JSON the command prints,
     in the registry's order, a blank line before each; only a metric whose text is empty (gates without a gate)
     is left out."""
-    target = SinklabTarget.of_model(small_model(**SWITCHES[switch]), switch)
+    model = small_model(**SWITCHES[switch])
+    target = SinklabTarget.of_model(model, switch)
     res = measure_target(target, InputSpec("random", seq_len=24, num_seqs=3), eps=(0.3, 0.5), k=3, batch_size=2)
     res = json.loads(json.dumps(finite(res), allow_nan=False))
     blocks = [(cls.name, cls.text(cls.part(res), res)) for cls in METRICS if cls.part(res) is not None]
     measured = applicable(switch)  # every metric applies to a sinklab model, `sparse` where its mask is sparse
     assert [name for name, _ in blocks] == [name for name in NAMES if name in measured]
-    assert ("sparse" in measured) == (SWITCHES[switch].get("window") is not None)
+    assert ("sparse" in measured) == model.cfg.sparse_attention  # a window, a sparsity or a sparse op (nsa, dsa)
     gated = SWITCHES[switch].get("gate", "none") != "none"
     assert {name for name, block in blocks if not block} == (set() if gated else {"gates"})
     shown = [block for _, block in blocks if block]
