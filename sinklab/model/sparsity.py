@@ -47,10 +47,6 @@ class Sparsity(Component):
     def __init__(self, cfg: Any, layer: int = 0):
         self.n_head, self.layer = cfg.n_head, layer
 
-    @property
-    def sparse(self) -> bool:
-        return True
-
     def pattern(self) -> Optional[MaskMod]:
         """The fixed mask function over positions (b, h, q, kv) -> bool this sparsity adds, or None."""
         return None
@@ -86,10 +82,6 @@ class Sparsity(Component):
 @SPARSITIES.register("none")
 class Dense(Sparsity):
     """Every key the layout lets a query see."""
-
-    @property
-    def sparse(self) -> bool:
-        return False
 
 
 def check_range(cfg: Any, key: str, low: int, high: int, what: str) -> None:
