@@ -10,6 +10,12 @@
 #                       for NAME in softmax_sdpa softmax_flex sink_logit alibi sigmoid_linear (BENCH_ARGS adds flags)
 #     paper             sinklab-train scale=paper on one device (PAPER_DATA: a `sinklab prepare` dir; PAPER_TIME:
 #                       Lightning's max_time, default 00:00:05:00), then `sinklab measure` of its last checkpoint
+#     env               the device, the driver and the versions of what sinklab imports (env.log)
+#     pack DEST         the figures' summary lines into DEST/summary.txt and every log into DEST/logs.tgz (two
+#                       files, for a machine that returns few files)
+#
+# The softmax_sdpa bench also times the sink callback and a Lightning fit; the others only the eager and compiled
+# steps against the plain reference and the matmul peak (BENCH_SKIP replaces that list).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:?usage: gpu_checks.sh OUTDIR STEP...}
@@ -39,7 +45,11 @@ declare -A VARIANT=(
 
 xdist() { $PY -c "import xdist" 2>/dev/null && echo "-n $1"; }
 
-for s in "$@"; do
+steps=() dest=
+while [ $# -gt 0 ]; do
+  if [ "$1" = pack ]; then dest=${2:?pack needs a DEST folder}; shift 2; else steps+=("$1"); shift; fi
+done
+for s in "${steps[@]}"; do
   case $s in
     cuda-tests)
       step cuda_tests "${CUDA_TESTS_TIME:-240}" $PY -m pytest -m cuda tests/integration/test_cuda.py -q -rs $(xdist 6) ;;
@@ -50,8 +60,10 @@ for s in "$@"; do
       name=${s#bench-}
       [ -n "${VARIANT[$name]+x}" ] || { echo "error: unknown step $s; allowed: bench-{${!VARIANT[*]}}" >&2; exit 2; }
       # shellcheck disable=SC2086
+      skip=${BENCH_SKIP:-metric data callback lightning}
+      [ "$name" = softmax_sdpa ] && skip=${BENCH_SKIP:-metric data}
       step "bench_$name" "${BENCH_TIME:-150}" $PY scripts/bench.py --config 60m --device cuda --dtype bf16 \
-        --data random --batch 16 --steps "${BENCH_STEPS:-10}" --compile --skip metric ${VARIANT[$name]} \
+        --data random --batch 16 --steps "${BENCH_STEPS:-10}" --compile --skip $skip ${VARIANT[$name]} \
         ${BENCH_ARGS:-} --json "$OUT/bench_$name.json" ;;
     paper)
       run="$OUT/paper_run"
@@ -61,9 +73,24 @@ for s in "$@"; do
         trainer.limit_val_batches=16 callbacks.sink.every_n_steps="${PAPER_SINK_EVERY:-10}" \
         callbacks.checkpoint.every_n_train_steps=50 trainer.enable_progress_bar=false "paths.output_dir=$run" \
         ${PAPER_ARGS:-}
-      step paper_measure 120 $PY -m sinklab measure "$run" --device cuda --json
+      step paper_measure "${PAPER_MEASURE_TIME:-120}" $PY -m sinklab measure "$run" --device cuda --json
       cp "$run/metrics.csv" "$OUT/paper_metrics.csv" 2>/dev/null ;;
+    env)
+      step env 60 bash -c "nvidia-smi; $PY -c 'import sys, torch; print(sys.version); print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, torch.cuda.get_device_name() if torch.cuda.is_available() else \"no CUDA device\")'; $PY -m pip list 2>/dev/null | grep -i -E '^(torch|triton|lightning|pytorch-lightning|hydra-core|omegaconf|datasets|transformers|tokenizers|numpy|pandas|pyarrow|huggingface.hub|einops|scipy) '; $PY -c 'import sinklab.train.entry, sinklab.cli; print(\"sinklab imports\")'" ;;
     *)
-      echo "error: unknown step $s; allowed: cuda-tests, suite, bench-NAME, paper" >&2; exit 2 ;;
+      echo "error: unknown step $s; allowed: env, cuda-tests, suite, bench-NAME, paper, pack DEST" >&2; exit 2 ;;
   esac
 done
+
+# pack DEST: the summary lines of every figure, then every log, into two files under DEST
+if [ -n "$dest" ]; then
+  mkdir -p "$dest"
+  { cat "$OUT/steps.txt" 2>/dev/null
+    for f in "$OUT"/*.log; do
+      case $f in
+        *measure.log) head -c 4000 "$f" ;;  # its JSON
+        *) grep -h -E "^(setup|train tokens/s|sinklab / reference|matmul peak|MFU|sink callback share|lightning|logged perf|compile speed-up|total|done:|sink:|== )|[0-9]+ (passed|failed)|error:|Error" "$f" ;;
+      esac | sed "s|^|$(basename "$f" .log): |" | head -n 60
+    done; } >"$dest/summary.txt"
+  tar -czf "$dest/logs.tgz" -C "$OUT" .
+fi

@@ -47,13 +47,14 @@ class Sparsity(Component):
     def __init__(self, cfg: Any, layer: int = 0):
         self.n_head, self.layer = cfg.n_head, layer
 
-    def pattern(self) -> Optional[MaskMod]:
-        """The fixed mask function over positions (b, h, q, kv) -> bool this sparsity adds, or None."""
+    def pattern(self, device: torch.device) -> Optional[MaskMod]:
+        """The fixed mask function over positions (b, h, q, kv) -> bool this sparsity adds, or None; the tensors it
+        reads live on `device` (a mask_mod compiled into a CUDA kernel can create no buffer, not even a copy)."""
         return None
 
     def restrict(self, layout: Layout) -> Layout:
         """The layout a layer with this sparsity attends through (built once per forward and pattern)."""
-        pattern = self.pattern()
+        pattern = self.pattern(layout.device)
         if pattern is None and not self.selects:
             return layout
         key = ("sparsity", self.name, self.pattern_key())
@@ -230,7 +231,7 @@ class AShape(Sparsity):
     def pattern_key(self) -> tuple:
         return self.window, self.first
 
-    def pattern(self) -> MaskMod:
+    def pattern(self, device: torch.device) -> MaskMod:
         window = sliding_window(self.window)
         if not self.first:
             return window
@@ -264,7 +265,7 @@ class Strided(Sparsity):
     def pattern_key(self) -> tuple:
         return self.stride, self.force_first
 
-    def pattern(self) -> MaskMod:
+    def pattern(self, device: torch.device) -> MaskMod:
         heads = strided_heads(self.stride, self.n_head // 2)
         if not self.force_first:
             return heads
@@ -317,14 +318,16 @@ class BigBird(Sparsity):
                 table[h, qb, free[torch.randperm(len(free), generator=g)[:n_random]]] = True
         return table
 
-    def pattern(self) -> MaskMod:
+    def pattern(self, device: torch.device) -> MaskMod:
         L, window, first, nb = self.block, self.window, self.first, self.n_blocks
+        if self.random.device != device:
+            self.random = self.random.to(device)
         random = self.random
 
         def mask(b, h, q_idx, kv_idx):
             qb, kb = q_idx // L, kv_idx // L
             near = (qb - kb <= window) | (kb < first)  # the own block, the window's and the global ones
             # positions past the trained context (a dense KV cache decoding on) reuse the last query block's draw
-            drawn = random.to(q_idx.device)[h, qb.clamp(max=nb - 1), kb.clamp(max=nb - 1)]
+            drawn = random[h, qb.clamp(max=nb - 1), kb.clamp(max=nb - 1)]
             return near | drawn
         return mask

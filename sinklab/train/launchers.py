@@ -5,6 +5,8 @@ The plugin's own names, `hydra/launcher=submitit_slurm` and `submitit_local`, se
 are stored here as nodes whose defaults list is the preset. (A yaml file with the plugin's name would be validated
 against the plugin's node of that name, Hydra's "automatic schema matching", which prints a deprecation warning.)
 """
+import importlib.util
+
 from sinklab.config.store import SCHEMA_NAME
 
 GROUP = "hydra/launcher"
@@ -12,7 +14,18 @@ PRESETS = {"slurm": "SlurmQueueConf", "local": "LocalQueueConf"}  # sinklab's na
 PLUGIN_PREFIX = "submitit_"
 
 
+def plugin_installed() -> bool:
+    """Whether hydra-submitit-launcher is importable: a stock GPU image without it still trains and sweeps on the
+    basic launcher; only `hydra/launcher=slurm|local` needs it (sinklab.train.entry refuses those in one line)."""
+    try:
+        return importlib.util.find_spec("hydra_plugins.hydra_submitit_launcher") is not None
+    except ModuleNotFoundError:  # no hydra_plugins namespace at all
+        return False
+
+
 def register(cs) -> None:
+    if not plugin_installed():
+        return
     from hydra.core.plugins import Plugins
     from hydra_plugins.hydra_submitit_launcher import config as plugin
 

@@ -108,6 +108,36 @@ def test_bigbird_blocks_own_window_global_and_random_drawn_once_per_layer():
     assert not torch.equal(maps[0], maps[1]), "every layer draws the same random blocks"
 
 
+@pytest.mark.parametrize("kw", [dict(sparsity="bigbird", bigbird_block=4, bigbird_random=2),
+                                dict(sparsity="ashape"), dict(sparsity="strided", strided_stride=4)],
+                         ids=["bigbird", "ashape", "strided"])
+def test_a_fixed_pattern_reads_only_tensors_already_on_the_device(kw):
+    """A mask_mod is compiled into FlexAttention's kernel, where it may create no buffer: on CUDA, a table copied
+    to the device inside the mask function failed to lower (Inductor's SubgraphLoweringException, seen on an H200).
+    Called on meta tensors, the pattern's mask function copies nothing."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from sinklab.model.sparsity import SPARSITIES
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    cfg = ModelConfig(**{**dict(vocab_size=64, n_layer=1, n_head=4, d_model=32, d_ff=64, block_size=16), **kw})
+    meta = torch.device("meta")
+    mask = SPARSITIES.selected(cfg)(cfg, 0).pattern(meta)
+    position = torch.zeros(1, dtype=torch.long, device=meta)  # (1,): a 0-d index would be read with .item()
+    with Ops() as ops:
+        mask(position, position, position, position)
+    copies = [op for op in ops.seen if "copy" in op]
+    assert ops.seen and not copies, copies
+
+
 def test_selection_composes_with_the_sink_logit_and_a_k_bias():
     m = small_model(sparsity="topk", topk_k=3, sink_logit="learned", attn_bias="k")
     with torch.no_grad():
