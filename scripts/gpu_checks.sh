@@ -92,5 +92,5 @@ if [ -n "$dest" ]; then
         *) grep -h -E "^(setup|train tokens/s|sinklab / reference|matmul peak|MFU|sink callback share|lightning|logged perf|compile speed-up|total|done:|sink:|== )|[0-9]+ (passed|failed)|error:|Error" "$f" ;;
       esac | sed "s|^|$(basename "$f" .log): |" | head -n 60
     done; } >"$dest/summary.txt"
-  tar -czf "$dest/logs.tgz" -C "$OUT" .
+  tar -czf "$dest/logs.tgz" --exclude="*.ckpt" -C "$OUT" .  # a checkpoint is 0.5 GB at 60m
 fi

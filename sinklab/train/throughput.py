@@ -18,16 +18,40 @@ PRECISION_DTYPES = {"64": torch.float64, "64-true": torch.float64, "32": torch.f
                     "bf16": torch.bfloat16, "bf16-mixed": torch.bfloat16, "bf16-true": torch.bfloat16}
 
 
+# Dense 16-bit tensor-core FLOP/s where Lightning's table has none or a sparse figure: its H200 rows hold the
+# datasheet's "with sparsity" numbers (1,979 TFLOP/s bf16 for the SXM part), and it matches an H200 only when the name
+# says "sxm1" / "nvl1", while CUDA names the SXM part plain "NVIDIA H200". The H200 has the H100 SXM's tensor cores:
+# dense bf16 / fp16 989.4 TFLOP/s (NVL: 835.5), half the sparse figures of NVIDIA's H200 datasheet.
+DENSE_16BIT = {"h200 nvl": 835.5e12, "h200": 989.4e12}
+
+
 def datasheet_peak(device: torch.device, dtype: torch.dtype) -> Optional[float]:
-    """The datasheet's dense FLOP/s of `device` at `dtype` from Lightning's table of accelerators
-    (lightning.fabric.utilities.throughput.get_available_flops); None for a CPU and for a chip or dtype the table
-    lacks, where the caller measures the peak instead (so Lightning's warning that it lacks them is silenced)."""
+    """The datasheet's dense FLOP/s of `device` at `dtype`: `dense_16bit` where it knows the chip, else Lightning's
+    table of accelerators (lightning.fabric.utilities.throughput.get_available_flops; its warning that it lacks a
+    chip is silenced); None for a CPU and for a chip or dtype neither has, where the caller measures the peak."""
     from lightning.fabric.utilities.throughput import get_available_flops
 
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    known = dense_16bit(torch.cuda.get_device_name(device), dtype)
+    if known is not None:
+        return known
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=r"FLOPs not found|.* does not support ")
-        flops = get_available_flops(torch.device(device), dtype)
+        flops = get_available_flops(device, dtype)
     return None if flops is None else float(flops)
+
+
+def dense_16bit(name: str, dtype: torch.dtype) -> Optional[float]:
+    """DENSE_16BIT's FLOP/s for the GPU CUDA calls `name` at bf16 / fp16; None for other chips and dtypes."""
+    if dtype not in (torch.bfloat16, torch.float16):
+        return None
+    chip = name.lower()
+    for key, flops in DENSE_16BIT.items():  # the most specific name first
+        if all(word in chip for word in key.split()):
+            return flops
+    return None
 
 
 def matmul_dtype(precision: Optional[str]) -> torch.dtype:

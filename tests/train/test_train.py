@@ -111,6 +111,22 @@ def test_peak_matmul_flops_is_quick_and_leaves_the_rng_alone():
     assert matmul_dtype("bf16-mixed") == torch.bfloat16 and matmul_dtype("16-mixed") == torch.float16
 
 
+def test_the_datasheet_peak_is_the_dense_one_for_an_h200():
+    """CUDA calls an H200 SXM "NVIDIA H200" (seen on the GPU machine), which Lightning's table does not match, and
+    its H200 rows hold the sparse figures: MFU is measured against the dense 989.4 TFLOP/s (the H100 SXM's, which
+    Lightning lists dense)."""
+    from lightning.fabric.utilities.throughput import _CUDA_FLOPS
+
+    from sinklab.train.throughput import datasheet_peak, dense_16bit
+
+    assert dense_16bit("NVIDIA H200", torch.bfloat16) == _CUDA_FLOPS["h100 sxm"][torch.bfloat16]
+    assert dense_16bit("NVIDIA H200 NVL", torch.bfloat16) < dense_16bit("NVIDIA H200", torch.bfloat16)
+    assert 2 * dense_16bit("NVIDIA H200", torch.float16) <= 1.01 * _CUDA_FLOPS["h200 sxm1"][torch.float16]
+    assert dense_16bit("NVIDIA H200", torch.float32) is None  # Lightning's table answers for other dtypes
+    assert dense_16bit("NVIDIA H100 80GB HBM3", torch.bfloat16) is None
+    assert datasheet_peak(torch.device("cpu"), torch.bfloat16) is None
+
+
 def test_load_model_from_run_dir_and_checkpoint(run):
     out, _ = run
     for target in (out, out / "checkpoints" / "last.ckpt"):
