@@ -126,6 +126,11 @@ class ModelConfigMethods:
         """The config of each layer's attention (`layer_pattern.layer_config`: all `self` without a pattern)."""
         return [layer_config(self, layer) for layer in range(self.n_layer)]
 
+    def head_types(self) -> list[tuple[str, ...]]:
+        """Each layer's query heads' position types (`PositionalEncoding.head_types`: rope, partial, nope, alibi,
+        relative, absolute), read from the layer's own config: what metrics split by head type group on."""
+        return [POSITIONS.selected(c).head_types(c, layer) for layer, c in enumerate(self.layer_configs())]
+
     @property
     def n_slots(self) -> int:
         """Extra key slots visible to every query (the K / KV bias)."""

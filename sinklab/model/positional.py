@@ -16,6 +16,11 @@ from torch import nn
 from .registry import POSITIONS, Component, ConfigError
 
 
+# the position types a head can have: full RoPE, partial RoPE (some pairs unrotated), no position (NoPE), ALiBi,
+# a learned relative bias, an absolute table added to the embeddings (every head alike)
+HEAD_TYPES = ("rope", "partial", "nope", "alibi", "relative", "absolute")
+
+
 class PositionalEncoding(Component, nn.Module):
     """No positional information (NoPE), and the interface of every positional encoding."""
 
@@ -40,6 +45,14 @@ class PositionalEncoding(Component, nn.Module):
         """Whether the attention of `layer` (0-indexed) applies the rotation (per-layer NoPE says no)."""
         return True
 
+    head_type: str = "nope"  # what every head of this encoding is, for metrics split by head type (HEAD_TYPES)
+
+    @classmethod
+    def head_types(cls, cfg: Any, layer: int) -> tuple[str, ...]:
+        """The position type of each query head of `layer` (0-indexed), one of HEAD_TYPES: what metrics split by head
+        type group on. An encoding that treats heads differently (per-head RoPE, NAPE) says so per head."""
+        return (cls.head_type,) * cfg.n_head
+
 
 @POSITIONS.register("nope")
 class NoPositions(PositionalEncoding):
@@ -49,6 +62,8 @@ class NoPositions(PositionalEncoding):
 @POSITIONS.register("sinusoidal")
 class SinusoidalPositions(PositionalEncoding):
     """Absolute sinusoidal encoding cat(sin, cos), added to the token embeddings (no parameters)."""
+
+    head_type = "absolute"
 
     @classmethod
     def validate(cls, cfg: Any) -> None:
@@ -82,6 +97,8 @@ def table_rows(table: torch.Tensor, n: int) -> torch.Tensor:
 @POSITIONS.register("learnable")
 class LearnablePositions(PositionalEncoding):
     """A learned absolute position embedding, added to the token embeddings."""
+
+    head_type = "absolute"
 
     @classmethod
     def from_config(cls, cfg: Any) -> "LearnablePositions":
@@ -147,6 +164,13 @@ class Rotary(PositionalEncoding):
     @classmethod
     def rotates(cls, cfg: Any, layer: int) -> bool:
         return cfg.nope_every is None or (layer + 1) % cfg.nope_every != 0
+
+    @classmethod
+    def head_types(cls, cfg: Any, layer: int) -> tuple[str, ...]:
+        if not cls.rotates(cfg, layer):
+            return ("nope",) * cfg.n_head
+        full = rotated_pairs(cfg.hd, cfg.rope_fraction) == cfg.hd // 2
+        return ("rope" if full else "partial",) * cfg.n_head
 
     def __init__(self, head_dim: int, max_len: int, base: float = 10000.0, fraction: float = 1.0):
         super().__init__()
@@ -214,6 +238,7 @@ class ALiBi(PositionalEncoding):
     """Attention with linear biases (Press et al.): -slope_h * |i - j| added to the logits."""
 
     adds_logit_bias = True
+    head_type = "alibi"
 
     @classmethod
     def from_config(cls, cfg: Any) -> "ALiBi":
@@ -235,6 +260,7 @@ class RelativeBias(PositionalEncoding):
     splits the buckets by direction (its prefix sees later keys)."""
 
     adds_logit_bias = True
+    head_type = "relative"
 
     @dataclasses.dataclass
     class Knobs:

@@ -240,3 +240,22 @@ def test_components_command_shows_the_new_switches(capsys):
                  "gated_norm_rank=16", "gated_norm_gate_init=0.5", "model/norm=gated_rms", "rope_fraction=1.0",
                  "nope_every=None", "model/pos=p_rope", "model/pos=rope_nope2"):
         assert text in table, text
+
+
+@pytest.mark.parametrize("kw, want", [
+    (dict(), [{"rope"}] * 4),
+    (dict(rope_fraction=0.5), [{"partial"}] * 4),
+    (dict(nope_every=2), [{"rope"}, {"nope"}, {"rope"}, {"nope"}]),
+    (dict(nope_every=2, rope_fraction=0.75), [{"partial"}, {"nope"}, {"partial"}, {"nope"}]),
+    (dict(pos="alibi"), [{"alibi"}] * 4),
+    (dict(pos="nope"), [{"nope"}] * 4),
+    (dict(pos="relative"), [{"relative"}] * 4),
+    (dict(pos="sinusoidal"), [{"absolute"}] * 4),
+])
+def test_head_types_name_each_heads_position_type_per_layer(kw, want):
+    from sinklab.model.positional import HEAD_TYPES
+
+    cfg = ModelConfig(n_layer=4, n_head=4, **kw)
+    types = cfg.head_types()
+    assert [set(t) for t in types] == want
+    assert all(len(t) == cfg.n_head and set(t) <= set(HEAD_TYPES) for t in types)
