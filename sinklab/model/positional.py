@@ -53,6 +53,14 @@ class PositionalEncoding(Component, nn.Module):
         type group on. An encoding that treats heads differently (per-head RoPE, NAPE) says so per head."""
         return (cls.head_type,) * cfg.n_head
 
+    @classmethod
+    def pair_frequencies(cls, cfg: Any, layer: int) -> torch.Tensor:
+        """(n_head, hd // 2): the angular frequency (radians per position) of each query head's rotary pair
+        (x_i, x_{i + hd/2}) in `layer`; 0 where the pair does not rotate (NoPE heads and layers, p-RoPE's slowest
+        pairs, every encoding without a rotation). A pair with 0 < frequency x (T - 1) < 2 pi never completes a
+        cycle within T tokens (the mechanism papers' "partial-cycle" pairs)."""
+        return torch.zeros(cfg.n_head, cfg.hd // 2)
+
 
 @POSITIONS.register("nope")
 class NoPositions(PositionalEncoding):
@@ -172,11 +180,15 @@ class Rotary(PositionalEncoding):
         full = rotated_pairs(cfg.hd, cfg.rope_fraction) == cfg.hd // 2
         return ("rope" if full else "partial",) * cfg.n_head
 
+    @classmethod
+    def pair_frequencies(cls, cfg: Any, layer: int) -> torch.Tensor:
+        if not cls.rotates(cfg, layer):
+            return super().pair_frequencies(cfg, layer)
+        return rope_frequencies(cfg.hd, cfg.rope_base, cfg.rope_fraction).expand(cfg.n_head, -1).clone()
+
     def __init__(self, head_dim: int, max_len: int, base: float = 10000.0, fraction: float = 1.0):
         super().__init__()
-        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))  # (hd/2,)
-        inv_freq[rotated_pairs(head_dim, fraction):] = 0.0  # p-RoPE: the slowest pairs do not rotate
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.register_buffer("inv_freq", rope_frequencies(head_dim, base, fraction), persistent=False)
         cos, sin = self.tables(torch.arange(max_len, dtype=torch.float32))
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
@@ -197,6 +209,14 @@ class Rotary(PositionalEncoding):
         if n > self.cos.shape[0]:
             return RotaryAt(*self.tables(torch.arange(start, n, dtype=torch.float32, device=self.inv_freq.device)))
         return RotaryAt(self.cos[start:n], self.sin[start:n])
+
+
+def rope_frequencies(head_dim: int, base: float, fraction: float = 1.0) -> torch.Tensor:
+    """(hd/2,) the angular frequency of each rotary pair, base^(-2i/hd), pair 0 the fastest; 0 for the pairs p-RoPE
+    leaves unrotated (the slowest ones)."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    inv_freq[rotated_pairs(head_dim, fraction):] = 0.0
+    return inv_freq
 
 
 def rotated_pairs(head_dim: int, fraction: float) -> int:

@@ -259,3 +259,21 @@ def test_head_types_name_each_heads_position_type_per_layer(kw, want):
     types = cfg.head_types()
     assert [set(t) for t in types] == want
     assert all(len(t) == cfg.n_head and set(t) <= set(HEAD_TYPES) for t in types)
+
+
+def test_pair_frequencies_mark_the_rotating_and_the_partial_cycle_pairs():
+    """base 1e4, head size 32: 11 of the 16 rotary pairs never complete a cycle within T = 64 tokens (issue 37's
+    count); p-RoPE 0.75 stops the 4 slowest; a NoPE layer and ALiBi rotate none."""
+    from sinklab.model.registry import POSITIONS
+
+    def freqs(layer=0, **kw):
+        cfg = ModelConfig(n_layer=2, n_head=4, d_model=128, block_size=64, **kw)
+        return POSITIONS.selected(cfg).pair_frequencies(cfg, layer)
+
+    f = freqs()
+    assert f.shape == (4, 16) and (f > 0).all() and torch.equal(f[0], f[3])
+    assert int(((f[0] * 63) < 2 * math.pi).sum()) == 11
+    assert int((freqs(rope_fraction=0.75)[0] == 0).sum()) == 4
+    assert not freqs(layer=1, nope_every=2).any() and freqs(layer=0, nope_every=2).all()
+    assert not freqs(pos="alibi").any()
+    assert torch.equal(Rotary(32, 64, 10000.0, 0.75).inv_freq, freqs(rope_fraction=0.75)[0])  # what the model rotates by
