@@ -51,8 +51,12 @@ What is measured and how: `sinklab.analysis.measurement`. User errors are one li
         (sinklab.metrics.secondary_sinks),
     noop {value_drain_ratio, sink_query_share, sink_output_ratio, ..., by_layer}: the no-op signature
         (sinklab.metrics.noop),
-    induction {seq_len, repeat, num_seqs, seed, induction, prev_token, by_layer, by_head}: induction and
-        previous-token scores on repeated random tokens (sinklab.metrics.induction),
+    heads {eps, span, types, by_type {<type>: {heads, alpha1, sink1, sink_share, qk_max_partial_cycle,
+        qk_max_full_cycle, qk_max_unrotated, pairs, q_pair_max, k_pair_max}}, by_layer, by_head}: alpha_1, Sink_1,
+        the share of the sink heads and the q / k rotary pair maxima by head type, for sinklab models only
+        (sinklab.metrics.heads),
+    induction {seq_len, repeat, num_seqs, seed, induction, prev_token, by_layer, by_head, by_type}: induction and
+        previous-token scores on repeated random tokens, by_type for sinklab models (sinklab.metrics.induction),
     sparse {eps, k, sink_vis, alpha_vis, visible, select1, select1_uniform, select1_ratio, by_layer, by_head}: the
         sink metric on the keys each query can see and the selection of token 1, for sinklab models with a window
         or a sparse operation only (sinklab.metrics.sparse),

@@ -13,8 +13,11 @@ With A the head's map over the real tokens (0-based positions; |A| / sum |A| whe
   the token that followed the earlier occurrence of the query's token (TransformerLens's stripe, offset L-1).
 Each is in [0, 1] and is averaged over the sequences. Logged: act/induction_score and act/prev_token_score (the
 best head of the model), act/layer<i>/induction_score and act/layer<i>/prev_token_score (the best head of layer i),
-so that a trajectory shows which forms first; `measure --json` induction: {seq_len, repeat, num_seqs, seed, by_head
-{induction, prev_token: [[per head] per layer]}, by_layer (the best head's), induction, prev_token}.
+so that a trajectory shows which forms first; for a sinklab model, by head type (the `heads` metric's split,
+sinklab/metrics/heads.py) heads/<type>/induction and heads/<type>/prev_token: the best head's among the heads of each
+type present. `measure --json` induction: {seq_len, repeat, num_seqs, seed, by_head {induction, prev_token: [[per
+head] per layer]}, by_layer (the best head's), induction, prev_token, by_type {type: {induction, prev_token (the best
+head's), induction_mean, prev_token_mean (the mean over the type's heads)}} (sinklab models only)}.
 """
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ import torch
 from sinklab.keys import ACT_PREFIX
 
 from .base import METRICS, UNIT, Context, Metric, layer_table
+from .heads import HEADS_PREFIX, head_types, type_scores
 from .sink import renormalise
 
 NUM_SEQS = 8
@@ -46,7 +50,8 @@ def repeated_tokens(tokens: torch.Tensor, num_seqs: int = NUM_SEQS, seed: int = 
 @METRICS.register("induction")
 class InductionScores(Metric):
     records = frozenset({"maps"})
-    bounds = ((r"^act/(layer\d+/)?(induction|prev_token)_score$", UNIT),)
+    bounds = ((r"^act/(layer\d+/)?(induction|prev_token)_score$", UNIT),
+              (r"^heads/\w+/(induction|prev_token)$", UNIT))
     json_key = "induction"
     headline = ("act/induction_score", "act/prev_token_score")
 
@@ -88,10 +93,18 @@ class InductionScores(Metric):
 
     def result(self) -> dict[str, Any]:
         by_head = {name: self.sums[name] / self.n for name in SCORES}  # (L, H)
-        return {"seq_len": 2 * self.repeat + 1, "repeat": self.repeat, "num_seqs": self.n, "seed": SEED,
-                "by_head": {name: v.tolist() for name, v in by_head.items()},
-                "by_layer": {name: v.max(1).values.tolist() for name, v in by_head.items()},
-                **{name: v.max().item() for name, v in by_head.items()}}
+        out = {"seq_len": 2 * self.repeat + 1, "repeat": self.repeat, "num_seqs": self.n, "seed": SEED,
+               "by_head": {name: v.tolist() for name, v in by_head.items()},
+               "by_layer": {name: v.max(1).values.tolist() for name, v in by_head.items()},
+               **{name: v.max().item() for name, v in by_head.items()}}
+        if self.ctx.model is not None:  # a sinklab model's config says each head's type
+            types = head_types(self.ctx.model.cfg)
+            by_type: dict[str, dict[str, float]] = {t: {} for t in types}
+            for name, grid in by_head.items():
+                for t, s in type_scores(grid, types).items():
+                    by_type[t].update({name: s["max"], f"{name}_mean": s["mean"]})
+            out["by_type"] = by_type
+        return out
 
     @staticmethod
     def flatten(result: dict[str, Any]) -> dict[str, float]:
@@ -99,13 +112,17 @@ class InductionScores(Metric):
         for name in SCORES:
             out[f"{ACT_PREFIX}{name}_score"] = float(result[name])
             out.update({f"{ACT_PREFIX}layer{i}/{name}_score": float(v) for i, v in enumerate(result["by_layer"][name])})
+        for t, scores in result.get("by_type", {}).items():
+            out.update({f"{HEADS_PREFIX}{t}/{name}": float(scores[name]) for name in SCORES})
         return out
 
     @classmethod
     def text(cls, part: dict[str, Any], res: dict[str, Any]) -> list[str]:
-        """The best head's scores per layer and over all layers."""
+        """The best head's scores per layer and over all layers, then per head type (sinklab models)."""
         return [f"induction and previous-token scores of the best head per layer ({part['num_seqs']} sequences of "
                 f"{part['repeat']} random tokens repeated)",
                 *layer_table([("induction", part["by_layer"]["induction"], 9, 3),
                               ("prev tok", part["by_layer"]["prev_token"], 8, 3)],
-                             overall=[part["induction"], part["prev_token"]])]
+                             overall=[part["induction"], part["prev_token"]]),
+                *[f"{t + ' heads:':<15} induction {v['induction']:.3f}, prev tok {v['prev_token']:.3f} (best head)"
+                  for t, v in part.get("by_type", {}).items()]]

@@ -25,14 +25,19 @@ STATUS_ORDER = (Status.COMPLETED, Status.RUNNING, Status.PREEMPTED, Status.FAILE
                 Status.UNKNOWN, Status.PENDING)
 
 
-def expand_metric_names(names: Sequence[str]) -> list[str]:
+def expand_metric_names(names: Sequence[str], logged: Optional[set[str]] = None) -> list[str]:
     """A registered metric's name (`sinklab.metrics.METRICS`, e.g. entropy) stands for the log keys it headlines
-    (act/attn_entropy); a logged name stays as it is."""
+    (act/attn_entropy); a logged name stays as it is. With `logged` (every name some job logged), a metric's headline
+    keys that no job logged are left out where it logged some of them (the `heads` metric logs the head types a
+    model has, heads/rope/sink1 but no heads/alibi/sink1); all of them stay where it logged none."""
     from sinklab.metrics import METRICS
 
     out: list[str] = []
     for name in names:
-        out.extend(METRICS.get(name).headline if name in METRICS else [name])
+        keys = list(METRICS.get(name).headline) if name in METRICS else [name]
+        if name in METRICS and logged is not None and any(k in logged for k in keys):
+            keys = [k for k in keys if k in logged]
+        out.extend(keys)
     return list(dict.fromkeys(out))
 
 
@@ -41,7 +46,7 @@ def job_table(sweep: Sweep, tables: dict, extra: Sequence[str] = ()) -> tuple[pd
     experiment.report_metrics, then `extra`), paper values, error, dir; and the metrics. Missing values are None."""
     sweep_exp = experiment_info(sweep.cfg)
     logged = {name for j in sweep.jobs for name in j.final}
-    extra = expand_metric_names([*sweep_exp["report_metrics"], *extra])
+    extra = expand_metric_names([*sweep_exp["report_metrics"], *extra], logged)
     unknown = [name for name in extra if name not in logged]
     if unknown and any(j.status == Status.COMPLETED for j in sweep.jobs):
         near = difflib.get_close_matches(unknown[0], sorted(logged), n=3)

@@ -23,7 +23,8 @@ class SinkCallback(L.Callback):
     first-token attention, massive activations, first-token norms and angles, outliers, residual sinks and norm
     weights, gate scores, attention entropy, secondary sinks, the no-op signature as act/...; with sparse attention,
     Sink_k on the keys each query can see and token 1's selection as sparse/...; induction and
-    previous-token scores on their own repeated random tokens; `activations=false`: the sink metric only) on the
+    previous-token scores on their own repeated random tokens; the sink, q / k outliers and induction scores by head
+    type as heads/<type>/...; `activations=false`: the sink metric only) on the
     probe set every `every_n_steps` optimizer steps and at the end of training; a layer x head heatmap of alpha_1 at
     each validation. Runs on rank 0 only; its last measurement survives a resume. The allowed values of its arguments:
     sinklab.train.config.SinkCallbackConfig."""

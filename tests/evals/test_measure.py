@@ -203,7 +203,7 @@ def test_the_text_shows_every_metric_with_its_json_values(capsys, planted_ckpt):
               "first_token_attn": "first-token attention (alpha_1)", "induction": "induction and previous-token",
               "massive": "massive activations per layer", "secondary_sinks": "sinks at any position k <= 17",
               "noop": "no-op signature per layer", "norms": "first-token norms",
-              "residual_sinks": "residual sinks per layer"}
+              "residual_sinks": "residual sinks per layer", "heads": "head types: the sink and the largest q / k"}
     assert res["gates"] == {} and "gate scores" not in text
     assert "sparse" not in res and "sparse attention" not in text  # a dense model: the sparse metric does not apply
     shown = [name for name in METRICS.names() if name not in ("gates", "sparse")]
@@ -223,6 +223,13 @@ def test_the_text_shows_every_metric_with_its_json_values(capsys, planted_ckpt):
     drain = noop["by_layer"]["value_drain_ratio"]
     assert drain[1] is None and f"{0:>5} {drain[0]:8.3f}" in text and f"{1:>5} {'-':>8}" in text
     assert f"first-token attention (alpha_1) {res['first_token_attn']['mean']:.4f}" in lines
+    # every head RoPE: the heads metric's one type has the sink metric's values, the planted head among its sinks
+    rope = res["heads"]["by_type"]["rope"]
+    assert list(res["heads"]["by_type"]) == ["rope"] and rope["heads"] == 8 and rope["sink_share"] == 100.0
+    assert (rope["sink1"], rope["alpha1"]) == (pytest.approx(res["sink"]["1"]),
+                                               pytest.approx(res["alpha_mean"]["1"]))
+    assert res["induction"]["by_type"]["rope"]["induction"] == res["induction"]["induction"]
+    assert any(line.startswith("rope ") and f"{rope['sink1']:7.2f}" in line for line in lines)
 
 
 @pytest.fixture
@@ -566,6 +573,8 @@ def test_sink_callback_logs_every_act_scalar_and_the_heatmap_to_wandb(trained):
                                                    "resid_inf_norm", "attn_kurtosis", "resid_sink_channel_share",
                                                    "norm_min", "final_norm_min", "first_token_attn"))
     assert float(row["act/first_token_attn"]) == float(row["sink/alpha1"])
+    assert float(row["heads/rope/sink1"]) == float(row["sink/sink1"])  # every head RoPE: one type, the sink's values
+    assert row["heads/rope/qk_max_partial_cycle"] != "" and row["heads/rope/induction"] != ""
     assert (root / "sink_heatmaps" / "alpha1_step0000002.png").is_file()
     # WandbLogger.log_image turned the PNG into a wandb.Image: the offline run holds it as media
     media = Path(wandb_logger.experiment.dir) / "media" / "images" / "sink"

@@ -36,23 +36,26 @@ def trajectory(capsys, tmp_path, *args: str) -> tuple[dict, pd.DataFrame]:
 
 # ------------------------------------------------------------------------------------------------ sinklab runs
 def test_kept_checkpoints_measured_again_equal_what_the_callback_logged(trained_run, capsys, tmp_path):
-    """The acceptance check: Sink_1 (and alpha_1, entropy) of each kept checkpoint, measured by `sinklab trajectory`
-    on the run's probe set, equal the training callback's values logged at that step."""
+    """The acceptance check: Sink_1 (and alpha_1, entropy, the RoPE heads' Sink_1 and q / k maxima) of each kept
+    checkpoint, measured by `sinklab trajectory` on the run's probe set, equal the training callback's values logged
+    at that step."""
     res, table = trajectory(capsys, tmp_path, str(trained_run), "--batch-size", "50", "--metrics",
-                            "sink/sink1,sink/alpha1", "entropy")
-    assert res["metrics"] == ["sink/sink1", "sink/alpha1", "act/attn_entropy"]
+                            "sink/sink1,sink/alpha1", "entropy", "heads")
+    heads = ["heads/rope/sink1", "heads/rope/qk_max_partial_cycle"]  # the headline keys of the types it has
+    assert res["metrics"] == ["sink/sink1", "sink/alpha1", "act/attn_entropy", *heads]
+    assert "heads/nope/sink1" in res["not_measured"] and "heads/rope/qk_max_unrotated" in res["not_measured"]
     assert list(table["step"]) == [16, 29, 40, 51, 80, 90, 120]  # kept (log-spaced and every 40); last.ckpt is 120
     assert list(table["tokens"]) == [s * TOKENS_PER_STEP for s in table["step"]]
     assert set(table["input"]) == {"natural 100x64"} and res["x"] == "tokens"
     metrics_csv = trained_run / "metrics.csv"
     compared = 0
-    for key in ("sink/sink1", "sink/alpha1", "act/attn_entropy"):
+    for key in ("sink/sink1", "sink/alpha1", "act/attn_entropy", *heads):
         logged = {step: float(v) for step, v in series(metrics_csv, key).items()}
         for step, value in zip(table["step"], table[key]):
             if step in logged:
                 assert value == pytest.approx(logged[step], rel=1e-5, abs=1e-6), (key, step)
                 compared += 1
-    assert compared == 3 * 3  # steps 40, 80, 120
+    assert compared == 5 * 3  # steps 40, 80, 120
     assert max(series(metrics_csv, "sink/alpha1")) == 120 and table["sink/alpha1"].nunique() == len(table)
 
 

@@ -215,6 +215,25 @@ def test_a_registered_metric_name_stands_for_its_headline_columns(tmp_path):
         report.build_report(sweep, tmp_path / "out2", metrics=["first_token_attn"])
 
 
+def test_a_metric_name_stands_for_the_headline_columns_some_job_logged(tmp_path):
+    """The `heads` metric logs the head types a model has: `--metrics heads` shows those some job logged (none of
+    another type), and is still refused where no job logged any of them."""
+    sweep = make_sweep(tmp_path)
+    with pytest.raises(Exception, match="heads/rope/sink1"):
+        report.build_report(sweep, tmp_path / "out0", metrics=["heads"])
+    for i, logged in ((0, {"heads/rope/sink1": 40.0, "heads/rope/qk_max_partial_cycle": 9.5}),
+                      (1, {"heads/nope/sink1": 5.0, "heads/nope/qk_max_unrotated": 3.25})):
+        status = sweep / str(i) / "status.json"
+        data = json.loads(status.read_text())
+        data["final"].update(logged)
+        status.write_text(json.dumps(data))
+    res = report.build_report(sweep, tmp_path / "out", metrics=["heads"])
+    shown = [c for c in res["columns"] if c.startswith("heads/")]
+    assert shown == ["heads/rope/sink1", "heads/rope/qk_max_partial_cycle", "heads/nope/sink1",
+                     "heads/nope/qk_max_unrotated"]  # the headline's order: HEAD_TYPES, then its keys
+    assert [r["heads/rope/sink1"] for r in res["rows"]][:2] == [40.0, None]
+
+
 def test_read_metrics_sparse_rows(tmp_path):
     p = tmp_path / "metrics.csv"
     p.write_text("epoch,sink/sink1,step,train/loss,val/loss\r\n0,,9,5.0,\r\n0,4.5,9,,5.2\r\n0,,19,4.0,\r\n"
