@@ -20,6 +20,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from sinklab.runs.checkpoints import TOKENS_SEEN, kept_checkpoints, read_checkpoint
+from sinklab.runs.run_data import is_run_dir
 from sinklab.analysis.probe_inputs import InputSpec
 from sinklab.errors import UserError
 from sinklab.targets import TargetSpec, load_target
@@ -75,7 +76,7 @@ def known_tokens_per_step(model: str) -> Optional[int]:
 def run_series(run_dir: str) -> Series:
     """A training run's kept checkpoints (checkpoints/kept/), then last.ckpt where no kept one has its step."""
     path = Path(run_dir)
-    if not (path / ".hydra" / "config.yaml").is_file():
+    if not is_run_dir(path):
         raise UserError(f"RUN_DIR {run_dir}: not a training run dir (no .hydra/config.yaml); pass a sinklab-train "
                         "output dir, or --hf-model for transformers models")
     points = [Point(str(p), step, tokens, name=str(p)) for step, tokens, p in kept_checkpoints(path)]

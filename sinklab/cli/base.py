@@ -103,9 +103,11 @@ def data_run_dir(args, run_dir: Optional[Path],
                  hint: str = "pass --data RUN_DIR or --tokens FILE.npy") -> tuple[Path, str]:
     """The run dir whose data a command reads, and the flag to name in its errors: --data RUN_DIR, else TARGET's own
     run dir (one-line errors when --data is no run dir or there is none, ending with `hint`)."""
+    from sinklab.runs.run_data import is_run_dir
+
     if args.data is not None:
         data = Path(args.data)
-        if not (data / ".hydra" / "config.yaml").is_file():
+        if not is_run_dir(data):
             raise UserError(f"--data {args.data}: not a run dir (it has no .hydra/config.yaml)")
         return data, "--data"
     if run_dir is None:

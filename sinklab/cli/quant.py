@@ -16,7 +16,9 @@ the same sequences when that is not given. What is quantized and how: `sinklab.q
 --json prints one object: target, source ("sinklab" | "hf"), data ("run" | "tokens"), val_batches, val_seqs,
 seq_len, val_targets (scored predictions), calib_batches, momentum, weights ("per-tensor" | "per-channel"),
 quantize_head, dtype (the model's), layers [quantized layer names], ranges {layer: [lo, hi]}, seconds, and
-schemes {"fp32" | scheme: {w_bits, a_bits, loss, ppl, gap (ppl - fp32 ppl), rel_gap (gap / fp32 ppl)}}.
+schemes {"fp32" | scheme: {w_bits, a_bits, loss, ppl, bpb, gap (ppl - fp32 ppl), rel_gap (gap / fp32 ppl)}}. bpb: bits
+per byte of the validation text (the loss over ln 2 x the bytes of text per scored target, the run's tokenizer
+decoding the blocks: `sinklab.model.lm_loss`), null with --tokens (no tokenizer to decode them with).
 --sweep SWEEP_DIR writes that object into JOB/quant.json for every finished job, then SWEEP_DIR/quant.csv, one row
 per job (its columns: `sinklab.evals.quantization`). User errors are one line on stderr and exit code 2.
 """
@@ -86,13 +88,16 @@ def token_batches(path: str, flag: str, meta: TargetMeta, batch_size: int) -> li
     return list(tokens.split(batch_size))
 
 
-def run_batches(run_dir: Path, flag: str, args, meta: TargetMeta) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """The run's validation blocks (at most --val-batches batches) and its first --calib-batches training batches."""
+def run_batches(run_dir: Path, flag: str, args, meta: TargetMeta) -> tuple[list[torch.Tensor], list[torch.Tensor],
+                                                                           Optional[float]]:
+    """The run's validation blocks (at most --val-batches batches), its first --calib-batches training batches and
+    the bytes of text per scored target of those validation blocks (bits per byte)."""
     def read(dm):
-        return (val_blocks(dm, args.val_batches), list(islice(dm.make_train_loader(), args.calib_batches)))
+        return (val_blocks(dm, args.val_batches), list(islice(dm.make_train_loader(), args.calib_batches)),
+                dm.val_bytes_per_token(args.val_batches, meta.prefix_len))
 
-    val, calib = read_run_data(run_dir, {"batch_size": args.batch_size, "num_workers": 0}, read, flag,
-                               "the validation and training blocks", "pass --tokens FILE.npy")
+    val, calib, per_token = read_run_data(run_dir, {"batch_size": args.batch_size, "num_workers": 0}, read, flag,
+                                          "the validation and training blocks", "pass --tokens FILE.npy")
     top = max(int(b.max()) for b in val + calib)
     if top >= meta.vocab_size:
         raise UserError(f"{flag} {run_dir}: the blocks have token id {top}, the model's vocabulary is "
@@ -100,18 +105,19 @@ def run_batches(run_dir: Path, flag: str, args, meta: TargetMeta) -> tuple[list[
     length = val[0].shape[1] - 1
     if meta.context is not None and length > meta.context:
         raise UserError(f"{flag} {run_dir}: its blocks of {length} tokens exceed the model context {meta.context}")
-    return val, calib
+    return val, calib, per_token
 
 
-def choose_data(args, meta: TargetMeta, run_dir: Optional[Path]) -> tuple[list, list, str]:
-    """(validation batches, calibration batches, "run" | "tokens")."""
+def choose_data(args, meta: TargetMeta, run_dir: Optional[Path]) -> tuple[list, list, str, Optional[float]]:
+    """(validation batches, calibration batches, "run" | "tokens", bytes of text per scored target or None)."""
     if args.tokens is not None:
         size = args.batch_size or DEFAULT_TOKENS_BATCH
         val = token_batches(args.tokens, "--tokens", meta, size)[:args.val_batches]
         calib_file, flag = (args.calib_tokens, "--calib-tokens") if args.calib_tokens else (args.tokens, "--tokens")
-        return val, token_batches(calib_file, flag, meta, size)[:args.calib_batches], "tokens"
+        return val, token_batches(calib_file, flag, meta, size)[:args.calib_batches], "tokens", None
     data, flag = data_run_dir(args, run_dir)
-    return (*run_batches(data, flag, args, meta), "run")
+    val, calib, per_token = run_batches(data, flag, args, meta)
+    return val, calib, "run", per_token
 
 
 # ----------------------------------------------------------------------------------------------------- main
@@ -127,7 +133,7 @@ def run(args) -> dict:
     t0 = time.perf_counter()
     target = load_target(target_spec(args, device))
     meta = target.meta
-    val, calib, kind = choose_data(args, meta, meta.run_dir)
+    val, calib, kind, per_token = choose_data(args, meta, meta.run_dir)
     val, calib = [b.to(device) for b in val], [b.to(device) for b in calib]
     res = {"target": meta.target, "source": meta.source, "data": kind, "val_batches": len(val),
            "val_seqs": sum(b.shape[0] for b in val), "seq_len": int(val[0].shape[1] - 1),
@@ -135,7 +141,7 @@ def run(args) -> dict:
            "quantize_head": args.quantize_head, "dtype": meta.dtype or "float32"}
     res.update(evaluate(target.model, target.logits, val, calib, [SCHEMES[s] for s in dict.fromkeys(args.schemes)],
                         per_channel=args.weights == "per-channel", momentum=args.momentum,
-                        quantize_head=args.quantize_head, prefix_len=meta.prefix_len))
+                        quantize_head=args.quantize_head, prefix_len=meta.prefix_len, bytes_per_token=per_token))
     res["seconds"] = round(time.perf_counter() - t0, 3)
     return res
 
@@ -147,7 +153,8 @@ def format_table(res: dict) -> str:
     for name, r in res["schemes"].items():
         weights, acts = (SCHEMES.get(name) or FP32).describe()
         rows.append({"scheme": name, "weights": weights, "inputs": acts, "loss": r["loss"], "ppl": r["ppl"],
-                     "gap": r["gap"], "gap %": 100 * r["rel_gap"]})
+                     **({"bpb": r["bpb"]} if r.get("bpb") is not None else {}), "gap": r["gap"],
+                     "gap %": 100 * r["rel_gap"]})
     table = pd.DataFrame(rows).to_string(index=False, float_format=lambda v: f"{v:.4f}")
     head = "the LM head too; embeddings stay fp32" if res["quantize_head"] else "the LM head and embeddings stay fp32"
     dtype = "" if res.get("dtype", "float32") == "float32" else \
@@ -159,7 +166,8 @@ def format_table(res: dict) -> str:
         f"{res['calib_batches']} batches, running min-max (momentum {res['momentum']:g})",
         f"quantized: the weights ({res['weights']}, symmetric) and inputs (per-tensor, asymmetric) of "
         f"{len(res['layers'])} linear layers; {head}",
-        "", table, "", "gap: perplexity minus the fp32 perplexity"])
+        "", table, "", "gap: perplexity minus the fp32 perplexity" + ("; bpb: bits per byte of the validation text"
+                                                                      if "bpb" in rows[0] else "")])
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -18,7 +18,9 @@ learned absolute positions, GPT-2 and OPT).
 --json prints one object: target, source ("sinklab" | "hf"), data ("run" | "tokens"), text (where it comes from),
 n_tokens, targets (n_tokens - 1 scored predictions), context, bucket, bucket_ends (the last target position of each
 bucket), notes [...], seconds, and settings [{name, kind ("streaming" | "dense" | "recompute"), first, recent, keys
-(the most keys a prediction attends to), loss, ppl, bucket_ppl [...], seconds}]. --sweep SWEEP_DIR writes that
+(the most keys a prediction attends to), loss, ppl, bpb, bucket_ppl [...], seconds}]. bpb: bits per byte of the
+text (the loss over ln 2 x the bytes of text per target, the run's tokenizer decoding the N - 1 targets once:
+`sinklab.model.lm_loss`), null with --tokens (no tokenizer to decode them with). --sweep SWEEP_DIR writes that
 object into JOB/streaming.json for every finished job, then SWEEP_DIR/streaming.csv, one row per job (its columns:
 `sinklab.evals.streaming_ppl.StreamingPerplexity`). User errors are one line on stderr and exit code 2.
 """
@@ -36,7 +38,7 @@ from sinklab.cli.base import (OneLineParser, add_device_json_args, add_sweep_arg
                               check_one_target, command_main, data_run_dir, pick_device, target_spec)
 from sinklab.errors import UserError
 from sinklab.evals import streaming_ppl as pp
-from sinklab.model.lm_loss import perplexity
+from sinklab.model.lm_loss import bits_per_byte, bytes_per_token, perplexity
 from sinklab.targets import Target, load_target
 from sinklab.analysis.probe_inputs import load_tokens, positive
 from sinklab.runs.run_data import read_run_data
@@ -98,23 +100,30 @@ def build_parser() -> OneLineParser:
 
 
 # ----------------------------------------------------------------------------------------------------- inputs
-def choose_text(args, vocab_size: int, run_dir: Optional[Path]) -> tuple[torch.Tensor, str, str]:
-    """(tokens (N,), "run" | "tokens", where the text comes from, in words)."""
+def choose_text(args, vocab_size: int, run_dir: Optional[Path]) -> tuple[torch.Tensor, str, str, Optional[float]]:
+    """(tokens (N,), "run" | "tokens", where the text comes from, in words, the bytes of text per target tokens[1:]
+    (None for --tokens, which come without a tokenizer))."""
     if args.tokens is not None:
         tokens = load_tokens(args.tokens, vocab_size, flat=True)
         if args.n_tokens is not None and args.n_tokens > tokens.shape[0]:
             raise UserError(f"--n-tokens {args.n_tokens} exceeds the {tokens.shape[0]} tokens of --tokens "
                             f"{args.tokens}")
-        return tokens[:args.n_tokens], "tokens", f"--tokens {args.tokens}"
+        return tokens[:args.n_tokens], "tokens", f"--tokens {args.tokens}", None
     run, flag = data_run_dir(args, run_dir)
     n = args.n_tokens or DEFAULT_N_TOKENS
-    text, bos = read_run_data(run, {"num_workers": 0}, lambda dm: (dm.val_text(n), bool(dm.config.bos)), flag,
-                              "the validation text", "pass --tokens FILE.npy (one text of shape (N,))")
+
+    def read(dm):  # the text, whether it starts with a BOS, and the bytes of its targets (text[1:])
+        text = dm.val_text(n)
+        return text, bool(dm.config.bos), dm.text_bytes([text[1:].tolist()], "the validation text")[0]
+
+    text, bos, n_bytes = read_run_data(run, {"num_workers": 0}, read, flag, "the validation text",
+                                       "pass --tokens FILE.npy (one text of shape (N,))")
     top = int(text.max())
     if top >= vocab_size:
         raise UserError(f"{flag} {run}: the text has token id {top}, the model's vocabulary is "
                         f"[0, {vocab_size - 1}] (was the model trained on this data?)")
-    return text, "run", f"the first {n:,} tokens of {run}'s validation split" + (" (BOS first)" if bos else "")
+    return (text, "run", f"the first {n:,} tokens of {run}'s validation split" + (" (BOS first)" if bos else ""),
+            bytes_per_token(n_bytes, text.shape[0] - 1))
 
 
 def grid(args, context: Optional[int]) -> list[tuple[int, int]]:
@@ -156,7 +165,7 @@ def run(args) -> dict:
         raise UserError(f"model.prefix_len={meta.prefix_len}: a prefix LM's first tokens see each other, so it "
                         "has no token-by-token stream; allowed: causal models (model.prefix_len=0)")
     settings = grid(args, meta.context)
-    tokens, kind, where = choose_text(args, meta.vocab_size, meta.run_dir)
+    tokens, kind, where, per_token = choose_text(args, meta.vocab_size, meta.run_dir)
     target.check_stream()  # refuse what cannot be re-rotated before any work
     tokens = tokens.to(device)
     res = {"target": meta.target, "source": meta.source, "data": kind, "text": where,
@@ -181,8 +190,9 @@ def run(args) -> dict:
                          {"first": None, "recent": None, "keys": meta.context}))
     with torch.no_grad():
         for name, kind, extra in runs:
-            res["settings"].append({"name": name, "kind": kind, **extra,
-                                    **score(args, name, kind, tokens, target, extra, res["bucket_ends"])})
+            scored = score(args, name, kind, tokens, target, extra, res["bucket_ends"])
+            res["settings"].append({"name": name, "kind": kind, **extra, **scored,
+                                    "bpb": bits_per_byte(scored["loss"], per_token)})
     if args.plot:
         res["plot"] = str(plot(res, args.plot))
     res["seconds"] = round(time.perf_counter() - t0, 3)
@@ -243,6 +253,7 @@ def format_table(res: dict) -> str:
 
     rows = [{"setting": s["name"], "first x": s["first"] if s["first"] is not None else "-",
              "recent y": s["recent"] if s["recent"] is not None else "-", "keys": s["keys"], "ppl": s["ppl"],
+             **({"bpb": s["bpb"]} if s.get("bpb") is not None else {}),
              f"ppl 1st {res['bucket']}": s["bucket_ppl"][0], f"ppl last {res['bucket']}": s["bucket_ppl"][-1],
              "seconds": s["seconds"]} for s in res["settings"]]
     three = lambda v: f"{v:.3f}"  # noqa: E731

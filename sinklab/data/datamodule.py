@@ -35,7 +35,8 @@ from .controls import BlockControls
 from .errors import DataFileNotFoundError, UserError
 from .fsutil import atomic_write_bytes, resolve_cache_dir
 from .prepare import tokenise
-from .tokenizer import BPE, eos_token_id, load_tokenizer, padded_vocab_size, tokenizer_fingerprint, tokenizer_size
+from .tokenizer import (BPE, eos_token_id, load_tokenizer, padded_vocab_size, text_bytes, tokenizer_fingerprint,
+                        tokenizer_size)
 
 log = logging.getLogger(__name__)  # sinklab.data.datamodule: shown by the training entry point (Hydra logging)
 
@@ -77,6 +78,7 @@ class LMDataModule(StepLoader, L.LightningDataModule):
         self._probe: np.ndarray | None = None
         self._train_blocks: TrainBlocks | None = None
         self.store_dir: Path | None = None
+        self._val_bytes: dict[tuple, tuple[list[int], list[int]]] = {}  # val_bytes_per_token's count per block
 
     # ------------------------------------------------------------------------------------------
     # preparation
@@ -185,12 +187,50 @@ class LMDataModule(StepLoader, L.LightningDataModule):
         every training block does (the other controls, random and fixed tokens, are interventions on training and
         leave validation natural). The training's val/loss, `sinklab quant` and `sinklab eval intervene` read
         these."""
+        return DataLoader(self._val_blocks(), batch_size=self.batch_size, shuffle=False, num_workers=self.num_workers,
+                          pin_memory=self.pin_memory, persistent_workers=self.num_workers > 0)
+
+    def _val_blocks(self) -> ValBlocks:
+        """This rank's validation blocks ((T + 1,) each), in the order val_dataloader batches them."""
         _, rank, world, _ = self._distributed()
         self._prepared()
-        blocks = ValBlocks(self._stores["val"], self.block_size, self.config.val_num_blocks, rank, world,
-                           bos_id=self._controls.bos_id)
-        return DataLoader(blocks, batch_size=self.batch_size, shuffle=False, num_workers=self.num_workers,
-                          pin_memory=self.pin_memory, persistent_workers=self.num_workers > 0)
+        return ValBlocks(self._stores["val"], self.block_size, self.config.val_num_blocks, rank, world,
+                         bos_id=self._controls.bos_id)
+
+    @property
+    def tokenizer_file(self) -> Path:
+        """The tokenizer's file: data.tokenizer's where it names one (a tokenizer.json, or a dir holding one), else the
+        copy every token store keeps of the tokenizer it was encoded with (a trained BPE, a hub tokenizer)."""
+        self._prepared()
+        given = Path(self.config.tokenizer).expanduser()
+        if self.config.tokenizer != BPE and given.exists():
+            return given / "tokenizer.json" if given.is_dir() else given
+        return self.store_dir / "tokenizer.json"
+
+    def text_bytes(self, rows, what: str) -> list[int]:
+        """The UTF-8 bytes of the text each row of token ids decodes to with this data's tokenizer
+        (`sinklab.data.tokenizer.text_bytes`: special tokens decode to none; one line naming the tokenizer file when
+        it does not decode `what` to UTF-8)."""
+        return text_bytes(self.tokenizer, rows, str(self.tokenizer_file), what)
+
+    def val_bytes_per_token(self, n_batches: int | None = None, prefix_len: int = 0) -> float | None:
+        """UTF-8 bytes of text per scored target of this rank's first `n_batches` validation batches (all with
+        None): the targets val/loss averages over (`sinklab.model.lm_loss.scored_targets`: not a block's first
+        token, the BOS token where data.bos; a prefix LM's (model.prefix_len) first targets neither), so that
+        bits per byte = val/loss / (ln 2 x this) (`sinklab.model.lm_loss.bits_per_byte`). The blocks are decoded
+        once and their counts cached; None where the targets decode to no text. One line naming the tokenizer file
+        when it does not decode the validation blocks to UTF-8."""
+        from sinklab.model.lm_loss import bytes_per_token, scored_targets
+
+        _, rank, world, _ = self._distributed()
+        key = (prefix_len, rank, world)
+        if key not in self._val_bytes:
+            blocks = self._val_blocks()
+            rows = scored_targets(torch.stack([blocks[i] for i in range(len(blocks))]), prefix_len)
+            self._val_bytes[key] = (self.text_bytes(rows, "the validation blocks"), [len(r) for r in rows])
+        n_bytes, n_targets = self._val_bytes[key]
+        k = len(n_bytes) if n_batches is None else n_batches * self.batch_size  # the loader's first n batches
+        return bytes_per_token(sum(n_bytes[:k]), sum(n_targets[:k]))
 
     def probe_tokens(self) -> torch.Tensor:
         """LongTensor (probe_num_seqs, probe_seq_len): held-out natural text, identical for all runs on this data."""

@@ -11,16 +11,18 @@ Every loaded tokenizer is checked to be non-empty: offline loaders can return an
 without an error. The model's embedding size is `padded_vocab_size`: the tokenizer's size (+1 for a
 dedicated fixed token) rounded up to `data.pad_vocab_to_multiple_of` (GPT-NeoX's 50277 -> 50304 with
 128, 50432 with 256 as in the reference).
+`text_bytes` counts the UTF-8 bytes of the text token ids decode to (bits per byte divide by it).
 """
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import json
 import logging
 import warnings
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Optional, Sequence
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -76,6 +78,74 @@ def eos_token_id(tok: Tokenizer, eos_token: str, where: str) -> int:
         raise UserError(f"tokenizer {where} has no token {eos_token!r}; set data.eos_token to its "
                         f"end-of-text / separator token (e.g. '</s>')")
     return idx
+
+
+def byte_symbols() -> dict[str, int]:
+    """The byte-level alphabet (GPT-2's bytes_to_unicode, tokenizers' ByteLevel): the character that stands for each
+    byte in a byte-level token. Printable Latin-1 bytes stand for themselves, the others for 256, 257, ... in order."""
+    printable = {*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+                 *range(ord("\u00ae"), ord("\u00ff") + 1)}
+    symbols, shifted = {}, 0
+    for b in range(256):
+        if b in printable:
+            symbols[chr(b)] = b
+        else:
+            symbols[chr(256 + shifted)] = b
+            shifted += 1
+    return symbols
+
+
+def token_bytes(tok: Tokenizer) -> list[bytes]:
+    """A byte-level tokenizer's bytes of every id, as its ByteLevel decoder joins them before it makes text of them:
+    a token made of byte symbols stands for those bytes, any other (an added token) for its own UTF-8; a special
+    token (a BOS or document separator) for none, as `decode` skips it."""
+    symbols = byte_symbols()
+    special = {i for i, added in tok.get_added_tokens_decoder().items() if added.special}
+    table = [b""] * tokenizer_size(tok)
+    for token, i in tok.get_vocab(with_added_tokens=True).items():
+        if i not in special:
+            table[i] = bytes(symbols[c] for c in token) if all(c in symbols for c in token) else token.encode()
+    return table
+
+
+def utf8_error(data: bytes) -> Optional[int]:
+    """The offset of the first byte of `data` that is not UTF-8, None if there is none: `data` is a window of a
+    longer text, so a character cut at either end (up to 3 continuation bytes first, an unfinished one last) is not
+    an error."""
+    start = 0
+    while start < min(3, len(data)) and 0x80 <= data[start] < 0xC0:
+        start += 1
+    try:
+        codecs.getincrementaldecoder("utf-8")().decode(data[start:], final=False)
+    except UnicodeDecodeError as err:
+        return start + err.start
+    return None
+
+
+def text_bytes(tok: Tokenizer, rows: Sequence[Sequence[int]], where: str, what: str) -> list[int]:
+    """The UTF-8 bytes of the text each row of token ids decodes to, as `tok.decode(row)` decodes it: special tokens
+    (a BOS, the document separator) decode to no text. `where` names the tokenizer and `what` the rows in the error.
+
+    A byte-level tokenizer (a ByteLevel decoder: sinklab's BPE, GPT-2's, GPT-NeoX's) is counted in the bytes its
+    tokens stand for (`token_bytes`), which its decoder turns into text: a row is a window of a longer text, and a
+    character cut at its edge counts the bytes of the row's part of it, where decoding would put a U+FFFD (3 bytes).
+    Inside a row those bytes must be UTF-8, else one line naming the tokenizer: its tokens do not decode to the
+    text they encode (e.g. a ByteLevel decoder over tokens that are not byte-level symbols). Any other tokenizer
+    decodes to text (UTF-8 by construction), whose bytes are counted."""
+    decoder = json.loads(tok.to_str()).get("decoder") or {}
+    if decoder.get("type") != "ByteLevel":
+        return [len(text.encode("utf-8")) for text in tok.decode_batch([list(r) for r in rows])]
+    table, counts = token_bytes(tok), []
+    for n, row in enumerate(rows):
+        data = b"".join(table[i] for i in row)
+        bad = utf8_error(data)
+        if bad is not None:
+            raise UserError(f"bits per byte: the tokenizer {where} decodes {what} to invalid UTF-8 (byte "
+                            f"0x{data[bad]:02x} at offset {bad} of row {n}): its tokens do not decode to the text "
+                            "they encode; use a tokenizer whose decoder matches its tokens (a byte-level BPE with a "
+                            "ByteLevel decoder, or data.tokenizer=bpe)")
+        counts.append(len(data))
+    return counts
 
 
 def padded_vocab_size(n: int, multiple: int | None) -> int:

@@ -95,18 +95,18 @@ _SETTING = r"(x\d+_y\d+|dense|recompute)"
 
 @EVALUATIONS.register("streaming")
 class StreamingPerplexity(Evaluation):
-    """`sinklab eval streaming`; in a sweep's streaming.csv: for each setting <setting>_ppl and <setting>_keys (the
-    setting: x4_y60 for a cache of the first 4 + 60 recent tokens, dense and recompute for the baselines), then
-    n_tokens."""
+    """`sinklab eval streaming`; in a sweep's streaming.csv: for each setting <setting>_ppl, <setting>_bpb (bits per
+    byte) and <setting>_keys (the setting: x4_y60 for a cache of the first 4 + 60 recent tokens, dense and recompute
+    for the baselines), then n_tokens."""
 
     command = "sinklab.cli.streaming"
     summary = "perplexity over a long text with a KV cache of x first + y recent tokens"
-    bounds = ((rf"^{_SETTING}_ppl$", PERPLEXITY), (rf"^({_SETTING}_keys|n_tokens)$", NON_NEGATIVE))
+    bounds = ((rf"^{_SETTING}_ppl$", PERPLEXITY), (rf"^({_SETTING}_(keys|bpb)|n_tokens)$", NON_NEGATIVE))
 
     @staticmethod
     def row(result: dict) -> dict:
         def setting(s: dict) -> str:
             return f"x{s['first']}_y{s['recent']}" if s["kind"] == "streaming" else s["kind"]
 
-        row = {f"{setting(s)}_{k}": s[k] for s in result["settings"] for k in ("ppl", "keys")}
+        row = {f"{setting(s)}_{k}": s.get(k) for s in result["settings"] for k in ("ppl", "bpb", "keys")}
         return {**row, "n_tokens": result["n_tokens"]}

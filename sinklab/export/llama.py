@@ -31,6 +31,7 @@ import torch
 
 from sinklab.errors import UserError
 from sinklab.model import ModelConfig, Transformer
+from sinklab.runs.run_data import load_run_config, run_dir_of
 
 TOLERANCE = 1e-4
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -111,7 +112,7 @@ def find_tokenizer(ckpt: Path, explicit: Optional[str]):
 
     if explicit is not None:
         return from_path(tokenizer_file(explicit))
-    run_dir = next((d for d in (ckpt.parent, ckpt.parent.parent) if (d / ".hydra" / "config.yaml").is_file()), None)
+    run_dir = run_dir_of(ckpt)
     for d in (ckpt.parent, ckpt.parent.parent):
         for p in (d / "tokenizer.json", d / "tokenizer" / "tokenizer.json"):
             if p.is_file():
@@ -121,8 +122,8 @@ def find_tokenizer(ckpt: Path, explicit: Optional[str]):
     from omegaconf import OmegaConf
 
     try:
-        data = OmegaConf.to_container(OmegaConf.load(run_dir / ".hydra" / "config.yaml"), resolve=True).get("data")
-    except Exception as err:  # an interpolation that does not resolve outside the run
+        data = OmegaConf.to_container(load_run_config(run_dir), resolve=True).get("data")
+    except Exception as err:  # a config that does not load, or an interpolation of the user's that does not resolve
         return None, f"the run config does not resolve ({type(err).__name__})"
     if not data:
         return None, "the run config has no data section"

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from sinklab.errors import UserError
-from sinklab.model.lm_loss import mean_nll, perplexity
+from sinklab.model.lm_loss import bits_per_byte, mean_nll, perplexity
 
 
 @dataclass(frozen=True)
@@ -168,12 +168,13 @@ def fake_quantized(layers: dict[str, nn.Module], scheme: Scheme, ranges: Optiona
 # ----------------------------------------------------------------------------------------------- evaluation
 def evaluate(model: nn.Module, logits_of: Callable, val: list[torch.Tensor], calib: list[torch.Tensor],
              schemes: Iterable[Scheme], per_channel: bool = False, momentum: float = 0.9,
-             quantize_head: bool = False, prefix_len: int = 0) -> dict:
-    """Validation loss and perplexity in fp32 and under each scheme, with its gap against fp32.
+             quantize_head: bool = False, prefix_len: int = 0, bytes_per_token: Optional[float] = None) -> dict:
+    """Validation loss, perplexity and bits per byte in fp32 and under each scheme, with its gap against fp32.
 
     -> {"val_targets": scored targets, "layers": [names], "ranges": {layer: [lo, hi]}, "schemes": {"fp32" | scheme:
-    {w_bits, a_bits, loss, ppl, gap (ppl - fp32 ppl), rel_gap (gap / fp32 ppl)}}}.
-    `logits_of(idx (B, T))` -> logits (B, T, V); val and calib hold (B, T + 1) blocks."""
+    {w_bits, a_bits, loss, ppl, bpb, gap (ppl - fp32 ppl), rel_gap (gap / fp32 ppl)}}}.
+    `logits_of(idx (B, T))` -> logits (B, T, V); val and calib hold (B, T + 1) blocks; `bytes_per_token`: the bytes
+    of text per scored target of `val` (`sinklab.model.lm_loss.bits_per_byte`; bpb is None without it)."""
     schemes = list(schemes)
     layers = quantizable_layers(model, quantize_head)
     if not layers:
@@ -186,6 +187,7 @@ def evaluate(model: nn.Module, logits_of: Callable, val: list[torch.Tensor], cal
         ppl = perplexity(loss)
         base = rows["fp32"]["ppl"] if rows else ppl
         rows[scheme.name] = {"w_bits": scheme.w_bits, "a_bits": scheme.a_bits, "loss": loss, "ppl": ppl,
-                             "gap": ppl - base, "rel_gap": (ppl - base) / base}
+                             "bpb": bits_per_byte(loss, bytes_per_token), "gap": ppl - base,
+                             "rel_gap": (ppl - base) / base}
     return {"val_targets": count, "layers": list(layers), "ranges": {k: list(v) for k, v in ranges.items()},
             "schemes": rows}

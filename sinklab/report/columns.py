@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable
 
 from sinklab.evals import EVALUATIONS
-from sinklab.keys import ANY, SINK1, SINK_PREFIX, TRAIN_LOSS, VAL_LOSS
+from sinklab.keys import ANY, SINK1, SINK_PREFIX, TRAIN_LOSS, VAL_BPB, VAL_LOSS
 from sinklab.metrics.base import bounds as metric_bounds
 from sinklab.metrics.sink import SLOT_KEY
 
@@ -39,7 +39,10 @@ def _sink(k: int, star: str = "") -> Column:
 SINK1_METRIC = Column("sink1", SINK1, "Sink_1 (%)", always=True)
 VAL_LOSS_METRIC = Column("val_loss", VAL_LOSS, "val loss (nats)", always=True)
 SINK_METRICS = (SINK1_METRIC, *(_sink(k) for k in (2, 3, 4)), _sink(1, "_star"))
-LOSS_METRICS = (VAL_LOSS_METRIC, Column("train_loss", TRAIN_LOSS, "train loss (nats)"))
+# val bits per byte: val/loss over ln 2 x the validation text's bytes per token (sinklab.model.lm_loss), comparable
+# across tokenizers; shown where a job logged it (runs before it was logged have val/loss only)
+LOSS_METRICS = (VAL_LOSS_METRIC, Column("val_bpb", VAL_BPB, "val bits per byte"),
+                Column("train_loss", TRAIN_LOSS, "train loss (nats)"))
 
 
 def metric_columns(logged: Iterable[str], extra: Iterable[str] = ()) -> list[Column]:
@@ -56,8 +59,8 @@ def metric_columns(logged: Iterable[str], extra: Iterable[str] = ()) -> list[Col
 
 
 def fmt(v: Any, col: str = "") -> str:
-    """A value as shown in report.md and on plots: rates with 2 decimals, losses with 3, the paper's numbers at the
-    paper's precision, other numbers in %g; missing values (None, NaN) empty."""
+    """A value as shown in report.md and on plots: rates with 2 decimals, losses and bits per byte with 3, the
+    paper's numbers at the paper's precision, other numbers in %g; missing values (None, NaN) empty."""
     if v is None or isinstance(v, float) and math.isnan(v):
         return ""
     if isinstance(v, bool):
@@ -65,7 +68,7 @@ def fmt(v: Any, col: str = "") -> str:
     if isinstance(v, float):
         if col.startswith("paper_"):
             return f"{v:.2f}"
-        if col.endswith(("loss", "loss_mean", "loss_std")):
+        if col.endswith(("loss", "loss_mean", "loss_std", "bpb", "bpb_mean", "bpb_std")):
             return f"{v:.3f}"
         if col.startswith(("sink", "slot")):
             return f"{v:.2f}"

@@ -26,6 +26,7 @@ from sinklab.evals import EVALUATIONS
 from sinklab.metrics import METRICS
 from sinklab.report.columns import ANY, bounds
 from sinklab.runs.status import Status, read_status
+from sinklab.runs.run_data import is_run_dir, load_run_config
 
 log = logging.getLogger(__name__)
 STALE_MINUTES = 10.0
@@ -157,6 +158,15 @@ def _load_yaml(path: Path) -> Any:
         return None
 
 
+def _load_run_config(path: Path) -> Any:
+    """A job's composed config (`sinklab.runs.run_data.load_run_config`: resolvable outside Hydra, its
+    paths.output_dir the job dir); None when it is missing or unreadable."""
+    try:
+        return load_run_config(path) if is_run_dir(path) else None
+    except UserError:
+        return None
+
+
 def select(cfg: Any, key: str) -> Any:
     """Value at a dotted key of a config, interpolations resolved where possible; None when absent."""
     if cfg is None:
@@ -210,7 +220,7 @@ def load_job(path: Path, now: float, stale_s: float) -> Job:
     """Read one job dir; see ``job_status`` for how its status is decided."""
     lines = _load_yaml(path / ".hydra" / "overrides.yaml")
     job = _new_job(path.name, path, OmegaConf.to_container(lines) if OmegaConf.is_list(lines) else [],
-                   _load_yaml(path / ".hydra" / "config.yaml"))
+                   _load_run_config(path))
     job.status, job.error, status_step, status_final = job_status(path, now, stale_s)
     job.metrics = read_metrics(path / "metrics.csv")
     steps = [s for s in (job.metrics.max_step, status_step) if s is not None]

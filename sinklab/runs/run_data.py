@@ -1,6 +1,7 @@
-"""What a run dir says about its data, read through the data config it was trained with (`.hydra/config.yaml`): the
-run dir of a checkpoint, the probe set, the validation blocks. Read by the sinklab target (`sinklab.targets.native`)
-and the evaluations."""
+"""What a run dir says about its data, read through the config it was trained with (`.hydra/config.yaml`, read by
+`load_run_config`, the one reader of a saved run config): the run dir of a checkpoint, the probe set, the validation
+blocks and the bytes of their text. Read by the sinklab target (`sinklab.targets.native`), the evaluations, the export
+and the report."""
 from __future__ import annotations
 
 from itertools import islice
@@ -11,12 +12,45 @@ import torch
 
 from sinklab.errors import UserError
 
+RUN_CONFIG = Path(".hydra", "config.yaml")  # a run dir's composed config, as Hydra saved it
+
+
+def is_run_dir(path: Path) -> bool:
+    """Whether `path` is a training run dir: it holds the run's config (RUN_CONFIG)."""
+    return (Path(path) / RUN_CONFIG).is_file()
+
+
+def load_run_config(run_dir: Path):
+    """The config a run was trained with (RUN_DIR/.hydra/config.yaml) as a DictConfig that resolves outside Hydra:
+    every reader of a saved run config reads it through here.
+
+    Hydra saves the composed config unresolved. A run started without paths.output_dir (the README's default run)
+    keeps conf/paths/default.yaml's `${paths.log_dir}/${task_name}/runs/${now:%Y-%m-%d_%H-%M-%S}`, and `now` is a
+    resolver only Hydra registers: outside it, resolving paths.output_dir, or any key that interpolates it (the
+    checkpoint dir, the loggers' dirs, the whole config), raises UnsupportedInterpolationType. A run's output dir is
+    the dir that holds its .hydra/ (sinklab-train sets paths.output_dir to Hydra's run dir), so paths.output_dir is
+    set to `run_dir` here, where the run is now: the config resolves for old runs too, and for a run dir moved or
+    copied elsewhere. One line naming the file when it is not a readable YAML mapping."""
+    from omegaconf import DictConfig, OmegaConf
+
+    path = Path(run_dir) / RUN_CONFIG
+    try:
+        cfg = OmegaConf.load(path)
+    except Exception as err:
+        first = (str(err).strip().splitlines() or [""])[0][:200]
+        raise UserError(f"{path}: not a readable run config ({type(err).__name__}: {first})") from None
+    if not isinstance(cfg, DictConfig):
+        raise UserError(f"{path}: not a run config (a YAML mapping of the training config)")
+    if isinstance(cfg.get("paths"), DictConfig):
+        cfg.paths.output_dir = str(run_dir)
+    return cfg
+
 
 def run_dir_of(ckpt: Path) -> Optional[Path]:
     """The training run dir (holding .hydra/config.yaml) of a checkpoint, if there is one: RUN/checkpoints/last.ckpt
     and RUN/checkpoints/kept/*.ckpt belong to RUN."""
     for d in (ckpt.parent, ckpt.parent.parent, ckpt.parent.parent.parent):
-        if (d / ".hydra" / "config.yaml").is_file():
+        if is_run_dir(d):
             return d
     return None
 
@@ -30,8 +64,7 @@ def checkpoint_and_run_dir(target: str) -> tuple[Path, Optional[Path]]:
     if not path.exists():
         raise UserError(f"TARGET {target}: no such checkpoint or run dir")
     ckpt = find_checkpoint(path)
-    config = path / ".hydra" / "config.yaml"
-    return ckpt, path if path.is_dir() and config.is_file() else run_dir_of(ckpt)
+    return ckpt, path if path.is_dir() and is_run_dir(path) else run_dir_of(ckpt)
 
 
 def read_run_data(run_dir: Path, overrides: dict, read: Callable, flag: str, what: str, hint: str):
@@ -39,10 +72,9 @@ def read_run_data(run_dir: Path, overrides: dict, read: Callable, flag: str, wha
     one UserError starting with `flag` and ending with `hint` (what to pass instead)."""
     from omegaconf import OmegaConf
 
-    cfg_path = run_dir / ".hydra" / "config.yaml"
-    cfg = OmegaConf.load(cfg_path)
+    cfg = load_run_config(run_dir)
     if "data" not in cfg or cfg.data is None:
-        raise UserError(f"{flag}: {cfg_path} has no data section; {hint}")
+        raise UserError(f"{flag}: {run_dir / RUN_CONFIG} has no data section; {hint}")
     try:
         from sinklab.data import LMDataModule  # noqa: F401
     except ImportError as err:

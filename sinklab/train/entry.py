@@ -53,6 +53,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
 
     dm = instantiate_user(cfg.data, _recursive_=False)
     dm.prepare()
+    if hasattr(dm, "val_bytes_per_token"):  # val/bpb's bytes, decoded once: a tokenizer not decoding to UTF-8 is
+        dm.val_bytes_per_token(None, model_cfg.prefix_len)  # refused here, before the model is built
     model_cfg.vocab_size = dm.vocab_size  # the data's (padded); the logged run config records it too
     OmegaConf.update(cfg, "model.vocab_size", dm.vocab_size)
     if resume is not None:

@@ -14,9 +14,9 @@ import torch.nn.functional as F
 from lightning.fabric.utilities.throughput import Throughput
 
 from sinklab import plugins
-from sinklab.keys import AUX_PREFIX, TRAIN_LOSS
+from sinklab.keys import AUX_PREFIX, TRAIN_LOSS, VAL_BPB, VAL_LOSS
 from sinklab.runs.checkpoints import PLUGINS, TOKENS_SEEN
-from sinklab.model.lm_loss import IGNORE, next_token_targets
+from sinklab.model.lm_loss import IGNORE, bits_per_byte, next_token_targets
 from sinklab.model import ModelConfig, Transformer
 from sinklab.model.compile import (CompileFallbackWarning, backward_compiled_with_forward, compile_errors,
                                    compile_model, first_lines)
@@ -73,6 +73,7 @@ class LitLM(L.LightningModule):
         # again when training starts, with the peak and the world size
         self.throughput = Throughput(window_size=2)
         self._seen = (0, 0, 0)  # this device's steps, sequences and tokens so far: the running counts Throughput takes
+        self.val_bytes_per_token: Optional[float] = None  # of the targets this validation scores (val/bpb)
 
     @property
     def net(self) -> Transformer:
@@ -211,9 +212,29 @@ class LitLM(L.LightningModule):
 
     def on_validation_start(self) -> None:
         self.throughput.reset()  # a validation's time is no training step's
+        self.val_bytes_per_token = self.validated_bytes_per_token()
+
+    def validated_bytes_per_token(self) -> Optional[float]:
+        """The bytes of text per target of the batches this validation scores (the data module's
+        `val_bytes_per_token`, decoded once per run), None for a data module without text (synthetic data)."""
+        dm = self.trainer.datamodule
+        count = getattr(dm, "val_bytes_per_token", None)
+        if count is None:
+            return None
+        n = self.trainer.num_val_batches[0]
+        if self.trainer.sanity_checking:
+            n = min(n, self.trainer.num_sanity_val_steps)
+        return count(int(n), self.cfg.prefix_len)
 
     def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
-        self.log("val/loss", self.loss(batch), prog_bar=True, sync_dist=True)
+        """val/loss, the mean NLL in nats per target, and beside it val/bpb, bits per byte of the validation text:
+        val/loss / (ln 2 x the bytes per target of the validated blocks), over the same targets
+        (`sinklab.model.lm_loss`, which says what a BOS token and a document separator count). With several
+        ranks each is the mean of the ranks' values."""
+        loss = self.loss(batch)
+        self.log(VAL_LOSS, loss, prog_bar=True, sync_dist=True)
+        if self.val_bytes_per_token is not None:
+            self.log(VAL_BPB, bits_per_byte(loss, self.val_bytes_per_token), sync_dist=True)
 
     def configure_optimizers(self):
         from hydra.utils import instantiate
