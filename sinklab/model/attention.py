@@ -26,7 +26,7 @@ from .hooks import HookPoint
 from .masks import Layout
 from .positional import RotaryAt
 from .recompute import recomputed_rows
-from .registry import ATTENTION_OPS, ATTN_BIASES, GATES, POSITIONS, QK_NORMS, SPARSITIES
+from .registry import ATTENTION_OPS, ATTN_BIASES, GATES, HEAD_NORMS, POSITIONS, QK_NORMS, SPARSITIES
 
 
 class Attention(nn.Module):
@@ -58,6 +58,7 @@ class Attention(nn.Module):
         self.layer = layer  # its index in a KV cache
         self.local = local  # a local layer of model.layer_pattern: it attends through the layout's windowed mask
         self.qk_norm = QK_NORMS.selected(cfg)(cfg)  # before RoPE (model.qk_norm)
+        self.head_norm = HEAD_NORMS.selected(cfg)(cfg)  # each head's output, before a V bias, G1 and o_proj
         # q, k, v as the operation sees them (after RoPE, with the bias slot): where measurements record them
         self.hook_q, self.hook_k, self.hook_v = HookPoint(), HookPoint(), HookPoint()
         # the op's own per-token tensors (`extras`, a dict, {} for most ops), before hook_q: a measurement replays
@@ -144,7 +145,8 @@ class Attention(nn.Module):
         return self.probs(q, k, layout, rows) @ v
 
     def forward(self, x: torch.Tensor, layout: Layout) -> torch.Tensor:
-        """x (B, N, d) -> (B, N, d), the output after o_proj (and a G5 gate). In a training forward the op's
+        """x (B, N, d) -> (B, N, d), the output after o_proj (and a G5 gate); each head's output goes through the
+        op's `output`, the head norm (model.head_norm), a V bias and a G1 gate first. In a training forward the op's
         auxiliary losses join `layout.aux_losses` (the model sums them over its layers)."""
         extra = self.extras(x, layout)
         q, k, v = self.qkv(x, layout)
@@ -154,7 +156,7 @@ class Attention(nn.Module):
         if self.training and torch.is_grad_enabled():
             for name, loss in self.op.aux_losses(q, k, self.own(layout), self.scale, extra, self.row_chunk).items():
                 layout.aux_losses.setdefault(name, []).append(loss)
-        o = self.gate_proj.at(G1, x, self.attn_bias.output(self.op.output(o)))
+        o = self.gate_proj.at(G1, x, self.attn_bias.output(self.head_norm(self.op.output(o))))
         out = self.o_proj(o.transpose(1, 2).flatten(2))  # (B, H, N, hd) -> (B, N, H * hd) -> (B, N, d)
         return self.gate_proj.at(G5, x, out)
 

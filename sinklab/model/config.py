@@ -51,6 +51,7 @@ class BaseModelConfig:
     gate: str = "none"
     qk_norm: str = "none"
     sparsity: str = "none"
+    head_norm: str = "none"
     norm_eps: float = 1e-5
     softmax_scale: float = 1.0  # alpha in op(alpha * q.k / sqrt(d_h))
     n_sink_tokens: int = 0  # learned embeddings prepended to every sequence, never predicted

@@ -159,8 +159,9 @@ GATES: Registry = Registry("gate", "attention-output gate", llama="none", group=
 ATTN_BIASES: Registry = Registry("attn_bias", "attention bias", llama="none", group="bias")
 QK_NORMS: Registry = Registry("qk_norm", "query/key norm", llama="none", group="qk_norm")
 SPARSITIES: Registry = Registry("sparsity", "sparse attention pattern", llama="none", group="sparsity")
+HEAD_NORMS: Registry = Registry("head_norm", "per-head output norm", llama="none", group="head_norm")
 
 FAMILIES: tuple[Registry, ...] = (POSITIONS, NORMS, NORM_POSITIONS, FFNS, ATTENTION_OPS, ATTN_BIASES, GATES, QK_NORMS,
-                                  SPARSITIES)
+                                  SPARSITIES, HEAD_NORMS)
 # how attention runs, not what it computes (an execution choice, like model.compile): not an architecture family
 ATTN_BACKENDS: Registry = Registry("attn_backend", "attention backend", llama="sdpa", group="backend")

@@ -8,11 +8,14 @@ from sinklab.model.kv_cache import KVCache
 from tests.helpers import small_model, token_ids
 
 
-@pytest.mark.parametrize("case", [{}, {"n_sink_tokens": 2}, {"attn_bias": "kv", "pos": "alibi"}],
-                         ids=["rope", "sink_tokens", "kv_bias_alibi"])
+@pytest.mark.parametrize("case", [{}, {"n_sink_tokens": 2}, {"attn_bias": "kv", "pos": "alibi"},
+                                  {"rope_heads": [1], "n_kv_head": 2},
+                                  {"rope_head_fractions": [0.5, 0.0], "n_kv_head": 2}, {"pos": "nape", "n_kv_head": 2}],
+                         ids=["rope", "sink_tokens", "kv_bias_alibi", "rope_heads_gqa", "head_fractions_gqa", "nape_gqa"])
 def test_an_evicting_cache_reindexes_the_kept_tokens(case):
     """In a 1-layer model a cached key depends on its token only (RoPE is applied at read time), so streaming with
-    x first and y recent tokens equals the full forward of [first x] + [last y] + the new token, renumbered 0.."""
+    x first and y recent tokens equals the full forward of [first x] + [last y] + the new token, renumbered 0.. (with a
+    per-head RoPE spec each kept key takes its kv head's table)."""
     m = small_model(n_layer=1, **case)
     idx = token_ids(B=2, T=20)
     x, y = 2, 5

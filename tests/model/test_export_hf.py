@@ -65,7 +65,8 @@ def test_refuses_what_llama_cannot_represent(tmp_path, capsys):
     assert unrepresentable(ModelConfig(**SMALL, n_kv_head=1).validate()) == []
     for overrides in ({"ffn": "gelu"}, {"n_sink_tokens": 1}, {"gate": "headwise"}, {"sink_logit": "learned"},
                       {"norm_position": "post"}, {"attn_op": "sigmoid"}, {"softmax_scale": 2.0}, {"prefix_len": 4},
-                      {"gate": "vga"}, {"attn_op": "differential"}):
+                      {"gate": "vga"}, {"attn_op": "differential"}, {"rope_heads": [0, 2]},
+                      {"rope_head_fractions": [1.0, 0.75, 0.0, 1.0]}, {"pos": "nape"}, {"head_norm": "rms"}):
         cfg = ModelConfig(**SMALL, **overrides).validate()
         assert not cfg.llama_compatible and [r.split("=")[0] for r in unrepresentable(cfg)] == \
             ["model." + next(iter(overrides))]
