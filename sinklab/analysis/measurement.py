@@ -34,10 +34,16 @@ def measure_target(target: Target, inputs: InputSpec, eps: Sequence[float] = (0.
     object `sinklab measure --json` prints: the target's metadata, the input, then each metric's part."""
     tokens, kind, text = choose_tokens(inputs, target)
     check_k(k, tokens.shape[1])
-    metrics = target.measure(tokens, eps=eps, k=k, batch_size=batch_size)
+    if inputs.past_context:
+        with target.past_context(tokens.shape[1]):
+            metrics = target.measure(tokens, eps=eps, k=k, batch_size=batch_size)
+    else:
+        metrics = target.measure(tokens, eps=eps, k=k, batch_size=batch_size)
     head: dict[str, Any] = target.describe()
     head.update({"input": kind, "seed": inputs.seed, "seq_len": int(tokens.shape[1]), "num_seqs": int(tokens.shape[0]),
                  "model": target.meta.model})
+    if inputs.past_context:
+        head["past_context"] = {"context": target.meta.context, "seq_len": int(tokens.shape[1])}
     if inputs.tokens_file is not None:
         head["tokens_file"] = str(inputs.tokens_file)
     if text is not None:

@@ -70,6 +70,7 @@ class InputSpec:
     num_seqs: Optional[int] = None
     seed: int = 0
     texts: Optional[tuple[str, ...]] = None
+    past_context: bool = False  # --seq-len may exceed the model context (Target.past_context lets the forward run)
 
     def check(self) -> None:
         """--seq-len and --num-seqs positive, the kind known; one-line errors."""
@@ -92,6 +93,11 @@ def choose_tokens(spec: InputSpec, target) -> tuple[torch.Tensor, str, Optional[
     """The (N, T) token ids to measure `target` (a `sinklab.targets.Target`) on, the input's name, and where
     natural text came from (None for other inputs)."""
     vocab_size, context = target.meta.vocab_size, target.meta.context
+    if spec.past_context:
+        if spec.tokens_file is None and (spec.seq_len is None or context is None or spec.seq_len <= context):
+            raise UserError(f"--past-context needs --seq-len above the model context {context} (got "
+                            f"{spec.seq_len}) or --tokens; without it, measure within the context")
+        context = None  # no length check below: Target.past_context decides whether the model can
     if spec.tokens_file is not None:
         for flag, value in (("--seq-len", spec.seq_len), ("--num-seqs", spec.num_seqs)):
             if value is not None:
@@ -108,7 +114,8 @@ def choose_tokens(spec: InputSpec, target) -> tuple[torch.Tensor, str, Optional[
             raise no_natural_input(None, missing)
         kind = "natural"
     if context is not None and spec.seq_len is not None and spec.seq_len > context:
-        raise UserError(f"--seq-len {spec.seq_len} exceeds the model context {context}")
+        raise UserError(f"--seq-len {spec.seq_len} exceeds the model context {context}; allowed: up to {context}, or "
+                        "--past-context (a length-extrapolation measurement)")
     if kind == "natural":
         tokens, where = target.natural_tokens(spec.num_seqs, spec.seq_len, spec.texts)
         if context is not None and tokens.shape[1] > context:

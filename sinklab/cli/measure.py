@@ -128,6 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--markdown", metavar="PATH", default=None, help="write the model table as markdown")
     ap.add_argument("--seq-len", type=int, default=None,
                     help=f"tokens per sequence T (default {DEFAULT_SEQ_LEN}, at most the model context)")
+    ap.add_argument("--past-context", action="store_true",
+                    help="allow --seq-len above the training context: a length-extrapolation measurement of a "
+                         "sinklab checkpoint with relative positions (RoPE's tables extend, ALiBi / NoPE need none)")
     ap.add_argument("--num-seqs", type=int, default=None, help=f"number of sequences N (default {DEFAULT_NUM_SEQS})")
     ap.add_argument("--eps", nargs="+", default=["0.3"], metavar="EPS",
                     help="sink thresholds: head h of layer l is a sink on token k when alpha_k > eps (default 0.3); "
@@ -153,7 +156,7 @@ def _number(text: str) -> bool:
 def input_spec(args, kind: Optional[str]) -> InputSpec:
     """The input options as the library's `InputSpec` (one input kind of --input's list)."""
     return InputSpec(kind=kind, tokens_file=args.tokens, seq_len=args.seq_len, num_seqs=args.num_seqs, seed=args.seed,
-                     texts=tuple(args.text) if args.text else None)
+                     texts=tuple(args.text) if args.text else None, past_context=args.past_context)
 
 
 def run(args) -> dict:

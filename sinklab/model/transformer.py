@@ -65,6 +65,9 @@ class Transformer(nn.Module):
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.sink_tokens = nn.Parameter(torch.zeros(cfg.n_sink_tokens, cfg.d_model)) if cfg.n_sink_tokens else None
         self.pos = POSITIONS.selected(cfg).from_config(cfg)
+        # a forward longer than the context is refused, except while a measurement reads the model past it
+        # (`sinklab measure --past-context`, Target.past_context): relative positions extrapolate, absolute ones refuse
+        self.past_context = False
         block = NORM_POSITIONS.selected(cfg)
         self.blocks = nn.ModuleList(block(cfg, layer) for layer in range(cfg.n_layer))
         self.norm = NORMS.selected(cfg).build(cfg) if block.final_norm else nn.Identity()
@@ -114,7 +117,7 @@ class Transformer(nn.Module):
                extra_mask: Optional[MaskMod] = None) -> Layout:
         """The layout of T new tokens (and the sink tokens, unless a cache holds them already); `extra_mask` (an
         intervention's: a key dropped) is obeyed on top of the model's mask."""
-        if T > self.cfg.block_size:
+        if T > self.cfg.block_size and not self.past_context:
             raise ValueError(f"sequence length {T} exceeds the model context model.block_size={self.cfg.block_size}")
         start = cache.length if cache is not None else 0
         if cache is not None and self.cfg.prefix_len and start and start < self.cfg.n_sink_tokens + self.cfg.prefix_len:

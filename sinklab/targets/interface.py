@@ -168,6 +168,12 @@ class Target(ABC):
         """Why a dense cache cannot hold n tokens (e.g. absolute positions end at their table), or None."""
         return None
 
+    def past_context(self, n: int) -> contextlib.AbstractContextManager:
+        """Inside, a forward of n tokens may run past the training context (a length-extrapolation measurement:
+        `sinklab measure --past-context`); refused in one line where the model cannot (by default: every model)."""
+        raise UserError(f"--past-context: {self.meta.target} ({self.meta.source}) is not measured past its context "
+                        f"{self.meta.context}; allowed: a sinklab checkpoint with relative positions (RoPE, ALiBi, NoPE)")
+
     # --------------------------------------------------------------------------------------------- inputs
     @abstractmethod
     def natural_tokens(self, num_seqs: Optional[int], seq_len: Optional[int],

@@ -102,6 +102,19 @@ class SinklabTarget(Target):
                 "position it came in at, only the token being fed takes its place in the cache (StreamingLLM "
                 "re-indexes relative positions: RoPE, ALiBi)"]
 
+    @contextlib.contextmanager
+    def past_context(self, n: int) -> Iterator[None]:
+        """Past model.block_size: RoPE's tables are computed for the positions asked, ALiBi / relative biases and NoPE
+        need none; an absolute table ends at the context (refused in one line, as for a dense cache)."""
+        why = self.dense_limit(n)
+        if why is not None:
+            raise UserError(f"--past-context --seq-len {n}: {why}")
+        before, self.model.past_context = self.model.past_context, True
+        try:
+            yield
+        finally:
+            self.model.past_context = before
+
     def dense_limit(self, n: int) -> Optional[str]:
         try:
             self.model.pos.absolute(self.model.cfg.n_sink_tokens + n)

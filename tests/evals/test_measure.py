@@ -610,3 +610,29 @@ def test_sink_callback_validation_after_resume_without_the_map(trained):
     heatmap.unlink()
     restored.on_validation_end(trainer, lit)
     assert heatmap.is_file() and restored.seconds == state["seconds"]  # drawn from the saved map, no measurement
+
+
+def test_past_context_measures_a_rope_model_beyond_its_context(capsys, tmp_path, planted_ckpt):
+    """--past-context (RoPE-ID's length-extrapolation reading, issue 37): sequences twice the trained context, the
+    same maps as the model's own forward past its context; without the flag, or for absolute positions, one line."""
+    model, ckpt, _ = planted_ckpt
+    long = tmp_path / "long.npy"
+    np.save(long, bos_tokens(n=4, T=64))
+    res, _ = json_and_text(capsys, ckpt, "--tokens", long, "--past-context")
+    assert res["seq_len"] == 64 and res["past_context"] == {"context": 32, "seq_len": 64}
+    model.past_context = True
+    try:
+        direct = attention_scores(model, torch.as_tensor(np.load(long)), k=4)
+    finally:
+        model.past_context = False
+    np.testing.assert_allclose(res["alpha"], direct.alpha[..., 0].mean(0).numpy(), atol=1e-6)
+    assert res["alpha"][PLANT_LAYER][PLANT_HEAD] > 0.9  # the planted head still finds token 1 at 64 tokens
+    rc, out, err = run_cli("sinklab", "measure", str(ckpt), "--tokens", str(long), capsys=capsys)
+    assert rc == 2 and "exceeds the model context" in err
+    absolute = save_ckpt(planted("token1", pos="learnable").eval(), tmp_path / "abs.ckpt")
+    for args, named in [((str(absolute), "--input", "random", "--seq-len", "64", "--past-context"), "--past-context"),
+                        ((str(ckpt), "--input", "random", "--seq-len", "16", "--past-context"), "--past-context"),
+                        ((str(ckpt), "--input", "random", "--seq-len", "64"), "--past-context")]:
+        rc, out, err = run_cli("sinklab", "measure", *args, capsys=capsys)
+        assert rc == 2 and out == "", (args, out, err)
+        assert_one_line_error(err, named)
