@@ -9,10 +9,13 @@
 #     bench-NAME        scripts/bench.py --config 60m --device cuda --dtype bf16 --data random --batch 16 --compile
 #                       for NAME in softmax_sdpa softmax_flex sink_logit alibi sigmoid_linear (BENCH_ARGS adds flags)
 #     paper             sinklab-train scale=paper on one device (PAPER_DATA: a `sinklab prepare` dir; PAPER_TIME:
-#                       Lightning's max_time, default 00:00:05:00), then `sinklab measure` of its last checkpoint
+#                       Lightning's max_time, default 00:00:05:00; PAPER_ARGS: more overrides), then `sinklab measure`
+#                       of its last checkpoint on PAPER_DEVICE (default cuda)
 #     env               the device, the driver and the versions of what sinklab imports (env.log)
 #     pack DEST         the figures' summary lines into DEST/summary.txt and every log into DEST/logs.tgz (two
 #                       files, for a machine that returns few files)
+#
+# XDIST_N replaces the pytest-xdist worker counts of cuda-tests and suite (0: one process).
 #
 # The softmax_sdpa bench also times the sink callback and a Lightning fit; the others only the eager and compiled
 # steps against the plain reference and the matmul peak (BENCH_SKIP replaces that list).
@@ -43,7 +46,7 @@ declare -A VARIANT=(
   [sigmoid_linear]="--set model/attn=sigmoid --set model.attn_memory=linear"
 )
 
-xdist() { $PY -c "import xdist" 2>/dev/null && echo "-n $1"; }
+xdist() { $PY -c "import xdist" 2>/dev/null && echo "-n ${XDIST_N:-$1}"; }
 
 steps=() dest=
 while [ $# -gt 0 ]; do
@@ -73,7 +76,8 @@ for s in "${steps[@]}"; do
         trainer.limit_val_batches=16 callbacks.sink.every_n_steps="${PAPER_SINK_EVERY:-10}" \
         callbacks.checkpoint.every_n_train_steps=50 trainer.enable_progress_bar=false "paths.output_dir=$run" \
         ${PAPER_ARGS:-}
-      step paper_measure "${PAPER_MEASURE_TIME:-120}" $PY -m sinklab measure "$run" --device cuda --json
+      step paper_measure "${PAPER_MEASURE_TIME:-120}" $PY -m sinklab measure "$run" \
+        --device "${PAPER_DEVICE:-cuda}" --json
       cp "$run/metrics.csv" "$OUT/paper_metrics.csv" 2>/dev/null ;;
     env)
       step env 60 bash -c "nvidia-smi; $PY -c 'import sys, torch; print(sys.version); print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, torch.cuda.get_device_name() if torch.cuda.is_available() else \"no CUDA device\")'; $PY -m pip list 2>/dev/null | grep -i -E '^(torch|triton|lightning|pytorch-lightning|hydra-core|omegaconf|datasets|transformers|tokenizers|numpy|pandas|pyarrow|huggingface.hub|einops|scipy) '; $PY -c 'import sinklab.train.entry, sinklab.cli; print(\"sinklab imports\")'" ;;

@@ -89,6 +89,7 @@ LONGEST_FIRST = (
     "tests/integration/test_plugins.py", "trained_run", "tests/golden/test_golden.py", "tests/model/test_contracts.py",
     "tests/report/test_seed_statistics.py", "tests/integration/test_sink_emergence.py", "tests/report/test_report.py",
     "tests/cli/test_readme.py", "tests/model/test_model_zoo.py", "tests/data/test_prepare.py",
+    "tests/integration/test_stock_image.py",
     "tests/train/test_launcher.py", "tests/metrics/test_bounds.py", "tests/evals/test_measure.py",
     "tests/evals/test_hub.py", "tests/model/test_export_hf.py", "tests/data/test_data_config.py",
     "tests/metrics/test_gate_metrics.py",

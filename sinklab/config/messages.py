@@ -63,6 +63,11 @@ def hydra_error_message(err: BaseException) -> str:
     from hydra.errors import MissingConfigException, OverrideParseException
 
     if isinstance(err, MissingConfigException) and getattr(err, "missing_cfg_file", None):
+        from sinklab.train.launchers import missing_plugin_message
+
+        plugin = missing_plugin_message(str(err.missing_cfg_file))
+        if plugin:
+            return plugin
         group, _, name = str(err.missing_cfg_file).rpartition("/")
         options = [o for o in getattr(err, "options", None) or [] if not o.endswith(SCHEMA_NAME)]  # not choices
         if group:

@@ -20,10 +20,8 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-import datasets
-
 from .config import DataConfig
-from .documents import Corpus
+from .documents import Corpus, import_datasets
 from .errors import UserError
 from .fsutil import hash_strings, safe_name
 from .hub_corpus import open_hub
@@ -34,6 +32,8 @@ from .split import SPLIT_VERSION, assign_splits, split_finite, split_streaming
 
 def open_shakespeare(config: DataConfig, cache_dir: Path) -> Corpus:
     """The cleaned Shakespeare texts, split by play."""
+    import datasets
+
     docs, fingerprint = shakespeare_documents(cache_dir, config.archive)
     # whole plays always, even when one play is more than the fraction asks for (val_fraction < ~2%)
     splits = assign_splits([d.group for d in docs], [len(d.text) for d in docs], config.val_fraction, coarse_ok=True)
@@ -44,6 +44,7 @@ def open_shakespeare(config: DataConfig, cache_dir: Path) -> Corpus:
 
 def open_corpus(config: DataConfig, cache_dir: Path) -> Corpus:
     """The configured corpus as documents with a train/val split (see the module docstring)."""
+    import_datasets(f"data.corpus={config.corpus}")  # before the corpus is fetched or read
     if config.corpus == "shakespeare":
         return open_shakespeare(config, cache_dir)
     streaming = (config.corpus == "hub") if config.streaming is None else bool(config.streaming)

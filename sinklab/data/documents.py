@@ -1,17 +1,33 @@
-"""The Corpus object every reader returns and the token store is built from, and a `datasets` helper they share."""
+"""The Corpus object every reader returns and the token store is built from, and the `datasets` helpers they share.
+
+`datasets` is imported where a corpus is read or tokenised, never at import: training from a prepared directory
+(data.prepared_dir) and `sinklab measure` run without it (a stock GPU image has none)."""
 
 from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator
+from types import ModuleType
+from typing import TYPE_CHECKING, Iterator
 
-import datasets
+from sinklab.errors import import_optional
+
+if TYPE_CHECKING:
+    import datasets
+
+
+def import_datasets(needed_by: str) -> ModuleType:
+    """The `datasets` package for reading a corpus (`needed_by`: the option that reads one, e.g. data.corpus=local);
+    not installed: a one-line error that names the option and points to a prepared directory, which needs none."""
+    return import_optional("datasets", needed_by, instead="or train from a directory made by `sinklab prepare` "
+                           "where it is installed (data=local data.prepared_dir=DIR), which needs none")
 
 
 @contextmanager
 def quiet_datasets():
     """No `datasets` progress bars inside (for the many small internal maps and filters)."""
+    import datasets
+
     enabled = datasets.is_progress_bar_enabled()
     datasets.disable_progress_bars()
     try:
@@ -34,6 +50,8 @@ class Corpus:
 
     @property
     def streaming(self) -> bool:
+        import datasets
+
         return isinstance(self.documents, datasets.IterableDataset)
 
     @property
@@ -42,6 +60,8 @@ class Corpus:
 
     def chunks(self, start: int, docs_per_chunk: int) -> Iterator[datasets.Dataset]:
         """Chunks k = start, start+1, ... of `docs_per_chunk` consecutive documents (the last may be short)."""
+        import datasets
+
         if not self.streaming:
             n = len(self.documents)
             for k in range(start, (n + docs_per_chunk - 1) // docs_per_chunk):

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 from typing import Sequence
 
-import datasets
-
 from .config import DataConfig
 from .documents import Corpus
 from .errors import UserError
@@ -19,6 +17,8 @@ from .fsutil import hash_strings
 def open_hub(config: DataConfig, streaming: bool, settings: Sequence[str]) -> Corpus:
     """The documents of the hub data set, not yet split, as columns text (+ group_field); `settings` (how they are
     read and split) join the data set's id in the fingerprint."""
+    import datasets
+
     path, name, split = config.hub_path, config.hub_name, config.hub_split
     text_field, group_field = config.text_field, config.group_field
     ds = datasets.load_dataset(path, name, split=split, streaming=streaming)

@@ -16,7 +16,6 @@ import warnings
 from pathlib import Path
 from typing import Sequence
 
-import datasets
 import pyarrow.parquet as pq
 
 from .config import DataConfig
@@ -133,6 +132,8 @@ def validate_files(files: Sequence[str], text_field: str, encoding_errors: str) 
 def load_files(checked: list[tuple[Path, str]], text_field: str, group_field: str | None, encoding_errors: str,
                cache_dir: Path, streaming: bool):
     """Load validated local files with `datasets`, in order, as columns text (+ group_field)."""
+    import datasets
+
     runs: list[tuple[str, list[str]]] = []  # consecutive files of one kind load in one call
     for path, kind in checked:
         if runs and runs[-1][0] == kind:

@@ -14,11 +14,12 @@ from __future__ import annotations
 import hashlib
 import warnings
 from collections import defaultdict
-from typing import Sequence
-
-import datasets
+from typing import TYPE_CHECKING, Sequence
 
 from .documents import quiet_datasets
+
+if TYPE_CHECKING:
+    import datasets
 
 SPLIT_VERSION = "group-hash-v1"  # bump when the split rule changes: it is part of every corpus fingerprint
 

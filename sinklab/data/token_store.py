@@ -33,8 +33,8 @@ import logging
 import os
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import datasets
 import numpy as np
 import pyarrow.compute as pc
 from tokenizers import Tokenizer
@@ -46,6 +46,9 @@ from .documents import quiet_datasets
 from .errors import DataFileNotFoundError, StoreDamagedError, StoreMismatchError
 from .fsutil import atomic_write_text, locked, read_json
 from .tokenizer import tokenizer_fingerprint, tokenizer_size
+
+if TYPE_CHECKING:
+    import datasets
 
 log = logging.getLogger(__name__)
 
@@ -162,6 +165,8 @@ def _encode_batch(batch: dict, tokenizer: Tokenizer, eos_id: int) -> dict:
 def encode_chunk(docs: datasets.Dataset, tokenizer: Tokenizer, eos_id: int, dtype: np.dtype,
                  num_proc: int = 1, key: str = "") -> dict[str, np.ndarray]:
     """Token ids of each split of a chunk of documents: each document's ids followed by EOS, in order."""
+    import datasets
+
     features = datasets.Features({"ids": datasets.Sequence(datasets.Value("uint32")),
                                   "split": datasets.Value("string")})
     num_proc = max(1, min(num_proc, len(docs)))

@@ -21,7 +21,7 @@ from sinklab.errors import UserError
 from sinklab.train.jobs import log_failure, run_job
 from sinklab.train.runtime import output_dir_of
 from sinklab.train.summary import summary
-from sinklab.train.wandb_setup import set_wandb_names, setup_wandb_mode
+from sinklab.train.wandb_setup import check_wandb_installed, set_wandb_names, setup_wandb_mode
 
 log = logging.getLogger("sinklab")
 
@@ -45,6 +45,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     OmegaConf.update(cfg, "paths.output_dir", str(out), force_add=True)
     model_cfg = validate_config(cfg)  # the whole config, and the model's, once, before any data is loaded
     check_devices(cfg)
+    check_wandb_installed(cfg)
     ckpt = resolve_ckpt_path(cfg.get("ckpt_path"), out)
     resume = read_training_checkpoint(ckpt) if ckpt else None  # a truncated or foreign file: one clear line
     resume_step = int(resume["global_step"]) if resume else None

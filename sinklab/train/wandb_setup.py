@@ -1,4 +1,5 @@
-"""wandb for `logger=wandb`: offline without an API key, the group and run names of a job, and closing its run."""
+"""wandb for `logger=wandb`: installed or a one-line error, offline without an API key, the group and run names of a
+job, and closing its run. Nothing here imports wandb unless the config asks for it (the default logger is csv)."""
 from __future__ import annotations
 
 import logging
@@ -9,9 +10,17 @@ from typing import Optional
 
 from omegaconf import DictConfig, OmegaConf
 
+from sinklab.errors import import_optional
 from sinklab.train.runtime import is_multirun
 
 log = logging.getLogger("sinklab")
+
+
+def check_wandb_installed(cfg: DictConfig) -> None:
+    """logger=wandb without the wandb package: one line naming both, before any data is read or a model built
+    (Lightning's WandbLogger would fail only after the data is prepared)."""
+    if "wandb" in (cfg.get("logger") or {}):
+        import_optional("wandb", "logger=wandb", instead="or logger=csv (the default), which needs none")
 
 
 def setup_wandb_mode(cfg: DictConfig) -> None:

@@ -181,7 +181,8 @@ print(json.dumps(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss))
 
 def step_peak_rss(T: int, B: int) -> int:
     """Peak RSS (KiB) of a fresh process that trains 3 steps of a 4-layer sigmoid model at T x B."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1",  # this checkout first, then what PYTHONPATH held (a --target site)
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     out = subprocess.run([sys.executable, "-c", STEP_RSS, str(T), str(B)], capture_output=True, text=True, env=env,
                          check=True, timeout=300)
     return json.loads(out.stdout.strip().splitlines()[-1])

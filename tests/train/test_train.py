@@ -213,7 +213,9 @@ def test_compile_failure_falls_back_to_eager_with_one_warning():
 
     torch.manual_seed(0)
     eager = steps(LitLM(model=model, optim=optim, max_steps=2))
-    for backend, reason in (("tvm", "backend='tvm' raised: ImportError: Please install apache-tvm"),
+    # what tvm raises depends on torch: ImportError: Please install apache-tvm (2.13), ModuleNotFoundError: No module
+    # named 'tvm' (2.11)
+    for backend, reason in (("tvm", "(BackendCompilerFailed: backend='tvm' raised: "),
                             ("bw_fails_test", "this backward compiler always fails"),
                             ("aot_eager", None)):
         torch.manual_seed(0)
