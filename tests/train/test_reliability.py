@@ -70,7 +70,7 @@ BAD_OVERRIDES = [
     ("trainer.max_steps=-1", "trainer.max_steps=-1 is not allowed; allowed: an integer >= 1 (the train loader is "
                              "endless, so training is bounded by steps)"),
     ("model.pos=rotary", "model.pos='rotary' is not supported; allowed: nope, sinusoidal, learnable, rope, alibi, "
-                         "relative"),
+                         "nape, relative"),
     ("model.prefix_len=64", "model.prefix_len=64 must be smaller than the context model.block_size=64"),
     ("model.n_head=3", "model.n_head=3 does not divide model.d_model=128"),
     ("model.head_dim=9", "model.pos=rope needs an even head size, got head size 9"),
