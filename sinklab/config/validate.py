@@ -221,6 +221,11 @@ def validate_config(cfg: DictConfig) -> ModelConfig:
         raise UserError(f"data.block_size={block} exceeds the model context model.block_size={mcfg.block_size}; "
                         f"allowed: 1..{mcfg.block_size}")
     k, probe_len = _select(cfg, "callbacks.sink.k"), _select(cfg, "data.probe_seq_len")
+    if _select(cfg, "callbacks.sink") not in (None, _MISSING) and is_int(probe_len) and probe_len > mcfg.block_size:
+        # the sink callback measures the model on the probe
+        raise UserError(f"data.probe_seq_len={probe_len} exceeds the model context model.block_size="
+                        f"{mcfg.block_size}; allowed: 1..{mcfg.block_size} (`sinklab measure --past-context` reads a "
+                        "trained model past its context)")
     if _select(cfg, "callbacks.sink") not in (None, _MISSING) and is_int(k) and is_int(probe_len) \
             and k > probe_len:
         raise UserError(f"callbacks.sink.k={k} exceeds the probe length data.probe_seq_len={probe_len}; "

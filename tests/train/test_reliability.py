@@ -72,6 +72,7 @@ BAD_OVERRIDES = [
     ("model.pos=rotary", "model.pos='rotary' is not supported; allowed: nope, sinusoidal, learnable, rope, alibi, "
                          "nape, relative"),
     ("model.prefix_len=64", "model.prefix_len=64 must be smaller than the context model.block_size=64"),
+    ("data.probe_seq_len=128", "data.probe_seq_len=128 exceeds the model context model.block_size=64; allowed: 1..64"),
     ("model.n_head=3", "model.n_head=3 does not divide model.d_model=128"),
     ("model.head_dim=9", "model.pos=rope needs an even head size, got head size 9"),
     ("model.n_layer=0", "model.n_layer=0 must be a positive integer"),
