@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 from torch import nn
@@ -231,7 +231,7 @@ class Rotary(PositionalEncoding):
     @classmethod
     def head_fractions(cls, cfg: Any) -> tuple[float, ...]:
         """(n_head,) each query head's fraction: its kv head's (query head h reads kv head h // (n_head / n_kv))."""
-        return tuple(p for p in cls.kv_head_fractions(cfg) for _ in range(cfg.n_head // cfg.kv_heads))
+        return per_query_head(cfg, cls.kv_head_fractions(cfg))
 
     @classmethod
     def from_config(cls, cfg: Any) -> "Rotary":
@@ -311,6 +311,12 @@ def chosen_heads(cfg: Any, key: str, verb: str, instead: str) -> tuple[int, ...]
     if len(set(value)) != len(value):
         raise ConfigError(f"model.{key}={word(value)} names a head twice; allowed: each head once")
     return tuple(sorted(value))
+
+
+def per_query_head(cfg: Any, kv_values: Sequence[Any]) -> tuple[Any, ...]:
+    """(n_head,) each query head's value from (n_kv_head,) values per key/value head: under GQA query head h reads
+    kv head h // (n_head / n_kv_head), and takes its setting (the per-head RoPE and NAPE rule)."""
+    return tuple(v for v in kv_values for _ in range(cfg.n_head // cfg.kv_heads))
 
 
 def per_head_spec(cfg: Any) -> str:
@@ -431,8 +437,8 @@ class NAPE(ALiBi):
     @classmethod
     def alibi_query_heads(cls, cfg: Any) -> list[bool]:
         """(n_head,) whether each query head has ALiBi (its kv head's setting)."""
-        alibi, g = set(cls.alibi_kv_heads(cfg)), cfg.n_head // cfg.kv_heads
-        return [h // g in alibi for h in range(cfg.n_head)]
+        alibi = set(cls.alibi_kv_heads(cfg))
+        return list(per_query_head(cfg, [h in alibi for h in range(cfg.kv_heads)]))
 
     @classmethod
     def head_types(cls, cfg: Any, layer: int) -> tuple[str, ...]:
