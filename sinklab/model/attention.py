@@ -71,9 +71,9 @@ class Attention(nn.Module):
         have to re-derive them at new places, and is refused)."""
         extra = self.op.project(x)
         cache = layout.cache
-        if extra and cache is not None and not cache.stores_rotated:
+        if extra and cache is not None and cache.policy.budget is not None:
             raise UserError(f"model.attn_op={self.op.name} keeps per-token tensors of its own in the KV cache: a cache "
-                            "that evicts (keep_first / recent) is not supported; allowed: a dense cache")
+                            f"that evicts (policy {cache.policy.name}) is not supported; allowed: a dense cache")
         rope = layout.rope if self.rotates else None
         for name, t in extra.items():  # (B, h, N, w) each
             if rope is not None and name in self.op.rotated:
@@ -120,7 +120,14 @@ class Attention(nn.Module):
     def own(self, layout: Layout) -> Layout:
         """The layout this layer attends through: the windowed one in a local layer of a pattern, restricted by the
         operation's own (`AttentionOp.restrict`) and by the sparsity's pattern or selection (`model.sparsity`)."""
-        return self.sparsity.restrict(self.op.restrict(layout.windowed if self.local else layout))
+        own = self.sparsity.restrict(self.op.restrict(layout.windowed if self.local else layout))
+        visible = layout.cache.visible_keys(self.layer) if layout.cache is not None else None
+        if visible is None:
+            return own
+        # a KV cache policy that masks keys (DuoAttention's streaming heads, PyramidKV's free slots): (Hkv, L)
+        group = self.n_head // self.n_kv
+        return own.restricted(("cache_visible", self.layer), lambda b, h, q, kv: visible[h // group, kv],
+                              heads=self.n_head)
 
     def explicit(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Layout,
                  extra: Optional[dict[str, torch.Tensor]] = None) -> torch.Tensor:
@@ -153,6 +160,8 @@ class Attention(nn.Module):
         o = self.op.fused(q, k, v, self.own(layout), self.scale, self.backend) if self.use_fused else None
         if o is None:
             o = self.explicit(q, k, v, layout, extra)
+        if layout.cache is not None and layout.cache.wants_maps:  # an attention-based cache policy's scores
+            layout.cache.observe(self.layer, self.probs(q, k, layout, layout.rows())[..., self.attn_bias.n_slots:])
         if self.training and torch.is_grad_enabled():
             for name, loss in self.op.aux_losses(q, k, self.own(layout), self.scale, extra, self.row_chunk).items():
                 layout.aux_losses.setdefault(name, []).append(loss)

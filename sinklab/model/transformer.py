@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from .attention import Attention
+from .cache_policies import CachePolicy
 from .kv_cache import KVCache
 from .hooks import HookPoint
 from .layer_pattern import LayerPattern, is_local, layer_config
@@ -109,9 +110,11 @@ class Transformer(nn.Module):
         for block in self.blocks:
             block.attn.op.set_step(step)
 
-    def new_cache(self, keep_first: Optional[int] = None, recent: Optional[int] = None) -> KVCache:
-        """An empty KV cache for `forward(idx, cache=...)`: dense, or keeping the first / recent tokens."""
-        return KVCache(self.cfg.n_layer, self.cfg.n_sink_tokens, keep_first, recent)
+    def new_cache(self, keep_first: Optional[int] = None, recent: Optional[int] = None,
+                  policy: Optional[CachePolicy] = None, evict: str = "decoding") -> KVCache:
+        """An empty KV cache for `forward(idx, cache=...)`: dense, keeping the first / recent tokens, or evicting by
+        a policy (`sinklab.model.cache_policies`) after every forward or when compressed (`evict`)."""
+        return KVCache(self.cfg.n_layer, self.cfg.n_sink_tokens, keep_first, recent, policy, evict)
 
     def layout(self, T: int, device: torch.device, cache: Optional[KVCache] = None,
                extra_mask: Optional[MaskMod] = None) -> Layout:

@@ -10,6 +10,9 @@ evaluations ask of it, written once per source:
   that change nothing once closed;
 - a KV cache that evicts: `stream(first, recent)` feeds one token at a time through a cache of the first + recent
   tokens with positions re-indexed (RoPE re-rotated), `check_stream()` refuses before any work what cannot be;
+  `decoder(policy, evict)` feeds tokens through a cache that evicts by any policy of
+  `sinklab.model.cache_policies` (H2O, SnapKV, ...), after every forward or once when compressed, and says which
+  tokens it kept;
 - its metadata (`meta`: a `TargetMeta`) and, for natural input, `natural_tokens(...)` (a run's probe set, or text
   through the model's own tokenizer).
 Sources register in `SOURCES` (`sinklab.targets.native`: sinklab checkpoints and run dirs; `transformers_lm`: hub ids
@@ -88,6 +91,25 @@ class Recorder(Protocol):
     def settle(self, metrics: Sequence[Any]) -> None: ...
 
 
+class Decoder(ABC):
+    """A model fed through a KV cache that evicts by a policy (`Target.decoder`): call it with the next tokens (1, N)
+    for their logits (1, N, V); `compress()` applies the policy now (the prefill-then-ask protocol); `kept()` says,
+    per layer, which text tokens each kv head holds."""
+
+    @abstractmethod
+    def __call__(self, idx: torch.Tensor) -> torch.Tensor:
+        """idx (1, N): the next tokens -> their logits (1, N, V)."""
+
+    @abstractmethod
+    def compress(self) -> None:
+        """Evict down to the policy's budget now."""
+
+    @abstractmethod
+    def kept(self) -> list[torch.Tensor]:
+        """Per layer (Hkv, L): the index of the text token each held key came from (-1: a learned sink token, or a
+        key the policy masks)."""
+
+
 class Target(ABC):
     """A model as every evaluation and analysis sees it (module docstring). Subclasses implement the abstract
     methods; `load(spec)` builds one, `accepts(spec)` says whether a spec names a model of this source."""
@@ -159,6 +181,12 @@ class Target(ABC):
         """A step that feeds one token (1, 1) at a time through a KV cache keeping the first `first` and the
         `recent` most recent tokens (the token fed counted), positions re-indexed inside the cache; both None: a
         dense cache that never evicts."""
+
+    def decoder(self, policy: Any, evict: str = "decoding") -> Decoder:
+        """A `Decoder` whose cache evicts by `policy` (a `sinklab.model.cache_policies.CachePolicy`) after every
+        forward (evict="decoding") or when compressed ("prefill"); refused in one line where the source cannot."""
+        raise UserError(f"cache policy {policy.name}: {self.meta.target} ({self.meta.source}) has no evicting cache; "
+                        "allowed: sinklab checkpoints and transformers RoPE models")
 
     def stream_notes(self) -> list[str]:
         """What the streaming evaluation should tell about this model's positions (none by default)."""

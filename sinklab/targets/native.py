@@ -16,7 +16,7 @@ import torch
 from sinklab.errors import UserError
 from sinklab.metrics.record import SinklabRecorder
 
-from .interface import SOURCES, MaskFn, Step, Target, TargetMeta, TargetSpec, no_natural_input
+from .interface import SOURCES, Decoder, MaskFn, Step, Target, TargetMeta, TargetSpec, no_natural_input
 
 
 @SOURCES.register("sinklab")
@@ -95,6 +95,9 @@ class SinklabTarget(Target):
                                                                                  recent=recent - 1)
         return lambda tok: self.model(tok, cache=cache)[:, -1]  # (1, V)
 
+    def decoder(self, policy, evict: str = "decoding") -> "SinklabDecoder":
+        return SinklabDecoder(self.model, policy, evict)
+
     def stream_notes(self) -> list[str]:
         if self.model.pos.absolute(1) is None:
             return []
@@ -138,6 +141,24 @@ class SinklabTarget(Target):
         if self.meta.run_dir is not None:
             return None
         return no_run_config(self.meta.target)
+
+
+class SinklabDecoder(Decoder):
+    """The model's own cache under a policy (`sinklab.model.kv_cache`): keys gathered per kv head, positions
+    re-indexed; attention-based policies read the maps each layer computes for them, on any backend."""
+
+    def __init__(self, model, policy, evict: str):
+        policy.check(None if model.past_context else model.cfg.block_size)
+        self.model, self.cache = model, model.new_cache(policy=policy, evict=evict)
+
+    def __call__(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.model(idx, cache=self.cache)
+
+    def compress(self) -> None:
+        self.cache.compress()
+
+    def kept(self) -> list[torch.Tensor]:
+        return [self.cache.origins(layer)[0] for layer in range(self.cache.n_layer)]
 
 
 def no_run_config(name: str) -> str:

@@ -28,6 +28,9 @@ import torch
 from torch import nn
 
 from sinklab.errors import UserError
+from sinklab.model.cache_policies import CACHE_POLICIES, CachePolicy, Dense, PyramidKV, Streaming
+
+from .interface import Decoder
 
 COMPOSABLE_ROPE = ("default", "linear", "llama3", "yarn")  # fixed inv_freq; cos / sin at most scaled by a constant
 
@@ -57,46 +60,102 @@ def rotary_embedding(model: nn.Module, where: str) -> list[torch.Tensor]:
     return out
 
 
-def rotate_back(keys: torch.Tensor, inv_freq: torch.Tensor, shift: int) -> torch.Tensor:
+def rotate_back(keys: torch.Tensor, inv_freq: torch.Tensor, shift) -> torch.Tensor:
     """Post-RoPE keys (B, H, L, hd) at positions p -> the same keys at positions p - shift (rotate-half RoPE on the
-    first 2 * len(inv_freq) dims; the others, not rotated by partial rotary, pass)."""
+    first 2 * len(inv_freq) dims; the others, not rotated by partial rotary, pass); shift an int, or a tensor
+    (B, H, L, 1) of each key's own."""
     rot = 2 * inv_freq.numel()
-    angle = -shift * torch.cat([inv_freq, inv_freq]).to(torch.float32)  # (rot,)
+    angle = -torch.as_tensor(shift, device=keys.device) * torch.cat([inv_freq, inv_freq]).to(torch.float32)  # (..., rot)
     cos, sin = angle.cos().to(keys.dtype), angle.sin().to(keys.dtype)
     k_rot, k_pass = keys[..., :rot], keys[..., rot:]
     k1, k2 = k_rot.chunk(2, dim=-1)
     return torch.cat([k_rot * cos + torch.cat([-k2, k1], dim=-1) * sin, k_pass], dim=-1)
 
 
-class HFStream:
+class HFDecoder(Decoder):
+    """Feed a transformers causal LM through a DynamicCache that evicts by a policy (`sinklab.model.cache_policies`)
+    after every forward (evict="decoding") or when compressed ("prefill"), positions re-indexed inside the cache:
+    each layer's kept keys are gathered per kv head and rotated back by how far they moved (module docstring).
+    Attention-based policies read the eager kernel's maps (`output_attentions`). Policies that need a mask per layer
+    or head (PyramidKV's per-layer budgets, DuoAttention's streaming heads) are sinklab models' only: a
+    transformers model takes one attention mask for every layer and head."""
+
+    def __init__(self, model: nn.Module, policy: CachePolicy, evict: str = "decoding", where: str = "DIR"):
+        from transformers import DynamicCache
+
+        if isinstance(policy, PyramidKV) or policy.masks:
+            raise UserError(f"cache policy {policy.name}: needs a mask per layer or head, which a transformers model "
+                            "does not take; allowed here: " + ", ".join(n for n, c in
+                                                                    ((n, CACHE_POLICIES.get(n)) for n in
+                                                                     CACHE_POLICIES.names())
+                                                                    if not c.masks and not issubclass(c, PyramidKV)))
+        self.model, self.cache, self.policy = model, DynamicCache(), policy  # one plain DynamicLayer per layer
+        self.evict_on_forward = evict == "decoding"
+        self.inv_freq = rotary_embedding(model, where) if policy.budget is not None else None  # one per layer
+        self.states: list[dict] = []
+        self.origin: list[torch.Tensor] = []  # per layer (B, Hkv, L): the text token each held key came from
+        self.seen = 0
+
+    def __call__(self, idx: torch.Tensor) -> torch.Tensor:
+        place = self.cache.get_seq_length()  # the tokens' positions: their places in the cache
+        N = idx.shape[1]
+        position_ids = torch.arange(place, place + N, device=idx.device)[None]
+        out = self.model(input_ids=idx, past_key_values=self.cache, position_ids=position_ids, use_cache=True,
+                         output_attentions=self.policy.needs_maps)
+        layers = self.cache.layers
+        if not self.states:
+            self.states = [{} for _ in layers]
+        new = torch.arange(self.seen, self.seen + N, device=idx.device)
+        for i, layer in enumerate(layers):
+            B, Hkv = layer.keys.shape[:2]
+            old = self.origin[i] if i < len(self.origin) else new[:0].expand(B, Hkv, 0)
+            if i < len(self.origin):
+                self.origin[i] = torch.cat([old, new.expand(B, Hkv, N)], dim=2)
+            else:
+                self.origin.append(new.expand(B, Hkv, N))
+            if self.policy.needs_maps:
+                probs = out.attentions[i].detach().float()  # (B, H, N, L)
+                H = probs.shape[1]
+                self.policy.observe(self.states[i], probs.view(B, Hkv, H // Hkv, N, -1).sum(2))
+        self.seen += N
+        if self.evict_on_forward:
+            self.compress()
+        return out.logits  # (1, N, V)
+
+    def compress(self) -> None:
+        """Keep the policy's keys of every layer; a kept key moves from its place p to its new place j < p and is
+        rotated back by p - j."""
+        if self.policy.budget is None:
+            return
+        for i, (layer, inv_freq) in enumerate(zip(self.cache.layers, self.inv_freq)):
+            B, Hkv, L, hd = layer.keys.shape
+            n = self.policy.capacity(i, len(self.cache.layers), L)
+            if L <= n:
+                continue
+            idx = self.policy.keep(self.states[i], layer.keys, i, n)  # (B, Hkv, n) ascending
+            at = idx[..., None].expand(B, Hkv, n, hd)
+            shift = (idx - torch.arange(n, device=idx.device))[..., None]  # (B, Hkv, n, 1): how far each moves
+            layer.keys = rotate_back(layer.keys.gather(2, at), inv_freq, shift)
+            layer.values = layer.values.gather(2, at)
+            self.origin[i] = self.origin[i].gather(2, idx)
+            state = self.states[i]
+            for name, t in state.items():
+                if isinstance(t, torch.Tensor) and t.shape[-1] == L:
+                    state[name] = t.gather(-1, idx.view(B, Hkv, *[1] * (t.dim() - 3), n).expand(*t.shape[:-1], n))
+
+    def kept(self) -> list[torch.Tensor]:
+        return [o[0] for o in self.origin]
+
+
+class HFStream(HFDecoder):
     """Feed a transformers causal LM one token at a time through a DynamicCache that keeps the first `first` tokens
     and the `recent` most recent ones (the token being fed among them), positions re-indexed inside the cache; both
     None: dense, no eviction. Callable as a `sinklab.targets.interface.Step`."""
 
     def __init__(self, model: nn.Module, first: Optional[int] = None, recent: Optional[int] = None,
                  where: str = "DIR"):
-        from transformers import DynamicCache
-
-        self.model, self.cache = model, DynamicCache()  # no config: one plain DynamicLayer per layer
-        self.first, self.keep = first, None if recent is None else recent - 1  # kept besides the next token
-        self.inv_freq = rotary_embedding(model, where) if recent is not None else None  # one per layer
-        self.where = where
+        policy = Dense() if recent is None else Streaming(first + recent - 1, first=first)
+        super().__init__(model, policy, "decoding", where)
 
     def __call__(self, tok: torch.Tensor) -> torch.Tensor:
-        place = self.cache.get_seq_length()  # the token's position: its place in the cache
-        position_ids = torch.tensor([[place]], device=tok.device)
-        out = self.model(input_ids=tok, past_key_values=self.cache, position_ids=position_ids, use_cache=True)
-        if self.keep is not None:
-            self.evict()
-        return out.logits[:, -1]  # (1, V)
-
-    def evict(self) -> None:
-        """Keep the first x and the last `keep` positions of every layer; the kept recent keys move back."""
-        x, r = self.first, self.keep
-        for layer, inv_freq in zip(self.cache.layers, self.inv_freq):
-            n = layer.keys.shape[-2]
-            if n <= x + r:
-                continue
-            recent_k = rotate_back(layer.keys[:, :, n - r:], inv_freq, n - r - x)  # (B, Hkv, r, hd)
-            layer.keys = torch.cat([layer.keys[:, :, :x], recent_k], dim=-2)  # (B, Hkv, x + r, hd)
-            layer.values = torch.cat([layer.values[:, :, :x], layer.values[:, :, n - r:]], dim=-2)
+        return super().__call__(tok)[:, -1]  # (1, V)

@@ -442,6 +442,12 @@ class TransformersTarget(Target):
 
         return HFStream(self.model, first, recent, self.meta.target)
 
+    def decoder(self, policy, evict: str = "decoding"):
+        from .transformers_cache import HFDecoder
+
+        policy.check(self.meta.context)
+        return HFDecoder(self.model, policy, evict, self.meta.target)
+
     def natural_tokens(self, num_seqs: Optional[int], seq_len: Optional[int],
                        texts: Optional[Sequence[str]] = None) -> tuple[torch.Tensor, str]:
         """Text (the files `texts`, default the validation plays of sinklab's Shakespeare) through the model's own
