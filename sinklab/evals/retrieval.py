@@ -1,0 +1,222 @@
+"""Retrieval under KV-cache eviction: the exact-match accuracy of a planted key (passkey) or of associative recall
+(MQAR) when the model reads its prompt through a cache that keeps a budget of keys chosen by a policy
+(`sinklab.model.cache_policies`: StreamingLLM, window, H2O, TOVA, SnapKV, PyramidKV, key norms, DuoAttention).
+
+Two protocols, the two the field uses:
+- prefill: the prompt before the question (`Sample.ask`) in one forward with every key, then the cache compressed to
+  the budget once, then the question and its answer read through it (kvpress: compress at prefill, ask after);
+- decoding: the sample fed token by token, the cache evicting to the budget after each (StreamingLLM). The first
+  budget + 1 tokens go in one forward: no key is evicted before then, and every policy's state is that of feeding
+  them one at a time.
+Answers are scored teacher-forced (`sinklab.data.retrieval.answer_scores`: a span is right when the argmax at each of
+its tokens is that token, which is greedy decoding's exact match). Beside the accuracy each setting reports what the
+cache held when the question came: the share of (layer, kv head) kept sets that hold the first text token (token 1,
+the BOS token where the data has one) and the share that hold the whole key (passkey's planted digits; MQAR's pairs).
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+import torch
+
+from sinklab.errors import UserError
+from sinklab.evals.registry import EVALUATIONS, NON_NEGATIVE, UNIT, Evaluation
+from sinklab.model.cache_policies import CachePolicy, Dense, build
+from sinklab.targets.interface import Target
+
+PROTOCOLS = ("prefill", "decoding")
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One cache: a protocol, a policy and its budget (text keys kept; None: dense), the policy's knobs."""
+
+    protocol: str
+    policy: str
+    budget: Optional[int]
+    knobs: dict = field(default_factory=dict, hash=False, compare=False)
+
+    @property
+    def label(self) -> str:
+        """Its column prefix in a sweep's CSV, e.g. prefill_h2o_b16 (dense: prefill_dense)."""
+        return f"{self.protocol}_{self.policy}" + ("" if self.budget is None else f"_b{self.budget}")
+
+    def make(self) -> CachePolicy:
+        return build(self.policy, self.budget, **self.knobs)
+
+
+def with_knob(task, name: str, value):
+    """A copy of a retrieval task with one knob set (passkey's depth, mqar's n_pairs), checked as the config checks
+    it."""
+    if name not in task.KNOBS:
+        raise UserError(f"--grid {name}: task {task.name} has no knob {name!r}; its knobs: {', '.join(task.KNOBS)}")
+    from sinklab.data.retrieval import RetrievalConfig
+
+    out = copy.copy(task)
+    out.knobs = {**task.knobs, name: value}
+    RetrievalConfig(task=task.name, **out.knobs)  # the knob's rule, one line naming it
+    setattr(out, name, value)
+    return out
+
+
+def key_positions(sample) -> np.ndarray:
+    """Positions (text indices) of what the question asks for: passkey's planted key digits (the answer's tokens
+    before the question), or, for a task whose answers each follow their key, every answer token's earlier twin."""
+    tokens, answer, ask = sample.tokens, sample.answer, sample.ask
+    wanted = set(tokens[answer].tolist())
+    return np.array([i for i in range(ask) if tokens[i] in wanted], dtype=np.int64)
+
+
+@torch.no_grad()
+def run_sample(target: Target, sample, setting: Setting) -> dict:
+    """One sample through one cache: its answer loss and span accuracy, and the share of kept sets holding the first
+    text token and the key, when the question came."""
+    from sinklab.data.retrieval import answer_scores
+
+    tokens = torch.as_tensor(sample.tokens, device=target.device)[None]  # (1, L)
+    L, ask = tokens.shape[1], sample.ask
+    dec = target.decoder(setting.make(), "prefill" if setting.protocol == "prefill" else "decoding")
+    if setting.protocol == "prefill":
+        first = dec(tokens[:, :ask])
+        dec.compress()
+        kept = dec.kept()
+        logits = torch.cat([first, dec(tokens[:, ask:L - 1])], dim=1)  # (1, L - 1, V)
+    else:
+        head = min(L - 1, ask, (setting.budget or L) + 1)
+        parts, kept = [dec(tokens[:, :head])], None
+        for t in range(head, L - 1):
+            if t == ask:
+                kept = dec.kept()
+            parts.append(dec(tokens[:, t:t + 1]))
+        kept = kept if kept is not None else dec.kept()
+        logits = torch.cat(parts, dim=1)
+    loss, acc = answer_scores(logits, tokens, torch.as_tensor(sample.answer, device=tokens.device)[None])
+    keys = torch.as_tensor(key_positions(sample), device=tokens.device)
+    holds_first = [(k == 0).any(-1) for k in kept]  # per layer (Hkv,)
+    holds_key = [torch.stack([torch.isin(keys, row).all() for row in k]) for k in kept]
+    return {"loss": float(loss), "accuracy": float(acc),
+            "first_kept": float(torch.cat(holds_first).float().mean()),
+            "key_kept": float(torch.cat(holds_key).float().mean()) if len(keys) else None}
+
+
+def evaluate(target: Target, samples_by_cell: dict, settings: Sequence[Setting],
+             progress: Optional[Callable[[int], None]] = None) -> list[dict]:
+    """Every setting on every grid cell's samples ({grid value: [Sample, ...]}): per setting, per cell, the mean
+    accuracy, answer loss and kept shares (`run_sample`)."""
+    out = []
+    for setting in settings:
+        cells = {}
+        for value, samples in samples_by_cell.items():
+            rows = [run_sample(target, s, setting) for s in samples]
+            if progress is not None:
+                progress(len(rows))
+            keyed = [r["key_kept"] for r in rows if r["key_kept"] is not None]
+            cells[value] = {"accuracy": float(np.mean([r["accuracy"] for r in rows])),
+                            "loss": float(np.mean([r["loss"] for r in rows])),
+                            "first_kept": float(np.mean([r["first_kept"] for r in rows])),
+                            "key_kept": float(np.mean(keyed)) if keyed else None}
+        mean = {k: float(np.mean([c[k] for c in cells.values() if c[k] is not None]))
+                if any(c[k] is not None for c in cells.values()) else None
+                for k in ("accuracy", "loss", "first_kept", "key_kept")}
+        out.append({"protocol": setting.protocol, "policy": setting.policy, "budget": setting.budget,
+                    "knobs": setting.knobs, "label": setting.label, "cells": cells, **mean})
+    return out
+
+
+class Recording(Dense):
+    """A dense cache policy that keeps every layer's maps (per kv head, summed over its query heads) in its state:
+    how `head_scores` reads a model's attention through the same interface for every model source."""
+
+    needs_maps = True
+
+    def __init__(self, budget: Optional[int] = None):
+        super().__init__(None)
+        self.layers: list[dict] = []  # each layer's state, in the order the forward reaches them
+
+    def observe(self, state: dict, probs: torch.Tensor) -> None:
+        if not any(s is state for s in self.layers):
+            self.layers.append(state)
+        state.setdefault("maps", []).append(probs)
+
+
+@torch.no_grad()
+def head_scores(target: Target, samples: Sequence, first: int = 4, recent: int = 16) -> list[dict]:
+    """Per (layer, kv head), averaged over the samples read densely in one forward each (maps averaged over a GQA
+    group's query heads):
+    - alpha_1: the attention on the first text token, averaged over every query (the sink metric's alpha_1);
+    - retrieval: the attention the queries that predict an answer token put on the key's tokens (`key_positions`):
+      how much the head reads what the question asks for (a retrieval head);
+    - streaming: the share of attention outside the first `first` + the `recent` latest keys, averaged over every
+      query: what the head loses when it becomes a streaming head (DuoAttention's concern, measured on the fly).
+    "Are sink heads the streaming heads?" is alpha_1 against retrieval."""
+    sums: dict[tuple[int, int], np.ndarray] = {}
+    for sample in samples:
+        policy = Recording()
+        dec = target.decoder(policy)
+        tokens = torch.as_tensor(sample.tokens, device=target.device)[None]
+        dec(tokens[:, :-1])
+        keys = torch.as_tensor(key_positions(sample), device=tokens.device)
+        rows = torch.as_tensor(np.flatnonzero(sample.answer) - 1, device=tokens.device)  # queries predicting answers
+        for layer, state in enumerate(policy.layers):
+            maps = state["maps"][0][0]  # (Hkv, T, T), summed over each group's query heads
+            group = target_group(target, maps.shape[0])
+            T = maps.shape[-1]
+            q = torch.arange(T, device=maps.device)[:, None]
+            k = torch.arange(T, device=maps.device)[None, :]
+            outside = ((k >= first) & (k < q - recent + 1)).float()  # (T, T) keys a streaming head drops
+            values = torch.stack([maps[:, :, 0].mean(-1),
+                                  maps[:, rows][:, :, keys].sum(-1).mean(-1) if len(keys) and len(rows)
+                                  else maps.new_zeros(maps.shape[0]),
+                                  (maps * outside).sum(-1).mean(-1)], dim=-1) / group  # (Hkv, 3)
+            for h, row in enumerate(values.cpu().numpy()):
+                sums[layer, h] = sums.get((layer, h), 0) + row
+    return [{"layer": layer, "head": h, "alpha_1": float(v[0] / len(samples)), "retrieval": float(v[1] / len(samples)),
+             "streaming": float(v[2] / len(samples))} for (layer, h), v in sorted(sums.items())]
+
+
+def heads_by_sink(heads: list[dict], eps: float = 0.3) -> dict:
+    """The mean retrieval score of the sink heads (alpha_1 > eps, the sink metric's threshold) and of the others
+    (None where a group is empty)."""
+    sink = [h["retrieval"] for h in heads if h["alpha_1"] > eps]
+    other = [h["retrieval"] for h in heads if h["alpha_1"] <= eps]
+    return {"sink_heads": len(sink), "sink_heads_retrieval": float(np.mean(sink)) if sink else None,
+            "other_heads_retrieval": float(np.mean(other)) if other else None}
+
+
+def target_group(target: Target, n_kv: int) -> int:
+    """Query heads per kv head of the target's attention (1 without GQA)."""
+    cfg = getattr(target.model, "cfg", None)
+    n_head = cfg.n_head if cfg is not None else getattr(getattr(target.model, "config", None), "num_attention_heads",
+                                                         n_kv)
+    return max(1, n_head // n_kv)
+
+
+# ----------------------------------------------------------------------------------------------------- in sweeps
+_LABEL = r"(prefill|decoding)_[a-z0-9]+(_b\d+)?"
+
+
+@EVALUATIONS.register("retrieval")
+class Retrieval(Evaluation):
+    """`sinklab eval retrieval`; in a sweep's retrieval.csv, per setting (e.g. prefill_h2o_b16): <setting>_acc (the
+    mean exact-match accuracy over the grid), <setting>_first_kept and <setting>_key_kept (the share of kept sets
+    holding token 1 / the key), then chance and n_samples."""
+
+    command = "sinklab.cli.retrieval"
+    summary = "exact-match retrieval of a planted key under KV-cache eviction policies and budgets"
+    bounds = ((rf"^{_LABEL}_(acc|first_kept|key_kept)$", UNIT), (rf"^{_LABEL}_loss$", NON_NEGATIVE),
+              (r"^chance$", UNIT), (r"^(n_samples|sink_heads|(sink|other)_heads_retrieval)$", NON_NEGATIVE),
+              (r"^heads_rho$", (-1.0, 1.0)))
+
+    @staticmethod
+    def row(result: dict) -> dict:
+        row = {}
+        for s in result["settings"]:
+            row.update({f"{s['label']}_acc": s["accuracy"], f"{s['label']}_loss": s["loss"],
+                        f"{s['label']}_first_kept": s["first_kept"], f"{s['label']}_key_kept": s["key_kept"]})
+        return {**row, "sink_heads": result["sink_heads"], "sink_heads_retrieval": result["sink_heads_retrieval"],
+                "other_heads_retrieval": result["other_heads_retrieval"],
+                "heads_rho": result["heads_rank_correlation"], "chance": result["chance"],
+                "n_samples": result["n_samples"]}

@@ -1,0 +1,141 @@
+"""sinklab eval retrieval (sinklab.evals.retrieval, sinklab.cli.retrieval): a real run trained with a passkey task
+mixed in, read through evicting caches; what the cache held when the question came; the per-head scores; the sweep
+CSV; user errors."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from sinklab.data.retrieval import answer_scores, make_samples
+from sinklab.evals import retrieval as rv
+from sinklab.runs.run_data import read_run_data
+from sinklab.targets import SinklabTarget, TargetSpec, load_target
+from tests.helpers import assert_one_line_error, run_cli, train
+
+
+@pytest.fixture(scope="module")
+def passkey_run(tmp_path_factory):
+    """A short FAST run with a passkey task in half of its training blocks (2 layers, d 64, context 64)."""
+    out = tmp_path_factory.mktemp("retrieval") / "run"
+    train(out, "trainer.max_steps=40", "data.retrieval.task=passkey", "data.retrieval.rate=0.5",
+          "data.retrieval.key_len=3")
+    return out
+
+
+def task_and_text(run):
+    return read_run_data(run, {"num_workers": 0}, lambda dm: (dm.retrieval_task, dm.val_text(4000)), "test",
+                         "task", "")
+
+
+def test_dense_prefill_scores_what_the_full_forward_scores(passkey_run):
+    """The dense cache read in two parts (the prompt, then the question) gives the full forward's answer loss and
+    accuracy, and holds every key."""
+    target = load_target(TargetSpec(str(passkey_run)))
+    task, text = task_and_text(passkey_run)
+    samples = make_samples(task, 6, 65, 1, text)
+    for s in samples:
+        got = rv.run_sample(target, s, rv.Setting("prefill", "dense", None))
+        tokens = torch.as_tensor(s.tokens)[None]
+        loss, acc = answer_scores(target.logits(tokens[:, :-1]), tokens, torch.as_tensor(s.answer)[None])
+        assert got["accuracy"] == pytest.approx(float(acc)) and got["loss"] == pytest.approx(float(loss), abs=1e-5)
+        assert got["first_kept"] == 1.0 and got["key_kept"] == 1.0
+
+
+def test_what_the_cache_holds_when_the_question_comes(passkey_run):
+    """A key planted early (depth 0) is gone from a 16-key window by the question, and kept by the dense cache;
+    StreamingLLM's first 4 keep token 1, a window does not."""
+    target = load_target(TargetSpec(str(passkey_run)))
+    task, text = task_and_text(passkey_run)
+    early = make_samples(rv.with_knob(task, "depth", 0.0), 3, 65, 0, text)
+    for protocol in ("prefill", "decoding"):
+        window = [rv.run_sample(target, s, rv.Setting(protocol, "window", 16)) for s in early]
+        streaming = [rv.run_sample(target, s, rv.Setting(protocol, "streaming", 16, {"first": 4})) for s in early]
+        assert all(r["key_kept"] == 0.0 and r["first_kept"] == 0.0 for r in window)
+        assert all(r["first_kept"] == 1.0 for r in streaming)
+        assert all(r["key_kept"] == 0.0 for r in streaming)  # the key sits after the first 4: evicted too
+
+
+def test_head_scores_read_the_maps_of_every_layer_and_head(passkey_run):
+    """alpha_1 per (layer, head) is the sink metric's (its brute-force route over full maps), averaged over the
+    samples; every score lies in [0, 1] for softmax attention."""
+    from sinklab.metrics.sink import brute_force_alpha
+
+    target = load_target(TargetSpec(str(passkey_run)))
+    task, text = task_and_text(passkey_run)
+    samples = make_samples(task, 3, 65, 0, text)
+    heads = rv.head_scores(target, samples)
+    cfg = target.model.cfg
+    assert cfg.kv_heads == cfg.n_head  # MHA: a kv head is a head
+    assert [(h["layer"], h["head"]) for h in heads] == [(la, h) for la in range(cfg.n_layer) for h in range(cfg.n_head)]
+    tokens = torch.as_tensor(np.stack([s.tokens[:-1] for s in samples]))
+    want = brute_force_alpha(target.model, tokens, k=1).alpha[..., 0].mean(0)  # (L, H)
+    got = torch.tensor([h["alpha_1"] for h in heads]).view(cfg.n_layer, cfg.n_head)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+    for h in heads:
+        assert 0.0 <= h["retrieval"] <= 1.0 and 0.0 <= h["streaming"] <= 1.0
+
+
+def test_the_command_table_json_plot_and_sweep(capsys, passkey_run, tmp_path):
+    args = ["eval", "retrieval", str(passkey_run), "--samples", "2", "--policies", "streaming,h2o",
+            "--budgets", "16", "--grid", "depth=0.2,0.8"]
+    rc, out, err = run_cli("sinklab", *args, "--json", capsys=capsys)
+    assert rc == 0, err
+    res = json.loads(out)
+    labels = [s["label"] for s in res["settings"]]
+    assert labels == ["prefill_dense", "prefill_streaming_b16", "prefill_h2o_b16", "decoding_streaming_b16",
+                      "decoding_h2o_b16"]
+    assert res["chance"] == pytest.approx(1e-3) and res["grid"] == {"knob": "depth", "values": [0.2, 0.8]}
+    for s in res["settings"]:
+        assert 0.0 <= s["accuracy"] <= 1.0 and s["loss"] >= 0 and 0.0 <= s["first_kept"] <= 1.0
+        assert set(s["cells"]) == {"0.2", "0.8"}
+    cfg = SinklabTarget.load(TargetSpec(str(passkey_run))).model.cfg
+    assert len(res["heads"]) == cfg.n_layer * cfg.kv_heads
+    plot = tmp_path / "r.png"
+    rc, out, err = run_cli("sinklab", *args, "--plot", str(plot), capsys=capsys)
+    assert rc == 0, err
+    assert "prefill_dense" not in out and "depth=0.2" in out and "chance 0.1%" in out and "token 1 kept" in out
+    assert "Spearman rho(alpha_1, retrieval)" in out and plot.stat().st_size > 10_000
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--budgets", "70"], "--budgets 70: 70 keys; allowed: 1 <= budget < 64"),
+    (["--policies", "nope"], "cache policy 'nope' is unknown; allowed: dense, streaming"),
+    (["--grid", "depth=1.5"], "data.retrieval.depth=1.5"),
+    (["--grid", "width=3"], "--grid width: task passkey has no knob 'width'"),
+    (["--length", "80"], "--length 80: allowed: <= the model context + 1 = 65"),
+    (["--knob", "h2o.heavy=1"], "cache policy h2o: unknown knob 'heavy'; allowed: recent"),
+    (["--knob", "snapkv.window=4"], "--knob snapkv.window=4: policy 'snapkv' is not in --policies"),
+    (["--protocols", "later"], "--protocols later: allowed: prefill, decoding"),
+    (["--budgets", "2", "--policies", "streaming"], "first 4 must be in [0, budget 2]"),
+])
+def test_bad_input_is_one_line_and_exit_2(capsys, passkey_run, args, message):
+    rc, out, err = run_cli("sinklab", "eval", "retrieval", str(passkey_run), "--samples", "1", *args, capsys=capsys)
+    assert rc == 2
+    assert_one_line_error(err, message)
+
+
+def test_a_run_without_a_retrieval_task_is_refused(capsys, trained_run):
+    rc, out, err = run_cli("sinklab", "eval", "retrieval", str(trained_run), capsys=capsys)
+    assert rc == 2
+    assert_one_line_error(err, "its data has no retrieval task (data.retrieval.task is null)")
+
+
+def test_readme_retrieval_commands_run(capsys, passkey_run, tmp_path):
+    """Every `sinklab eval retrieval` line of the README on the passkey run (--samples 2 instead of 16)."""
+    from tests.helpers import readme_cli_lines, readme_commands
+
+    assert any("data.retrieval.task=passkey" in c for c in readme_commands())
+    commands = readme_cli_lines("sinklab eval retrieval", {"runs/p": passkey_run, "retrieval.png": tmp_path / "r.png"})
+    assert len(commands) >= 3
+    for args in commands:
+        rc, out, err = run_cli("sinklab", *args, "--samples", "2", capsys=capsys)
+        assert rc == 0, (args, err)
+        if "--json" in args:
+            res = json.loads(out)
+            assert res["grid"]["values"] == [0, 0.5, 1] and res["settings"][1]["knobs"] == {"recent": 0.25}
+        else:
+            assert "token 1 kept" in out
+    assert (tmp_path / "r.png").is_file()
