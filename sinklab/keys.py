@@ -5,6 +5,8 @@ TRAIN_LOSS = "train/loss"
 AUX_PREFIX = "train/aux/"  # a component's auxiliary loss (train/aux/<name>, and train/aux/total), added in training
 VAL_LOSS = "val/loss"
 VAL_BPB = "val/bpb"  # bits per byte of the validation text, beside val/loss (sinklab.model.lm_loss.bits_per_byte)
+RETRIEVAL_ANSWER_LOSS = "val/retrieval/answer_loss"  # nats per answer token of the held-out retrieval samples
+RETRIEVAL_ACCURACY = "val/retrieval/accuracy"  # their answer spans predicted exactly (sinklab/data/retrieval.py)
 SINK1 = "sink/sink1"
 ALPHA1 = "sink/alpha1"
 SINK1_STAR = "sink/sink1_star"  # Sink_1 of the renormalised map (logged for ops whose rows do not sum to one)
@@ -25,6 +27,8 @@ ANY = (-math.inf, math.inf)
 TRAINING_BOUNDS = (
     (r"(^|/)loss$", NON_NEGATIVE),  # cross-entropy in nats
     (r"(^|/)bpb$", NON_NEGATIVE),  # bits per byte
+    (r"^val/retrieval/answer_loss$", NON_NEGATIVE),
+    (r"^val/retrieval/accuracy$", UNIT),
     (r"^lr-", NON_NEGATIVE),
     (r"^perf/mfu$", UNIT),
     (r"^perf/tokens_per_sec$", NON_NEGATIVE),

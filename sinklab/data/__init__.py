@@ -10,6 +10,7 @@ tokenizer.py  byte-level BPE trained on the corpus, or a tokenizer.json / hub to
 token_store.py  token stores: sharded uint16/uint32 memmaps + manifest, resumable builds
 controls.py   issue-5 block controls: random positions, fixed token, BOS
 blocks.py     deterministic training blocks, validation blocks, the probe set
+retrieval.py  retrieval tasks (passkey, mqar) mixed into training blocks and validated apart (data.retrieval)
 datamodule.py LMDataModule (Lightning), what the training entry point instantiates from conf/data/*.yaml
 synthetic.py  SyntheticDataModule: generated sequences where a sink emerges in seconds (conf/data/synthetic.yaml)
 prepare.py    tokenise a corpus once into a prepared directory (the command: `sinklab prepare`, sinklab/cli/prepare.py)
@@ -26,7 +27,9 @@ _EXPORTS = {
     "Corpus": "documents", "open_corpus": "corpus",
     "TokenStore": "token_store", "build_store": "token_store", "open_store": "token_store",
     "StepBatchSampler": "blocks", "TrainBlocks": "blocks", "ValBlocks": "blocks", "probe_set": "blocks",
-    "sample_rng": "blocks",
+    "sample_rng": "blocks", "RetrievalSamples": "blocks",
+    "RetrievalConfig": "retrieval", "RetrievalTask": "retrieval", "Sample": "retrieval", "TASKS": "retrieval",
+    "make_samples": "retrieval",
     "load_tokenizer": "tokenizer", "padded_vocab_size": "tokenizer", "tokenizer_fingerprint": "tokenizer",
     "train_bpe": "tokenizer",
     "DataFileNotFoundError": "errors", "StoreDamagedError": "errors", "StoreMismatchError": "errors",

@@ -11,8 +11,15 @@ Training (TrainBlocks + StepBatchSampler)
     With `unique_tokens = N` offsets are drawn from [0, N - (block_size + 1)], so training only ever
     reads the first N tokens of the split.
 
+With a retrieval task (data.retrieval, sinklab/data/retrieval.py) sample i is instead, with probability `rate`, a
+retrieval sample whose filler is read from the same tokens; the choice and the sample come from their own generator
+`retrieval.mix_rng(seed, i)`, so that every other block is the one a run without retrieval reads.
+
 Validation (ValBlocks): `num_blocks` blocks at evenly spaced offsets of the validation split, with the BOS
 token first when the training blocks have one (data.bos).
+
+Retrieval validation (RetrievalSamples): `num_samples` retrieval samples of block_size + 1 tokens at the fixed seed
+retrieval.VAL_SEED, their filler read from the validation split, with their answer masks.
 
 Probe (probe_offsets): `num_seqs` sequences at evenly spaced offsets of the validation split; no seed,
 so every run on the same data probes the same held-out text.
@@ -28,6 +35,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from .token_store import TokenStore
 from .controls import BlockControls
 from .errors import UserError
+from .retrieval import VAL_SEED, RetrievalTask, Sample, TokenRun, make_samples, mix_rng
 
 
 def sample_rng(seed: int, index: int) -> np.random.Generator:
@@ -46,7 +54,8 @@ class TrainBlocks(Dataset):
     """Map-style: item i is training sample i, a LongTensor (block_size + 1,)."""
 
     def __init__(self, store: TokenStore, block_size: int, seed: int, unique_tokens: int | None = None,
-                 controls: BlockControls = BlockControls()):
+                 controls: BlockControls = BlockControls(), retrieval: RetrievalTask | None = None,
+                 retrieval_rate: float = 0.0):
         self.store = store
         self.block_size = block_size
         self.seed = seed
@@ -60,12 +69,26 @@ class TrainBlocks(Dataset):
             what = "data.max_unique_tokens" if unique_tokens is not None else "the training split"
             raise UserError(f"{what} has {self.limit} tokens, fewer than one block of block_size + 1 = "
                             f"{block_size + 1}; use a larger corpus or a smaller block_size")
+        self.retrieval, self.retrieval_rate = retrieval, retrieval_rate
+
+    def retrieval_sample(self, index: int) -> Sample | None:
+        """Sample `index` when it is a retrieval sample (block_size + 1 tokens, filler from the tokens training reads;
+        the other controls are not applied to it), else None."""
+        if self.retrieval is None or self.retrieval_rate <= 0:
+            return None
+        rng = mix_rng(self.seed, index)
+        if rng.random() >= self.retrieval_rate:
+            return None
+        return self.retrieval.sample(rng, self.block_size + 1, TokenRun(self.store, self.limit))
 
     def offset(self, index: int) -> int:
         """Start of sample `index` in the training split (uniform over [0, limit - span])."""
         return int(sample_rng(self.seed, index).integers(self.limit - self.span + 1))
 
     def __getitem__(self, index: int) -> torch.Tensor:
+        mixed = self.retrieval_sample(index)
+        if mixed is not None:
+            return torch.from_numpy(mixed.tokens)  # (block_size + 1,)
         rng = sample_rng(self.seed, index)
         start = int(rng.integers(self.limit - self.span + 1))
         block = self.controls.apply(self.store.read(start, self.span), rng)  # (block_size + 1,)
@@ -137,6 +160,23 @@ class ValBlocks(Dataset):
         if self.bos_id is None:
             return torch.from_numpy(self.store.read(start, self.length))  # (block_size + 1,)
         return torch.from_numpy(np.concatenate([[self.bos_id], self.store.read(start, self.length - 1)]))
+
+
+class RetrievalSamples(Dataset):
+    """`num_samples` held-out retrieval samples of block_size + 1 tokens (make_samples at the seed VAL_SEED, filler
+    from the validation split); rank r takes r::world. Item i: (tokens LongTensor (L,), answer BoolTensor (L,))."""
+
+    def __init__(self, task: RetrievalTask, store: TokenStore, block_size: int, num_samples: int, rank: int = 0,
+                 world_size: int = 1):
+        usable = num_samples - num_samples % world_size  # every rank gets the same number of samples
+        self.samples = make_samples(task, usable, block_size + 1, VAL_SEED, store)[rank::world_size]
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        sample = self.samples[index]
+        return torch.from_numpy(sample.tokens), torch.from_numpy(sample.answer)
 
 
 def probe_set(store: TokenStore, num_seqs: int, seq_len: int) -> np.ndarray:

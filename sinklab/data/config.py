@@ -32,6 +32,7 @@ from omegaconf.errors import OmegaConfBaseException
 from sinklab.config.schema import Check, Schema, choice, integer, not_allowed, number, rule, show
 
 from .errors import DataFileNotFoundError, UserError
+from .retrieval import RetrievalConfig
 from .tokenizer import BPE, EOS_TOKEN, MIN_BPE_VOCAB
 
 CORPORA = ("shakespeare", "local", "hub")
@@ -91,6 +92,11 @@ def _fixed_token(v: Any) -> Optional[str]:
     return None if v is None or isinstance(v, FixedTokenConfig) else "{position: p, token_id: id or null} or null"
 
 
+def _retrieval(v: Any) -> Optional[str]:
+    return None if v is None or isinstance(v, RetrievalConfig) else \
+        "{task: passkey|mqar|null, rate: r, <knobs>} or null"
+
+
 @dataclass
 class DataConfig(Schema):
     """Settings of sinklab.data.LMDataModule (conf/data/shakespeare.yaml, local, fineweb_edu, pile)."""
@@ -141,12 +147,17 @@ class DataConfig(Schema):
     fixed_token: Optional[FixedTokenConfig] = field(default_factory=FixedTokenConfig,  # off while position is null
                                                     metadata={"check": _fixed_token})
     bos: bool = False                    # prepend the BOS/EOS id at position 1 of every training block
+    # --- retrieval samples mixed into training, validated apart (sinklab/data/retrieval.py): off while task is null;
+    # e.g. data.retrieval.task=passkey data.retrieval.rate=0.1 (knobs key_len, depth; mqar: n_pairs, power_a)
+    retrieval: Optional[RetrievalConfig] = field(default_factory=RetrievalConfig, metadata={"check": _retrieval})
 
     def __post_init__(self) -> None:
         if isinstance(self.files, (str, os.PathLike)):  # one file, from Python
             self.files = [str(self.files)]
         if isinstance(self.fixed_token, Mapping):  # from Python or a plain config
             self.fixed_token = from_settings(FixedTokenConfig, self.fixed_token)
+        if isinstance(self.retrieval, Mapping):
+            self.retrieval = from_settings(RetrievalConfig, self.retrieval)
         super().__post_init__()
         if self.tokenizer == BPE and not self.prepared_dir and integer(MIN_BPE_VOCAB)(self.vocab_size):
             raise UserError(not_allowed("data.vocab_size", self.vocab_size, integer(MIN_BPE_VOCAB)(self.vocab_size),
@@ -183,6 +194,8 @@ class DataConfig(Schema):
         if self.probe_fixed_token and (fixed is None or fixed > self.probe_seq_len):
             raise UserError(f"data.probe_fixed_token=true needs data.fixed_token.position in 1..data.probe_seq_len="
                             f"{self.probe_seq_len}; got data.fixed_token.position={show(fixed)}")
+        if self.retrieval is not None:  # a retrieval sample is a whole block (block_size + 1 tokens)
+            self.retrieval.check_length(self.block_size + 1, self.bos)
 
     @property
     def fixed_position(self) -> Optional[int]:

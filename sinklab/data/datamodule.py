@@ -12,6 +12,10 @@ before it builds dataloaders), so a resumed run continues with exactly the sampl
 run would have seen; it shards itself across DDP ranks (see blocks.py). With an endless loader, set
 the trainer's `max_steps` and an integer `val_check_interval` (with `check_val_every_n_epoch=None`).
 Batches are LongTensors (batch_size, block_size + 1): input b[:, :-1], targets b[:, 1:].
+
+With data.retrieval.task set (sinklab/data/retrieval.py), training blocks are replaced by retrieval samples at
+data.retrieval.rate, and validation has a second loader of held-out retrieval samples, batches [tokens (B, T + 1),
+answer (B, T + 1)] (the training module logs val/retrieval/*); `dm.retrieval_task` is the task with its ids.
 """
 
 from __future__ import annotations
@@ -28,13 +32,14 @@ from lightning.pytorch.utilities import rank_zero_only
 from tokenizers import Tokenizer
 from torch.utils.data import DataLoader
 
-from .blocks import StepLoader, TrainBlocks, ValBlocks, probe_set
+from .blocks import RetrievalSamples, StepLoader, TrainBlocks, ValBlocks, probe_set
 from .token_store import open_store
 from .config import DataConfig, from_settings, settings_dict
 from .controls import BlockControls
 from .errors import DataFileNotFoundError, UserError
 from .fsutil import atomic_write_bytes, resolve_cache_dir
 from .prepare import tokenise
+from .retrieval import RetrievalTask, task_for_data
 from .tokenizer import (BPE, eos_token_id, load_tokenizer, padded_vocab_size, text_bytes, tokenizer_fingerprint,
                         tokenizer_size)
 
@@ -77,6 +82,7 @@ class LMDataModule(StepLoader, L.LightningDataModule):
         self._stores = None
         self._probe: np.ndarray | None = None
         self._train_blocks: TrainBlocks | None = None
+        self._retrieval: RetrievalTask | None = None
         self.store_dir: Path | None = None
         self._val_bytes: dict[tuple, tuple[list[int], list[int]]] = {}  # val_bytes_per_token's count per block
 
@@ -108,13 +114,18 @@ class LMDataModule(StepLoader, L.LightningDataModule):
 
         tok_vocab = tokenizer_size(tok)
         controls = self._controls.resolve(tok_vocab, eos)
-        train_blocks = TrainBlocks(stores["train"], self.block_size, self.seed, self.max_unique_tokens, controls)
+        retrieval = task_for_data(cfg.retrieval, tok, f"data.tokenizer={cfg.tokenizer}", tok_vocab, eos,
+                                  controls.bos_id, new_id=tok_vocab + controls.extra_ids)  # markers after a fixed token
+        train_blocks = TrainBlocks(stores["train"], self.block_size, self.seed, self.max_unique_tokens, controls,
+                                   retrieval, cfg.retrieval.rate if retrieval is not None else 0.0)
         ValBlocks(stores["val"], self.block_size, cfg.val_num_blocks)  # checks the validation split is long enough
         probe = self._load_probe(root, stores["val"], cfg.probe_num_seqs, cfg.probe_seq_len)
 
         self._tokenizer, self._manifest, self._stores, self._probe = tok, manifest, stores, probe
         self._controls, self._train_blocks, self.store_dir = controls, train_blocks, root
-        self._vocab_size = padded_vocab_size(tok_vocab + controls.extra_ids, cfg.pad_vocab_to_multiple_of)
+        self._retrieval = retrieval
+        n_ids = max(tok_vocab + controls.extra_ids, retrieval.n_ids if retrieval is not None else 0)
+        self._vocab_size = padded_vocab_size(n_ids, cfg.pad_vocab_to_multiple_of)
         return self
 
     @staticmethod
@@ -147,9 +158,12 @@ class LMDataModule(StepLoader, L.LightningDataModule):
     # public API
 
     vocab_size: int = _after_prepare("_vocab_size", "Vocabulary size the model must use: tokenizer ids (+ a "
-                                                    "dedicated fixed token), padded.")
+                                                    "dedicated fixed token, + a retrieval task's markers), padded.")
     tokenizer: Tokenizer = _after_prepare("_tokenizer", "The tokenizer of this data.")
     train_blocks: TrainBlocks = _after_prepare("_train_blocks", "The training blocks (a Dataset).")
+    retrieval_task: RetrievalTask | None = _after_prepare("_retrieval", "The retrieval task of data.retrieval on this "
+                                                          "data, with its ids (sinklab/data/retrieval.py); None when "
+                                                          "data.retrieval.task is null.")
 
     @property
     def eos_id(self) -> int:
@@ -182,12 +196,26 @@ class LMDataModule(StepLoader, L.LightningDataModule):
             _info(f"data: train loader starts at step {step} (sample {step * global_batch})")
         return self.make_train_loader(step, rank, world, accumulate)
 
-    def val_dataloader(self) -> DataLoader:
+    def val_dataloader(self) -> DataLoader | list[DataLoader]:
         """The validation blocks, on the training distribution: with data.bos each starts with the BOS token, as
         every training block does (the other controls, random and fixed tokens, are interventions on training and
         leave validation natural). The training's val/loss, `sinklab quant` and `sinklab eval intervene` read
-        these."""
-        return DataLoader(self._val_blocks(), batch_size=self.batch_size, shuffle=False, num_workers=self.num_workers,
+        these. With data.retrieval.task set, a list: these, then the held-out retrieval samples
+        (`retrieval_dataloader`)."""
+        text = self._loader(self._val_blocks())
+        return text if self._retrieval is None else [text, self.retrieval_dataloader()]
+
+    def retrieval_dataloader(self) -> DataLoader:
+        """This rank's share of data.retrieval.val_num_samples held-out retrieval samples (fixed seed, filler from
+        the validation split), batches [tokens (B, T + 1), answer (B, T + 1)]."""
+        _, rank, world, _ = self._distributed()
+        if self.retrieval_task is None:
+            raise UserError("data.retrieval.task is null: this data has no retrieval samples")
+        return self._loader(RetrievalSamples(self._retrieval, self._stores["val"], self.block_size,
+                                             self.config.retrieval.val_num_samples, rank, world))
+
+    def _loader(self, dataset) -> DataLoader:
+        return DataLoader(dataset, batch_size=self.batch_size, shuffle=False, num_workers=self.num_workers,
                           pin_memory=self.pin_memory, persistent_workers=self.num_workers > 0)
 
     def _val_blocks(self) -> ValBlocks:
@@ -278,6 +306,8 @@ class LMDataModule(StepLoader, L.LightningDataModule):
             "store": str(self.store_dir),
         }
         out.update(self._controls.describe())
+        if self._retrieval is not None:
+            out["retrieval"] = {**self._retrieval.describe(), "rate": cfg.retrieval.rate}
         trainer = self.trainer
         if trainer is not None and trainer.max_steps and trainer.max_steps > 0:
             _, _, world, accumulate = self._distributed()

@@ -111,5 +111,7 @@ def probe_tokens(run_dir: Path, num_seqs: Optional[int], seq_len: Optional[int])
 
 def val_blocks(dm, n_batches: Optional[int]) -> list[torch.Tensor]:
     """The run's first `n_batches` validation batches (B, T + 1) (all with None), as the training validated on them:
-    the data module's (LMDataModule.val_dataloader: the BOS token first when data.bos, as in every training block)."""
-    return list(islice(dm.val_dataloader(), n_batches))
+    the data module's (LMDataModule.val_dataloader: the BOS token first when data.bos, as in every training block;
+    with data.retrieval its first loader, the second holding the retrieval samples)."""
+    loaders = dm.val_dataloader()
+    return list(islice(loaders[0] if isinstance(loaders, list) else loaders, n_batches))

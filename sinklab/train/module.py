@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from lightning.fabric.utilities.throughput import Throughput
 
 from sinklab import plugins
-from sinklab.keys import AUX_PREFIX, TRAIN_LOSS, VAL_BPB, VAL_LOSS
+from sinklab.keys import AUX_PREFIX, RETRIEVAL_ACCURACY, RETRIEVAL_ANSWER_LOSS, TRAIN_LOSS, VAL_BPB, VAL_LOSS
 from sinklab.runs.checkpoints import PLUGINS, TOKENS_SEEN
 from sinklab.model.lm_loss import IGNORE, bits_per_byte, next_token_targets
 from sinklab.model import ModelConfig, Transformer
@@ -226,15 +226,31 @@ class LitLM(L.LightningModule):
             n = min(n, self.trainer.num_sanity_val_steps)
         return count(int(n), self.cfg.prefix_len)
 
-    def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+    def validation_step(self, batch: torch.Tensor, batch_idx: int, dataloader_idx: int = 0) -> None:
         """val/loss, the mean NLL in nats per target, and beside it val/bpb, bits per byte of the validation text:
         val/loss / (ln 2 x the bytes per target of the validated blocks), over the same targets
         (`sinklab.model.lm_loss`, which says what a BOS token and a document separator count). With several
-        ranks each is the mean of the ranks' values."""
+        ranks each is the mean of the ranks' values. A second loader (data.retrieval) holds retrieval samples:
+        `retrieval_step`."""
+        if dataloader_idx == 1:
+            self.retrieval_step(*batch)
+            return
         loss = self.loss(batch)
-        self.log(VAL_LOSS, loss, prog_bar=True, sync_dist=True)
+        self.log(VAL_LOSS, loss, prog_bar=True, sync_dist=True, add_dataloader_idx=False)
         if self.val_bytes_per_token is not None:
-            self.log(VAL_BPB, bits_per_byte(loss, self.val_bytes_per_token), sync_dist=True)
+            self.log(VAL_BPB, bits_per_byte(loss, self.val_bytes_per_token), sync_dist=True, add_dataloader_idx=False)
+
+    def retrieval_step(self, tokens: torch.Tensor, answer: torch.Tensor) -> None:
+        """val/retrieval/answer_loss, the NLL in nats per answer token, and val/retrieval/accuracy, the share of
+        answer spans predicted exactly, of held-out retrieval samples tokens and answer (B, T + 1)
+        (`sinklab.data.retrieval.answer_scores`; a prefix-LM's prefix is not scored). Every sample of a task has
+        as many answer tokens and spans, so the mean over batches (and ranks) is the mean over samples."""
+        from sinklab.data.retrieval import answer_scores
+
+        scored = next_token_targets(tokens, self.cfg.prefix_len) != IGNORE  # (B, T)
+        loss, accuracy = answer_scores(self.run_model(tokens[:, :-1]), tokens, answer, scored)
+        for key, value in ((RETRIEVAL_ANSWER_LOSS, loss), (RETRIEVAL_ACCURACY, accuracy)):
+            self.log(key, value, sync_dist=True, add_dataloader_idx=False, batch_size=len(tokens))
 
     def configure_optimizers(self):
         from hydra.utils import instantiate

@@ -64,6 +64,17 @@ BAD_OVERRIDES = [
     (["data.probe_fixed_token=true"], "data.probe_fixed_token=true needs data.fixed_token.position in "
                                       "1..data.probe_seq_len=64; got data.fixed_token.position=null"),
     (["data=synthetic", "data.n_triggers=64"], "data.n_triggers=64 must be below data.n_tokens=64"),
+    # data.retrieval (sinklab/data/retrieval.py): the default block is 64 tokens + 1, with a BOS
+    (["data.retrieval.task=copy"], "data.retrieval.task='copy' is not allowed; allowed: null or one of passkey, mqar"),
+    (["data.retrieval.task=mqar", "data.retrieval.rate=2"], "data.retrieval.rate=2.0 is not allowed; allowed: a number "
+                                                            ">= 0 and <= 1"),
+    (["data.retrieval.rate=0.5"], "data.retrieval.rate=0.5 needs data.retrieval.task: one of passkey, mqar"),
+    (["data.retrieval.task=passkey", "data.retrieval.key_len=32"],
+     "data.retrieval.key_len=32 is not allowed; allowed: an integer <= 31 (a passkey sample is BOS + 2 markers + the "
+     "key twice = 67 tokens, more than a block's 65: block_size + 1)"),
+    (["data.retrieval.task=mqar", "data.retrieval.n_pairs=17"],
+     "data.retrieval.n_pairs=17 is not allowed; allowed: an integer <= 16 (mqar needs 4 x n_pairs tokens"),
+    (["data.retrieval.key=4"], "data.retrieval.key is not an option of data.retrieval"),
 ]
 
 

@@ -12,7 +12,7 @@ import torch
 
 from sinklab.data import LMDataModule
 from sinklab.errors import UserError
-from tests.helpers import bpe_corpus
+from tests.helpers import bpe_corpus, corpus_dm
 
 
 @pytest.fixture(scope="module")
@@ -20,11 +20,7 @@ def env(tmp_path_factory):
     return bpe_corpus(tmp_path_factory.mktemp("controls"), 10, 1000, 300)
 
 
-def make_dm(env, **kw) -> LMDataModule:
-    args = dict(corpus="local", files=env.files, tokenizer=env.tok, cache_dir=env.cache, block_size=32,
-                batch_size=8, val_num_blocks=8, probe_num_seqs=10, probe_seq_len=16, seed=0)
-    args.update(kw)
-    return LMDataModule(**args).prepare()
+make_dm = corpus_dm
 
 
 def natural(dm, i, length=33):

@@ -37,3 +37,13 @@ def bpe_corpus(root, n_docs: int, first_seed: int, vocab: int, name: str = "doc{
     tok = train_bpe([Path(f).read_text(encoding="utf-8") for f in files], vocab)
     tok.save(str(root / "tok.json"))
     return SimpleNamespace(root=root, files=files, tok=str(root / "tok.json"), cache=str(root / "cache"))
+
+
+def corpus_dm(env, **settings):
+    """The prepared LMDataModule of a bpe_corpus `env`: blocks of 32, batches of 8, 8 validation blocks, a probe set of
+    10 x 16, seed 0; `settings` change or add data.* keys."""
+    from sinklab.data import LMDataModule
+
+    args = dict(corpus="local", files=env.files, tokenizer=env.tok, cache_dir=env.cache, block_size=32,
+                batch_size=8, val_num_blocks=8, probe_num_seqs=10, probe_seq_len=16, seed=0)
+    return LMDataModule(**{**args, **settings}).prepare()
