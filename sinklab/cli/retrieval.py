@@ -181,7 +181,7 @@ def load_task(args, run_dir: Optional[Path], vocab_size: int, length: int, n_tex
     run, flag = data_run_dir(args, run_dir, "pass --data RUN_DIR (a run trained with data.retrieval.task)")
 
     def read(dm):
-        return dm.retrieval_task, dm.val_text(n_text)
+        return dm.retrieval_task, dm.val_text(n_text).numpy()
 
     task, text = read_run_data(run, {"num_workers": 0}, read, flag, "the retrieval task",
                                "train with data.retrieval.task=passkey (or mqar)")

@@ -263,15 +263,18 @@ class KeyNorm(CachePolicy):
 @CACHE_POLICIES.register("duo")
 class DuoAttention(CachePolicy):
     """Retrieval heads keep every key, streaming heads the first `first` + the `recent` most recent (module
-    docstring); the budget is that of a streaming head, first + recent."""
+    docstring); the budget is that of a streaming head, first + recent (recent: budget - first by default)."""
 
     needs_maps = True
     masks = True
 
-    def __init__(self, budget: Optional[int] = None, first: int = 4, recent: int = 16, retrieval: float = 0.5,
-                 heads: Optional[list] = None):
+    def __init__(self, budget: Optional[int] = None, first: int = 4, recent: Optional[int] = None,
+                 retrieval: float = 0.5, heads: Optional[list] = None):
+        if recent is None:  # a streaming head's recent keys: what the budget leaves after the first, else 16
+            recent = 16 if budget is None else budget - first
         if first < 0 or recent < 1:
-            raise UserError(f"cache policy duo: first {first} must be >= 0 and recent {recent} >= 1")
+            raise UserError(f"cache policy duo: first {first} must be >= 0 and recent {recent} >= 1 (budget = first "
+                            "+ recent: a streaming head's keys)")
         if not 0.0 <= retrieval <= 1.0:
             raise UserError(f"cache policy duo: retrieval {retrieval} must be in [0, 1] (the share of retrieval heads)")
         super().__init__(first + recent if budget is None else budget)

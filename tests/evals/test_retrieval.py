@@ -26,7 +26,7 @@ def passkey_run(tmp_path_factory):
 
 
 def task_and_text(run):
-    return read_run_data(run, {"num_workers": 0}, lambda dm: (dm.retrieval_task, dm.val_text(4000)), "test",
+    return read_run_data(run, {"num_workers": 0}, lambda dm: (dm.retrieval_task, dm.val_text(4000).numpy()), "test",
                          "task", "")
 
 
@@ -39,7 +39,8 @@ def test_dense_prefill_scores_what_the_full_forward_scores(passkey_run):
     for s in samples:
         got = rv.run_sample(target, s, rv.Setting("prefill", "dense", None))
         tokens = torch.as_tensor(s.tokens)[None]
-        loss, acc = answer_scores(target.logits(tokens[:, :-1]), tokens, torch.as_tensor(s.answer)[None])
+        with torch.no_grad():
+            loss, acc = answer_scores(target.logits(tokens[:, :-1]), tokens, torch.as_tensor(s.answer)[None])
         assert got["accuracy"] == pytest.approx(float(acc)) and got["loss"] == pytest.approx(float(loss), abs=1e-5)
         assert got["first_kept"] == 1.0 and got["key_kept"] == 1.0
 
@@ -107,7 +108,7 @@ def test_the_command_table_json_plot_and_sweep(capsys, passkey_run, tmp_path):
     (["--grid", "width=3"], "--grid width: task passkey has no knob 'width'"),
     (["--length", "80"], "--length 80: allowed: <= the model context + 1 = 65"),
     (["--knob", "h2o.heavy=1"], "cache policy h2o: unknown knob 'heavy'; allowed: recent"),
-    (["--knob", "snapkv.window=4"], "--knob snapkv.window=4: policy 'snapkv' is not in --policies"),
+    (["--knob", "tova.x=4"], "--knob tova.x=4: policy 'tova' is not in --policies"),
     (["--protocols", "later"], "--protocols later: allowed: prefill, decoding"),
     (["--budgets", "2", "--policies", "streaming"], "first 4 must be in [0, budget 2]"),
 ])
