@@ -2,6 +2,7 @@
 
     sinklab sample RUN_DIR_OR_CKPT --prompt TEXT [--max-new-tokens 200] [--temperature 0.8] [--top-k 50] [--seed 0]
     sinklab sample CKPT --data RUN_DIR --prompt TEXT ...          (a bare checkpoint: the tokenizer of a run's data)
+    sinklab sample RUN_DIR --prompt TEXT --policy h2o [--budget 32] [--knob recent=0.25]   (another cache policy)
 
 The prompt is tokenised with the run's tokenizer (its data module's), after the BOS token when the run's data puts one
 at position 1 (data.bos), prefilled in one forward, and then each new token is one forward of one token through the
@@ -9,13 +10,15 @@ cache. When prompt + new tokens exceed the context (model.block_size), the cache
 al. 2024, arXiv 2309.17453): it keeps the first 4 tokens and the most recent ones, at most block_size in all,
 positions re-indexed inside the cache (`sinklab.evals.sampling.generate`). The paper keeps 4 initial tokens
 too; that the cache never holds more than block_size positions, so that every position stays inside the trained
-range, is decided here. Sampling covers the tokenizer's ids only (the padded rows of the embedding are never drawn).
+range, is decided here. --policy evicts by another cache policy of `sinklab.model.cache_policies` (H2O, SnapKV, ...)
+with --budget text keys kept between steps (default the context - 1). Sampling covers the tokenizer's ids only (the padded rows of the embedding are never drawn).
 --temperature 0 is greedy decoding. --json prints one object: target, prompt, prompt_tokens, tokens (the new ids),
-text (the new text), bos, temperature, top_k, seed, evicted (whether the cache dropped tokens), keep_first,
-seconds, tokens_per_s. User errors are one line on stderr and exit code 2. Decoding: `sinklab.evals.sampling`.
+text (the new text), bos, temperature, top_k, seed, evicted (whether the cache dropped tokens), keep_first (null
+with --policy), policy (null, or the policy and its knobs), seconds, tokens_per_s. User errors are one line on stderr and exit code 2. Decoding: `sinklab.evals.sampling`.
 """
 from __future__ import annotations
 
+import math
 import time
 from typing import Optional, Sequence
 
@@ -44,6 +47,13 @@ def build_parser() -> OneLineParser:
     ap.add_argument("--seed", type=int, default=0, help="seed of the sampling (default 0)")
     ap.add_argument("--data", metavar="RUN_DIR", default=None,
                     help="tokenize with this run's data config (default: TARGET's run dir)")
+    ap.add_argument("--policy", default=None, metavar="NAME",
+                    help="evict by this cache policy (sinklab.model.cache_policies: streaming, window, h2o, tova, "
+                         "snapkv, pyramidkv, keynorm, duo) instead of StreamingLLM's first 4 + recent")
+    ap.add_argument("--budget", type=int, default=None,
+                    help="with --policy: text keys kept between steps (default: the context - 1)")
+    ap.add_argument("--knob", action="append", default=[], metavar="KNOB=VALUE",
+                    help="with --policy: one of its knobs, e.g. recent=0.25 for h2o (repeatable)")
     add_device_json_args(ap)
     return ap
 
@@ -54,6 +64,29 @@ def read_tokenizer(args, run_dir) -> tuple[object, bool, int]:
     run, flag = data_run_dir(args, run_dir, hint="pass --data RUN_DIR (a run dir whose data config has the tokenizer)")
     return read_run_data(run, {"num_workers": 0}, lambda dm: (dm.tokenizer, bool(dm.config.bos), int(dm.eos_id)),
                          flag, "the tokenizer", "pass --data RUN_DIR of a run with an LMDataModule")
+
+
+def sample_policy(args, context: int):
+    """--policy NAME [--budget N] [--knob K=V ...] -> the cache policy (None: StreamingLLM's default)."""
+    from sinklab.model.cache_policies import build
+
+    if args.policy is None:
+        if args.budget is not None or args.knob:
+            raise UserError("--budget / --knob go with --policy NAME")
+        return None
+    knobs = {}
+    for item in args.knob:
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise UserError(f"--knob {item}: allowed: KNOB=VALUE, e.g. recent=0.25")
+        try:
+            knobs[key] = float(value) if any(c in value for c in ".e") else int(value)
+        except ValueError:
+            raise UserError(f"--knob {item}: {value!r} is not a number") from None
+    budget = None if args.policy == "dense" else (args.budget or context - 1)
+    policy = build(args.policy, budget, **knobs)
+    policy.check(context)
+    return policy
 
 
 def run(args) -> dict:
@@ -80,15 +113,18 @@ def run(args) -> dict:
     if cfg.prefix_len and len(ids) < cfg.prefix_len:
         raise UserError(f"--prompt has {len(ids)} tokens; model.prefix_len={cfg.prefix_len} (a prefix LM) needs a "
                         f"prompt of at least {cfg.prefix_len} tokens")
+    policy = sample_policy(args, cfg.block_size)
     generator = torch.Generator(device=device).manual_seed(args.seed)
     t0 = time.perf_counter()
     out = generate(model, torch.tensor([ids], device=device), args.max_new_tokens, args.temperature, args.top_k,
-                   generator, allowed=tokenizer_size(tok))
+                   generator, allowed=tokenizer_size(tok), policy=policy)
     seconds = time.perf_counter() - t0
     new = out[0].tolist()
     return {"target": str(ckpt), "prompt": args.prompt, "prompt_tokens": ids, "tokens": new, "text": tok.decode(new),
             "bos": bos, "temperature": args.temperature, "top_k": args.top_k, "seed": args.seed,
-            "evicted": len(ids) + len(new) - 1 > cfg.block_size, "keep_first": min(KEEP_FIRST, cfg.block_size - 2),
+            "evicted": len(ids) + len(new) - 1 > (cfg.block_size if policy is None else policy.budget or math.inf),
+            "keep_first": min(KEEP_FIRST, cfg.block_size - 2) if policy is None else None,
+            "policy": None if policy is None else policy.describe(),
             "seconds": round(seconds, 3), "tokens_per_s": round(len(new) / seconds, 1)}
 
 

@@ -40,8 +40,11 @@ def kept(idx: torch.Tensor, first: int, context: int) -> torch.Tensor:
 @torch.no_grad()
 def generate(model, prompt: torch.Tensor, max_new_tokens: int, temperature: float = 0.0, top_k: Optional[int] = None,
              generator: Optional[torch.Generator] = None, allowed: Optional[int] = None,
-             cached: bool = True) -> torch.Tensor:
+             cached: bool = True, policy=None) -> torch.Tensor:
     """prompt (1, P) -> the new tokens (1, max_new_tokens).
+
+    policy: a cache policy (`sinklab.model.cache_policies`) instead of StreamingLLM's first KEEP_FIRST + recent: the
+    cache evicts by it after every forward (the prompt's first block_size tokens in one, then one token each).
 
     cached: the prompt's first block_size tokens in one forward through a StreamingLLM cache (the first KEEP_FIRST
     tokens + the most recent, block_size in all), the rest of the prompt and every new token one forward of one token.
@@ -53,7 +56,8 @@ def generate(model, prompt: torch.Tensor, max_new_tokens: int, temperature: floa
     first = min(KEEP_FIRST, context - 2)
     idx, new = prompt, []
     if cached:
-        cache = model.new_cache(keep_first=first, recent=context - first - 1)  # the token fed besides them
+        cache = model.new_cache(keep_first=first, recent=context - first - 1) if policy is None else \
+            model.new_cache(policy=policy)  # StreamingLLM's keeps the token fed besides them: block_size in all
         logits = model(prompt[:, :context], cache=cache)[:, -1]  # (1, V)
         for t in range(context, prompt.shape[1]):
             logits = model(prompt[:, t:t + 1], cache=cache)[:, -1]

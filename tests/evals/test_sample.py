@@ -114,3 +114,25 @@ def test_a_bare_checkpoint_needs_a_run_for_its_tokenizer(capsys, tmp_path):
     rc, out, err = run_cli("sinklab", "sample", str(ckpt), capsys=capsys)
     assert rc == 2
     assert_one_line_error(err, "--prompt")
+
+
+def test_sampling_through_another_cache_policy(capsys, trained_run):
+    """--policy window --budget 63 is StreamingLLM's cache without its first tokens; greedy decoding with a budget
+    that holds the whole text is the default's; a bad policy setting is one line."""
+    base = ["sample", str(trained_run), "--prompt", "ROMEO:", "--max-new-tokens", "20", "--temperature", "0", "--json"]
+    rc, out, err = run_cli("sinklab", *base, capsys=capsys)
+    default = json.loads(out)
+    rc, out, err = run_cli("sinklab", *base, "--policy", "h2o", "--budget", "40", "--knob", "recent=0.25", capsys=capsys)
+    assert rc == 0, err
+    res = json.loads(out)
+    assert res["tokens"] == default["tokens"] and not res["evicted"]  # 27 tokens: nothing evicted
+    assert res["policy"] == {"policy": "h2o", "budget": 40, "recent": 0.25} and res["keep_first"] is None
+    rc, out, err = run_cli("sinklab", *base[:5], "100", *base[6:], "--policy", "window", "--budget", "16",
+                           capsys=capsys)
+    assert rc == 0 and json.loads(out)["evicted"], err
+    for args, message in ((["--policy", "h2o", "--budget", "64"], "budget 64 must be < the model context 64"),
+                          (["--budget", "8"], "--budget / --knob go with --policy NAME"),
+                          (["--policy", "lru"], "cache policy 'lru' is unknown; allowed: dense, streaming")):
+        rc, out, err = run_cli("sinklab", *base, *args, capsys=capsys)
+        assert rc == 2
+        assert_one_line_error(err, message)
