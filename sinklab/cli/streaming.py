@@ -6,6 +6,7 @@ baselines: dense attention and sliding window with re-computation.
     sinklab eval streaming CKPT --data RUN_DIR | --tokens FILE.npy      (another run's text, or one text (N,))
     sinklab eval streaming --hf-model NAME_OR_DIR (--data RUN_DIR | --tokens FILE.npy)   (a transformers RoPE model)
     ... [--baselines dense,recompute | none] [--bucket 256] [--plot FILE.png]
+    ... [--policies h2o,snapkv,... --budgets 32,60]   (other cache policies, sinklab.model.cache_policies)
     sinklab eval streaming --sweep SWEEP_DIR [--jobs 0 1 ...] [options]   (every finished job of a sweep, one CSV)
 
 Text: the first --n-tokens tokens (default 10000) of the run's validation split, contiguous (documents joined by the
@@ -17,7 +18,8 @@ learned absolute positions, GPT-2 and OPT).
 
 --json prints one object: target, source ("sinklab" | "hf"), data ("run" | "tokens"), text (where it comes from),
 n_tokens, targets (n_tokens - 1 scored predictions), context, bucket, bucket_ends (the last target position of each
-bucket), notes [...], seconds, and settings [{name, kind ("streaming" | "dense" | "recompute"), first, recent, keys
+bucket), notes [...], seconds, and settings [{name, kind ("streaming" | "policy" | "dense" | "recompute"), first,
+recent, policy and budget (kind "policy"), keys
 (the most keys a prediction attends to), loss, ppl, bpb, bucket_ppl [...], seconds}]. bpb: bits per byte of the
 text (the loss over ln 2 x the bytes of text per target, the run's tokenizer decoding the N - 1 targets once:
 `sinklab.model.lm_loss`), null with --tokens (no tokenizer to decode them with). --sweep SWEEP_DIR writes that
@@ -70,6 +72,14 @@ def baseline_list(text: str) -> list[str]:
     return list(dict.fromkeys(names))
 
 
+def policy_list(text: str) -> list[str]:
+    """'h2o,snapkv' -> ['h2o', 'snapkv'] (checked against the registry when the command runs)."""
+    names = [v.strip() for v in text.split(",") if v.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError(f"{text!r}: a comma-separated list of cache policies, e.g. h2o,snapkv")
+    return list(dict.fromkeys(names))
+
+
 def build_parser() -> OneLineParser:
     ap = OneLineParser(prog=PROG, description="Perplexity over a long text fed one token at a time through a KV cache "
                                               "that keeps the first x and the y most recent tokens (StreamingLLM), "
@@ -91,6 +101,11 @@ def build_parser() -> OneLineParser:
     ap.add_argument("--baselines", type=baseline_list, default=list(BASELINES), metavar="B,...",
                     help="dense (a cache that never evicts, past the context) and/or recompute (each token from the "
                          "last `context` tokens recomputed), or none (default dense,recompute)")
+    ap.add_argument("--policies", type=policy_list, default=[], metavar="P,...",
+                    help="cache policies to run besides StreamingLLM's x + y (sinklab.model.cache_policies: window, "
+                         "h2o, tova, snapkv, pyramidkv, keynorm, duo), each at every --budgets")
+    ap.add_argument("--budgets", type=int_list, default=None, metavar="B,...",
+                    help="with --policies: text keys kept between steps (default: the context - 1)")
     ap.add_argument("--bucket", type=int, default=256, help="targets per position bucket of the plot (default 256)")
     ap.add_argument("--batch-size", type=int, default=32, help="windows per forward of the recompute baseline")
     ap.add_argument("--plot", metavar="FILE.png", default=None, help="draw perplexity vs position, one line a setting")
@@ -147,6 +162,26 @@ def grid(args, context: Optional[int]) -> list[tuple[int, int]]:
     return [(x, y) for x in args.first for y in recent]
 
 
+def policy_settings(args, context: Optional[int]) -> list:
+    """--policies x --budgets as built cache policies (a bad name or budget: one line, before any work)."""
+    from sinklab.model.cache_policies import build
+
+    if not args.policies:
+        if args.budgets is not None:
+            raise UserError("--budgets goes with --policies P,...")
+        return []
+    budgets = args.budgets or ([context - 1] if context else None)
+    if budgets is None:
+        raise UserError("the model config has no context length: pass --budgets B,...")
+    out = []
+    for name in args.policies:
+        for b in budgets:
+            policy = build(name, b)
+            policy.check(context)
+            out.append(policy)
+    return out
+
+
 # ----------------------------------------------------------------------------------------------------- main
 def run(args) -> dict:
     check_one_target(args)
@@ -165,6 +200,7 @@ def run(args) -> dict:
         raise UserError(f"model.prefix_len={meta.prefix_len}: a prefix LM's first tokens see each other, so it "
                         "has no token-by-token stream; allowed: causal models (model.prefix_len=0)")
     settings = grid(args, meta.context)
+    policies = policy_settings(args, meta.context)
     tokens, kind, where, per_token = choose_text(args, meta.vocab_size, meta.run_dir)
     target.check_stream()  # refuse what cannot be re-rotated before any work
     tokens = tokens.to(device)
@@ -176,6 +212,9 @@ def run(args) -> dict:
         res["notes"] += target.stream_notes()
     runs = [(f"x={x} y={y}", "streaming", {"first": x, "recent": y, "keys": min(x + y, res["targets"])})
             for x, y in settings]
+    runs += [(f"{p.name} budget={p.budget}", "policy", {"first": None, "recent": None, "keys": p.budget + 1,
+                                                       "policy": p.name, "budget": p.budget, "_policy": p})
+             for p in policies]
     if "dense" in args.baselines:
         skip = target.dense_limit(tokens.shape[0])
         if skip:
@@ -191,6 +230,7 @@ def run(args) -> dict:
     with torch.no_grad():
         for name, kind, extra in runs:
             scored = score(args, name, kind, tokens, target, extra, res["bucket_ends"])
+            extra = {k: v for k, v in extra.items() if not k.startswith("_")}
             res["settings"].append({"name": name, "kind": kind, **extra, **scored,
                                     "bpb": bits_per_byte(scored["loss"], per_token)})
     if args.plot:
@@ -210,6 +250,9 @@ def score(args, name: str, kind: str, tokens: torch.Tensor, target: Target, extr
     try:
         if kind == "recompute":
             nll = pp.recompute_nll(target, tokens, extra["keys"], args.batch_size, bar.update)
+        elif kind == "policy":
+            decoder = target.decoder(extra["_policy"])
+            nll = pp.stream_nll(lambda tok: decoder(tok)[:, -1], tokens, bar.update)
         else:
             nll = pp.stream_nll(target.stream(extra["first"], extra["recent"]), tokens, bar.update)
     finally:
@@ -229,7 +272,7 @@ def plot(res: dict, path: str) -> Path:
     ax = fig.add_subplot()
     colors = iter(f"C{i}" for i in range(100))
     for s in res["settings"]:
-        baseline = s["kind"] != "streaming"
+        baseline = s["kind"] in ("dense", "recompute")
         ax.plot(res["bucket_ends"], s["bucket_ppl"], lw=1.6 if baseline else 1.2, ls="--" if baseline else "-",
                 color={"dense": "0.45", "recompute": "black"}.get(s["kind"]) or next(colors),
                 label=f"{s['name']} ({s['ppl']:.2f})")

@@ -284,3 +284,25 @@ def test_the_command_on_every_architecture(capsys, hf_models, tmp_path, kind):
     assert by_name["x=0 y=60"] == pytest.approx(by_name["recompute 64"], rel=1e-5)
     if kind != "mistral":  # (its every layer sees 16 keys: what x=4 y=20 evicts it never saw)
         assert by_name["x=4 y=20"] != pytest.approx(by_name["dense"], rel=1e-4)  # evicted from the 25th token on
+
+
+def test_other_cache_policies_stream_beside_streamingllm(capsys, streaming_run):
+    """--policies window --budgets 59 is StreamingLLM's x = 0, y = 60 cache (59 kept + the token fed): the same
+    perplexity; H2O at the same budget is scored too, and its columns reach the sweep row."""
+    from sinklab.evals.streaming_ppl import StreamingPerplexity
+
+    run, text, d = streaming_run
+    rc, out, err = run_cli("sinklab", "eval", "streaming", str(run), "--n-tokens", "300", "--first", "0", "--recent",
+                           "60", "--baselines", "none", "--policies", "window,h2o", "--budgets", "59", "--json",
+                           capsys=capsys)
+    assert rc == 0, err
+    res = json.loads(out)
+    by = {s["name"]: s for s in res["settings"]}
+    assert by["window budget=59"]["ppl"] == pytest.approx(by["x=0 y=60"]["ppl"], rel=1e-5)
+    assert by["h2o budget=59"]["kind"] == "policy" and by["h2o budget=59"]["keys"] == 60
+    row = StreamingPerplexity.row(res)
+    assert {"window_b59_ppl", "h2o_b59_ppl", "x0_y60_ppl"} <= set(row)
+    assert all(StreamingPerplexity.column_bounds(c) for c in row)
+    rc, out, err = run_cli("sinklab", "eval", "streaming", str(run), "--budgets", "8", capsys=capsys)
+    assert rc == 2
+    assert_one_line_error(err, "--budgets goes with --policies P,...")
