@@ -71,19 +71,21 @@ def key_positions(sample) -> np.ndarray:
 
 
 @torch.no_grad()
-def run_sample(target: Target, sample, setting: Setting) -> dict:
-    """One sample through one cache: its answer loss and span accuracy, and the share of kept sets holding the first
-    text token and the key, when the question came."""
+def run_batch(target: Target, samples: Sequence, setting: Setting) -> list[dict]:
+    """Samples of one length and one question place through one cache each, as a batch: per sample its answer loss
+    and span accuracy, and whether the kept sets held the first text token and the whole key when the question came
+    (the share of (layer, kv head) sets)."""
     from sinklab.data.retrieval import answer_scores
 
-    tokens = torch.as_tensor(sample.tokens, device=target.device)[None]  # (1, L)
-    L, ask = tokens.shape[1], sample.ask
+    tokens = torch.as_tensor(np.stack([s.tokens for s in samples]), device=target.device)  # (B, L)
+    B, L = tokens.shape
+    ask = samples[0].ask
     dec = target.decoder(setting.make(), "prefill" if setting.protocol == "prefill" else "decoding")
     if setting.protocol == "prefill":
         first = dec(tokens[:, :ask])
         dec.compress()
         kept = dec.kept()
-        logits = torch.cat([first, dec(tokens[:, ask:L - 1])], dim=1)  # (1, L - 1, V)
+        logits = torch.cat([first, dec(tokens[:, ask:L - 1])], dim=1)  # (B, L - 1, V)
     else:
         head = min(L - 1, ask, (setting.budget or L) + 1)
         parts, kept = [dec(tokens[:, :head])], None
@@ -93,13 +95,33 @@ def run_sample(target: Target, sample, setting: Setting) -> dict:
             parts.append(dec(tokens[:, t:t + 1]))
         kept = kept if kept is not None else dec.kept()
         logits = torch.cat(parts, dim=1)
-    loss, acc = answer_scores(logits, tokens, torch.as_tensor(sample.answer, device=tokens.device)[None])
-    keys = torch.as_tensor(key_positions(sample), device=tokens.device)
-    holds_first = [(k == 0).any(-1) for k in kept]  # per layer (Hkv,)
-    holds_key = [torch.stack([torch.isin(keys, row).all() for row in k]) for k in kept]
-    return {"loss": float(loss), "accuracy": float(acc),
-            "first_kept": float(torch.cat(holds_first).float().mean()),
-            "key_kept": float(torch.cat(holds_key).float().mean()) if len(keys) else None}
+    kept = torch.cat(kept, dim=1)  # (B, layers x Hkv, K): every layer's kept sets
+    out = []
+    for b, sample in enumerate(samples):
+        answer = torch.as_tensor(sample.answer, device=tokens.device)[None]
+        loss, acc = answer_scores(logits[b:b + 1], tokens[b:b + 1], answer)
+        keys = torch.as_tensor(key_positions(sample), device=tokens.device)
+        held = kept[b]  # (layers x Hkv, K)
+        out.append({"loss": float(loss), "accuracy": float(acc),
+                    "first_kept": float((held == 0).any(-1).float().mean()),
+                    "key_kept": float(torch.stack([torch.isin(keys, row).all() for row in held]).float().mean())
+                    if len(keys) else None})
+    return out
+
+
+def run_sample(target: Target, sample, setting: Setting) -> dict:
+    """One sample through one cache (`run_batch` of one)."""
+    return run_batch(target, [sample], setting)[0]
+
+
+def batches(samples: Sequence, setting: Setting, size: int = 16) -> list[list]:
+    """The samples in batches of one length and question place (a masking policy's, one at a time)."""
+    if setting.make().masks:
+        return [[s] for s in samples]
+    groups: dict[tuple[int, int], list] = {}
+    for s in samples:
+        groups.setdefault((len(s.tokens), s.ask), []).append(s)
+    return [g[i:i + size] for g in groups.values() for i in range(0, len(g), size)]
 
 
 def evaluate(target: Target, samples_by_cell: dict, settings: Sequence[Setting],
@@ -110,7 +132,7 @@ def evaluate(target: Target, samples_by_cell: dict, settings: Sequence[Setting],
     for setting in settings:
         cells = {}
         for value, samples in samples_by_cell.items():
-            rows = [run_sample(target, s, setting) for s in samples]
+            rows = [r for batch in batches(samples, setting) for r in run_batch(target, batch, setting)]
             if progress is not None:
                 progress(len(rows))
             keyed = [r["key_kept"] for r in rows if r["key_kept"] is not None]

@@ -92,13 +92,14 @@ class Recorder(Protocol):
 
 
 class Decoder(ABC):
-    """A model fed through a KV cache that evicts by a policy (`Target.decoder`): call it with the next tokens (1, N)
-    for their logits (1, N, V); `compress()` applies the policy now (the prefill-then-ask protocol); `kept()` says,
-    per layer, which text tokens each kv head holds."""
+    """A model fed through a KV cache that evicts by a policy (`Target.decoder`): call it with the next tokens (B, N)
+    for their logits (B, N, V); `compress()` applies the policy now (the prefill-then-ask protocol); `kept()` says,
+    per layer, which text tokens each kv head of each sequence holds. A policy that masks keys (`masks`) decodes one
+    sequence at a time (B = 1)."""
 
     @abstractmethod
     def __call__(self, idx: torch.Tensor) -> torch.Tensor:
-        """idx (1, N): the next tokens -> their logits (1, N, V)."""
+        """idx (B, N): the next tokens -> their logits (B, N, V)."""
 
     @abstractmethod
     def compress(self) -> None:
@@ -106,7 +107,7 @@ class Decoder(ABC):
 
     @abstractmethod
     def kept(self) -> list[torch.Tensor]:
-        """Per layer (Hkv, L): the index of the text token each held key came from (-1: a learned sink token, or a
+        """Per layer (B, Hkv, L): the index of the text token each held key came from (-1: a learned sink token, or a
         key the policy masks)."""
 
 

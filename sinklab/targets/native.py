@@ -158,7 +158,7 @@ class SinklabDecoder(Decoder):
         self.cache.compress()
 
     def kept(self) -> list[torch.Tensor]:
-        return [self.cache.origins(layer)[0] for layer in range(self.cache.n_layer)]
+        return [self.cache.origins(layer) for layer in range(self.cache.n_layer)]
 
 
 def no_run_config(name: str) -> str:

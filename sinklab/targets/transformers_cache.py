@@ -144,7 +144,7 @@ class HFDecoder(Decoder):
                     state[name] = t.gather(-1, idx.view(B, Hkv, *[1] * (t.dim() - 3), n).expand(*t.shape[:-1], n))
 
     def kept(self) -> list[torch.Tensor]:
-        return [o[0] for o in self.origin]
+        return list(self.origin)
 
 
 class HFStream(HFDecoder):

@@ -45,6 +45,20 @@ def test_dense_prefill_scores_what_the_full_forward_scores(passkey_run):
         assert got["first_kept"] == 1.0 and got["key_kept"] == 1.0
 
 
+@pytest.mark.parametrize("setting", [rv.Setting("decoding", "h2o", 16), rv.Setting("prefill", "snapkv", 16),
+                                     rv.Setting("prefill", "pyramidkv", 24, {"window": 4})],
+                         ids=lambda s: s.label)
+def test_a_batch_scores_each_sample_as_alone(passkey_run, setting):
+    """Samples read as one batch (each its own kept sets) give what each gives alone."""
+    target = load_target(TargetSpec(str(passkey_run)))
+    task, text = task_and_text(passkey_run)
+    samples = make_samples(task, 4, 65, 2, text)
+    together = rv.run_batch(target, samples, setting)
+    for s, got in zip(samples, together):
+        alone = rv.run_sample(target, s, setting)
+        assert got == pytest.approx(alone, abs=1e-5)
+
+
 def test_what_the_cache_holds_when_the_question_comes(passkey_run):
     """A key planted early (depth 0) is gone from a 16-key window by the question, and kept by the dense cache;
     StreamingLLM's first 4 keep token 1, a window does not."""

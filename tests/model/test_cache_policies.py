@@ -189,7 +189,7 @@ def test_a_transformers_model_decodes_what_the_kept_tokens_give(name):
     dec = HFDecoder(m, policy(name))
     with torch.no_grad():
         for t in range(idx.shape[1]):
-            held = dec.kept()[0][0] if t else torch.zeros(0, dtype=torch.long)
+            held = dec.kept()[0][0, 0] if t else torch.zeros(0, dtype=torch.long)
             out = dec(idx[:, t:t + 1])[:, -1]
             kept = torch.cat([idx[0, held], idx[0, t:t + 1]])[None]
             torch.testing.assert_close(out, m(input_ids=kept).logits[:, -1], atol=3e-5, rtol=1e-5,
