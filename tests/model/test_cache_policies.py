@@ -207,3 +207,18 @@ def test_a_transformers_model_refuses_per_layer_or_per_head_masks(name):
     with pytest.raises(UserError, match=f"cache policy {name}: needs a mask per layer or head.*allowed here: "
                                         "dense, streaming, window, h2o, tova, snapkv, keynorm"):
         HFDecoder(m, policy(name))
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "flex", "explicit"])
+def test_an_attention_policy_reads_maps_on_every_backend(backend):
+    """A fused kernel gives no map: the layer computes the map the policy observes through its explicit path, so
+    H2O keeps the same tokens and decodes the same logits on every backend."""
+    idx = token_ids(B=1, T=16)
+    runs = []
+    for b in ("explicit", backend):
+        m = small_model(n_layer=2, n_kv_head=2, attn_backend=b)
+        cache = m.new_cache(policy=cp.build("h2o", 6))
+        logits = torch.cat([m(idx[:, t:t + 1], cache=cache)[:, -1] for t in range(16)])
+        runs.append((logits, [cache.origins(layer) for layer in range(2)]))
+    torch.testing.assert_close(runs[0][0], runs[1][0], atol=2e-5, rtol=1e-5)
+    assert all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1]))
