@@ -5,6 +5,7 @@ budget x depth (`sinklab.evals.retrieval`, which says what the protocols are).
     sinklab eval retrieval RUN_DIR_OR_CKPT [--policies streaming,window,h2o,snapkv] [--budgets 25%,50%]
         [--protocols prefill,decoding] [--grid depth=0.1,0.5,0.9] [--samples 16] [--length N] [--seed 0]
         [--knob snapkv.window=4 ...] [--plot FILE.png] [--json]
+    sinklab eval retrieval --hf-model DIR --data RUN_DIR [options]   (a transformers RoPE model on a run's task)
     sinklab eval retrieval --sweep SWEEP_DIR [--jobs 0 1 ...] [options]   (every finished job, one CSV)
 
 The task, its marker ids and its knobs are the run's (data.retrieval: a model trained with it mixed in); --grid
@@ -33,8 +34,8 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
-from sinklab.cli.base import (OneLineParser, add_device_json_args, add_sweep_args, command_main, data_run_dir,
-                              pick_device, target_spec)
+from sinklab.cli.base import (OneLineParser, add_device_json_args, add_sweep_args, add_target_args, check_one_target,
+                              command_main, data_run_dir, pick_device, target_spec)
 from sinklab.errors import UserError
 
 PROG = "sinklab eval retrieval"
@@ -72,8 +73,9 @@ def build_parser() -> OneLineParser:
     ap = OneLineParser(prog=PROG, description="Exact-match retrieval (the run's passkey or MQAR task) through a KV "
                                               "cache that keeps a budget of keys chosen by a policy, at prefill or "
                                               "while decoding, by depth; dense is the reference.")
-    ap.add_argument("target", nargs="?", default=None,
-                    help="a sinklab .ckpt or a run dir trained with data.retrieval (uses its checkpoints/last.ckpt)")
+    add_target_args(ap, "its retrieval task and validation text",
+                    "evaluate a transformers RoPE model instead, on --data RUN_DIR's task (e.g. a run exported with "
+                    "`sinklab export-hf`; policies that mask per layer or head, pyramidkv and duo, are sinklab's only)")
     ap.add_argument("--data", metavar="RUN_DIR", default=None,
                     help="the run whose retrieval task and validation text to use (default: TARGET's run dir)")
     ap.add_argument("--policies", type=names, default=list(DEFAULT_POLICIES), metavar="P,...",
@@ -203,14 +205,12 @@ def run(args) -> dict:
     from sinklab.evals import retrieval as rv
     from sinklab.targets import load_target
 
-    if args.target is None:
-        raise UserError("pass TARGET (a sinklab checkpoint or run dir trained with data.retrieval)")
+    check_one_target(args)
     for name, value in (("--samples", args.samples), ("--length", args.length)):
         if value is not None and value < 1:
             raise UserError(f"{name} {value}: allowed: a positive integer")
     if args.plot is not None and Path(args.plot).suffix.lower() != ".png":
         raise UserError(f"--plot {args.plot}: allowed: a .png file name")
-    args.hf_model, args.revision, args.dtype = None, None, "auto"
     device = pick_device(args.device)
     t0 = time.perf_counter()
     target = load_target(target_spec(args, device))
@@ -218,6 +218,8 @@ def run(args) -> dict:
     if meta.prefix_len:
         raise UserError(f"model.prefix_len={meta.prefix_len}: a prefix LM's first tokens see each other, so it has "
                         "no token-by-token cache; allowed: causal models (model.prefix_len=0)")
+    if args.length is None and meta.context is None:
+        raise UserError("the model config has no context length: pass --length N (tokens per sample)")
     length = args.length or (meta.context + 1)
     if meta.context is not None and length > meta.context + 1:
         raise UserError(f"--length {length}: allowed: <= the model context + 1 = {meta.context + 1} (the last "

@@ -154,3 +154,29 @@ def test_readme_retrieval_commands_run(capsys, passkey_run, tmp_path):
         else:
             assert "token 1 kept" in out
     assert (tmp_path / "r.png").is_file()
+
+
+def test_an_exported_model_retrieves_as_the_run_does(capsys, passkey_run, tmp_path):
+    """The run exported to transformers (LLaMA) and read with --hf-model on the run's task: the same accuracies and
+    kept sets for dense, StreamingLLM and H2O (its maps from the eager kernel), per protocol."""
+    pytest.importorskip("transformers")
+    hf = tmp_path / "hf"
+    run_cli("sinklab", "export-hf", str(passkey_run), str(hf), "--no-tokenizer", capsys=capsys, check=True)
+    common = ["--samples", "3", "--policies", "streaming,h2o", "--budgets", "16", "--json"]
+    rc, out, err = run_cli("sinklab", "eval", "retrieval", str(passkey_run), *common, capsys=capsys)
+    assert rc == 0, err
+    native = json.loads(out)
+    rc, out, err = run_cli("sinklab", "eval", "retrieval", "--hf-model", str(hf), "--data", str(passkey_run), *common,
+                           capsys=capsys)
+    assert rc == 0, err
+    exported = json.loads(out)
+    assert exported["source"] == "hf"
+    for a, b in zip(native["settings"], exported["settings"]):
+        assert a["label"] == b["label"]
+        for key in ("accuracy", "first_kept", "key_kept"):
+            assert a[key] == pytest.approx(b[key], abs=1e-6), (a["label"], key)
+        assert a["loss"] == pytest.approx(b["loss"], abs=1e-3)
+    rc, out, err = run_cli("sinklab", "eval", "retrieval", "--hf-model", str(hf), "--data", str(passkey_run),
+                           "--samples", "1", "--policies", "duo", "--budgets", "16", capsys=capsys)
+    assert rc == 2
+    assert_one_line_error(err, "cache policy duo: needs a mask per layer or head")
