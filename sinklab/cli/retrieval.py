@@ -94,6 +94,10 @@ def build_parser() -> OneLineParser:
     ap.add_argument("--seed", type=int, default=0, help="the samples' seed (default 0)")
     ap.add_argument("--knob", action="append", default=[], metavar="POLICY.KNOB=VALUE",
                     help="a policy's knob, e.g. snapkv.window=4 (repeatable)")
+    ap.add_argument("--duo-heads", choices=("onthefly", "measured"), default="onthefly",
+                    help="duo's retrieval heads: chosen per prompt by the attention a streaming head would lose "
+                         "(onthefly, the default), or the heads with the highest measured retrieval score (the "
+                         "per-head table: attention on the key), the same for every prompt")
     ap.add_argument("--plot", metavar="FILE.png", default=None,
                     help="accuracy against the grid knob, one line a policy, a panel per protocol x budget")
     add_sweep_args(ap, "retrieval")
@@ -228,6 +232,11 @@ def run(args) -> dict:
     task, text = load_task(args, meta.run_dir, meta.vocab_size, length, max(20_000, 4 * length))
     knob, values = parse_grid(args.grid, task)
     cells = {v: make_samples(rv.with_knob(task, knob, v), args.samples, length, args.seed, text) for v in values}
+    budgets = [c.budget for c in cases if c.budget is not None]
+    heads = rv.head_scores(target, [x for samples in cells.values() for x in samples],
+                           recent=min(budgets) if budgets else 16)
+    if args.duo_heads == "measured":  # DuoAttention's retrieval heads: the highest measured retrieval scores
+        cases = [rv.measured_duo(c, heads) for c in cases]
     n_runs = len(cases) * len(values) * args.samples
     from tqdm.auto import tqdm
 
@@ -238,9 +247,6 @@ def run(args) -> dict:
             results = rv.evaluate(target, cells, cases, bar.update)
     finally:
         bar.close()
-    budgets = [c.budget for c in cases if c.budget is not None]
-    heads = rv.head_scores(target, [x for samples in cells.values() for x in samples],
-                           recent=min(budgets) if budgets else 16)
     res = {"target": meta.target, "source": meta.source, "task": task.describe(), "chance": task.chance(),
            "grid": {"knob": knob, "values": values}, "length": length, "context": meta.context,
            "n_samples": args.samples, "notes": target.stream_notes(), "settings": results, "heads": heads,

@@ -199,6 +199,17 @@ def head_scores(target: Target, samples: Sequence, first: int = 4, recent: int =
              "streaming": float(v[2] / len(samples))} for (layer, h), v in sorted(sums.items())]
 
 
+def measured_duo(setting: Setting, heads: list[dict]) -> Setting:
+    """A duo setting with its retrieval heads named: the `retrieval` share (its knob, default 0.5) of the
+    (layer, kv head)s with the highest measured retrieval score (`head_scores`); other settings unchanged."""
+    if setting.policy != "duo":
+        return setting
+    share = setting.knobs.get("retrieval", 0.5)
+    ranked = sorted(heads, key=lambda h: -h["retrieval"])[:int(round(share * len(heads)))]
+    return Setting(setting.protocol, setting.policy, setting.budget,
+                   {**setting.knobs, "heads": [[h["layer"], h["head"]] for h in ranked]})
+
+
 def heads_by_sink(heads: list[dict], eps: float = 0.3) -> dict:
     """The mean retrieval score of the sink heads (alpha_1 > eps, the sink metric's threshold) and of the others
     (None where a group is empty)."""

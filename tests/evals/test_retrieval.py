@@ -180,3 +180,18 @@ def test_an_exported_model_retrieves_as_the_run_does(capsys, passkey_run, tmp_pa
                            "--samples", "1", "--policies", "duo", "--budgets", "16", capsys=capsys)
     assert rc == 2
     assert_one_line_error(err, "cache policy duo: needs a mask per layer or head")
+
+
+def test_duo_with_the_measured_retrieval_heads(capsys, passkey_run):
+    """--duo-heads measured names the heads of highest retrieval score as duo's retrieval heads: all of them
+    (retrieval=1) is the dense cache; none is a first + recent cache with positions kept (a key evicted is lost)."""
+    base = ["eval", "retrieval", str(passkey_run), "--samples", "2", "--policies", "duo", "--budgets", "16",
+            "--protocols", "decoding", "--duo-heads", "measured", "--json"]
+    rc, out, err = run_cli("sinklab", *base, "--knob", "duo.retrieval=1.0", capsys=capsys)
+    assert rc == 0, err
+    dense, duo = json.loads(out)["settings"]
+    assert duo["label"] == "decoding_duo_b16" and len(duo["knobs"]["heads"]) == len(json.loads(out)["heads"])
+    assert duo["accuracy"] == dense["accuracy"] and duo["key_kept"] == 1.0
+    rc, out, err = run_cli("sinklab", *base, "--knob", "duo.retrieval=0.0", "--grid", "depth=0", capsys=capsys)
+    dense, duo = json.loads(out)["settings"]
+    assert duo["knobs"]["heads"] == [] and duo["key_kept"] == 0.0 and duo["first_kept"] == 1.0
