@@ -125,6 +125,7 @@ def test_the_command_table_json_plot_and_sweep(capsys, passkey_run, tmp_path):
     (["--knob", "tova.x=4"], "--knob tova.x=4: policy 'tova' is not in --policies"),
     (["--protocols", "later"], "--protocols later: allowed: prefill, decoding"),
     (["--budgets", "2", "--policies", "streaming"], "first 4 must be in [0, budget 2]"),
+    (["--length", "8", "--budgets", "1", "--policies", "window"], "data.retrieval.key_len=3"),
 ])
 def test_bad_input_is_one_line_and_exit_2(capsys, passkey_run, args, message):
     rc, out, err = run_cli("sinklab", "eval", "retrieval", str(passkey_run), "--samples", "1", *args, capsys=capsys)
