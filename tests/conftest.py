@@ -81,18 +81,17 @@ def hf_models(tmp_path_factory) -> dict[str, Path]:
 # so that one worker builds it: `trained_run`, a 120-step training (~20 s).
 ONE_UNIT = {"trained_run": ("tests/evals/test_streaming.py", "tests/evals/test_trajectory.py",
                             "tests/metrics/test_metric_contracts.py", "tests/evals/test_sample.py")}
-# The units that take longest (training runs, subprocesses: ~8 s to ~100 s each on a 2-core machine), longest first;
-# the others follow, most tests first. (xdist's own order, most tests first, put the long files of a few tests each
-# last, where one worker ran them while the other had nothing left.)
+# The units that take longest in the default suite (compositions, training runs, subprocesses: ~5 s to ~90 s each on
+# a 2-core machine), longest first; the others follow, most tests first. (xdist's own order, most tests first, put the
+# long files of a few tests each last, where one worker ran them while the other had nothing left.)
 LONGEST_FIRST = (
-    "tests/config/test_experiments.py", "tests/train/test_reliability.py", "tests/train/test_train.py",
-    "tests/integration/test_plugins.py", "trained_run", "tests/golden/test_golden.py", "tests/model/test_contracts.py",
-    "tests/report/test_seed_statistics.py", "tests/integration/test_sink_emergence.py", "tests/report/test_report.py",
-    "tests/cli/test_readme.py", "tests/model/test_model_zoo.py", "tests/data/test_prepare.py",
-    "tests/integration/test_stock_image.py",
-    "tests/train/test_launcher.py", "tests/metrics/test_bounds.py", "tests/evals/test_measure.py",
-    "tests/evals/test_hub.py", "tests/model/test_export_hf.py", "tests/data/test_data_config.py",
-    "tests/metrics/test_gate_metrics.py",
+    "tests/config/test_experiments.py", "trained_run", "tests/model/test_contracts.py", "tests/golden/test_golden.py",
+    "tests/cli/test_readme.py", "tests/train/test_reliability.py", "tests/model/test_model_zoo.py",
+    "tests/report/test_seed_statistics.py", "tests/report/test_report.py", "tests/evals/test_measure.py",
+    "tests/data/test_prepare.py", "tests/train/test_train.py", "tests/metrics/test_bounds.py",
+    "tests/data/test_data_config.py", "tests/model/test_backends.py", "tests/metrics/test_gate_metrics.py",
+    "tests/cli/test_layering.py", "tests/integration/test_default_run.py", "tests/data/test_data_controls.py",
+    "tests/evals/test_quant.py", "tests/data/test_data.py",
 )
 _UNIT_OF_FILE = {file: unit for unit, files in ONE_UNIT.items() for file in files}
 

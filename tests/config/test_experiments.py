@@ -1,17 +1,17 @@
 """Experiment presets (conf/experiment/) at both scales (conf/scale/).
 
 Fast, in-process: every preset composes at scale=cpu and scale=paper; its claims name settings its sweep runs; its
-sweep (hydra.sweeper.params) expands into jobs that each compose (a job that only sets values: the preset's composed
-config with Hydra's value-override stage, tests/helpers/configs.py), pass the training entry's validation (model,
-optim, trainer, data controls) and differ from one another; each job finds its row of the paper's table the way
-`sinklab report` looks it up, and the sweep covers every row of that table; the scale presets hold the reference
+sweep (hydra.sweeper.params) expands into jobs that each compose (the composition of the preset and the job's config
+group choices, then Hydra's value-override stage: tests/helpers/configs.py), pass the training entry's validation
+(model, optim, trainer, data controls) and differ from one another; each job finds its row of the paper's table the
+way `sinklab report` looks it up, and the sweep covers every row of that table; the scale presets hold the reference
 setup and the per-scale tables keep the paper's ratios.
 
-Fast, real training: one job per preset (the first job of its sweep whose model/data/optim/trainer config differs
-from the scale's defaults; in the default suite the presets of TRAINED, whose jobs change every data key and a key of
-every section any preset's job changes, all presets with -m slow) runs one step as a real multirun
-(`-m experiment=NAME`, the sweep restricted through `hydra.sweeper.params`) in a temporary sweep dir, then `sinklab
-report` reads it back with the paper's numbers.
+Real training (`slow`; CI's `ci` tier, after the default suite, runs the presets of TRAINED, whose jobs change every
+data key and a key of every section any preset's job changes; all presets with -m slow): one job per preset (the first
+job of its sweep whose model/data/optim/trainer config differs from the scale's defaults) runs one step as a real
+multirun (`-m experiment=NAME`, the sweep restricted through `hydra.sweeper.params`) in a temporary sweep dir, then
+`sinklab report` reads it back with the paper's numbers.
 To share one Python start-up (torch + Lightning imports, ~8 s) the presets run one after the other in ONE
 subprocess, each through `sinklab.train.entry.main` with the argv `sinklab-train` would get.
 
@@ -153,18 +153,21 @@ def check_job_dir(job_dir: Path, name: str) -> dict:
 
 # ------------------------------------------------------------------------------------------- composition (fast)
 def test_a_job_that_sets_values_composes_as_hydra_composes_it():
-    """The tests compose a value-only job as the preset's composed base plus Hydra's value-override stage
-    (tests/helpers/configs.py): for one job of each kind of value the presets sweep, at both scales, the config equals
-    Hydra's full composition (values, interpolations unresolved, struct flag); a job that selects a config group is
-    composed in full."""
+    """The tests compose a job as the composition of the preset and the job's config group choices plus Hydra's
+    value-override stage (tests/helpers/configs.py): for one job of each kind of value the presets sweep, alone or
+    with a config group choice, and one job that only chooses a config group, at both scales, the config equals
+    Hydra's full composition (values, interpolations unresolved, struct flag)."""
     kinds = {}
     for name in PRESETS:
         for job in preset_jobs(name, "cpu"):
-            kind = tuple(sorted(o.partition("=")[0] for o in job))
-            if configs.value_overrides((f"experiment={name}", "scale=cpu"), job) is not None:
-                kinds.setdefault(kind, (name, job))
-    assert {("experiment.variant",), ("model.prefix_len",), ("data.random_positions",)} <= set(kinds), kinds
-    for name, job in kinds.values():
+            split = configs.split_overrides((f"experiment={name}", "scale=cpu"), job)
+            if split is not None:
+                kinds.setdefault(tuple(sorted(o.partition("=")[0] for o in job)), (name, job, bool(split[1])))
+    assert {("experiment.variant",), ("model.prefix_len",), ("data.random_positions",),  # values only
+            ("experiment.variant", "model/head_norm"), ("experiment.variant", "optim"),  # and config groups
+            ("model.gated_norm", "model/gate", "model/norm"), ("model/ffn",)} <= set(kinds), kinds
+    checked = [kind for kind, (_, _, sets_values) in kinds.items() if sets_values] + [("model/ffn",)]
+    for name, job, _ in map(kinds.get, checked):
         for scale in SCALES:
             base = (f"experiment={name}", f"scale={scale}")
             fast, full = configs.job_config(base, job), configs.job_config(base, job, full=True)
@@ -172,6 +175,9 @@ def test_a_job_that_sets_values_composes_as_hydra_composes_it():
             assert sections(fast) == sections(full) and OmegaConf.is_struct(fast) == OmegaConf.is_struct(full)
     assert configs.value_overrides(("experiment=ffn",), ["model/ffn=relu"]) is None
     assert configs.value_overrides(("experiment=muon",), ["optim=adamw", "experiment.variant=lr_x0.5"]) is None
+    assert configs.split_overrides(("experiment=muon",), ["optim=adamw", "experiment.variant=lr_x0.5"])[0] == \
+        ["optim=adamw"]
+    assert configs.split_overrides(("experiment=ffn",), ["+model.extra=1"]) is None  # composed in full
 
 
 @pytest.mark.parametrize("scale", ("quick", *SCALES))
@@ -454,13 +460,13 @@ for argv in json.loads(sys.argv[1]):
 """
 
 
-# The default suite trains one step of these presets (each ~2.5 s, most of it Hydra's multirun around the step):
+# CI's `ci` tier trains one step of these presets (each ~2.5 s, most of it Hydra's multirun around the step):
 # together their one-step jobs change every data key that any preset's one-step job changes (the data module's
 # controls shape the batches the step reads) and a key of each section (model, data, optim, trainer) that one changes
 # (test_the_trained_presets_cover_every_changed_key). The model's keys select components and sizes that train a step
 # in tests/model (test_contracts.py: every component and knob value; test_model_zoo.py: every model/ switch file and
-# size); the optim and trainer keys are numbers the same training step reads. The other presets train with the slow
-# tests (this test, and every job of every preset below).
+# size); the optim and trainer keys are numbers the same training step reads. The other presets train with the other
+# slow tests (this test, and every job of every preset below).
 TRAINED = ("batch_size", "data_amount", "fixed_token_position", "gate_positions", "learning_rate", "random_tokens")
 
 
@@ -490,8 +496,8 @@ def test_the_trained_presets_cover_every_changed_key():
 
 @pytest.fixture(scope="session")
 def fast_sweeps(request, tmp_path_factory):
-    """One single-job multirun per preset this session selected (TRAINED; all with -m slow); {name: (sweep dir,
-    the job's overrides)}."""
+    """One single-job multirun per preset this session selected (TRAINED with -m ci; all with -m slow); {name: (sweep
+    dir, the job's overrides)}."""
     selected = {item.callspec.params["name"] for item in request.session.items
                 if getattr(item, "originalname", None) == "test_preset_trains_one_step_and_reports_the_papers_numbers"}
     root = tmp_path_factory.mktemp("sweeps")
@@ -508,7 +514,8 @@ def fast_sweeps(request, tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=() if n in TRAINED else pytest.mark.slow) for n in PRESETS])
+@pytest.mark.parametrize("name", [pytest.param(n, marks=(pytest.mark.slow, pytest.mark.ci) if n in TRAINED
+                                                 else pytest.mark.slow) for n in PRESETS])
 def test_preset_trains_one_step_and_reports_the_papers_numbers(name, fast_sweeps):
     sweep_dir, job = fast_sweeps[name]
     assert (sweep_dir / "multirun.yaml").is_file(), f"no multirun for {name}; see {sweep_dir.parent}/driver.log"

@@ -85,6 +85,8 @@ def test_offline_and_not_cached_is_one_line_with_the_fetch_command(offline_cache
         assert_one_line_error(err, *named)
 
 
+@pytest.mark.slow
+@pytest.mark.ci
 def test_the_command_line_reads_the_cache_named_by_hf_hub_cache(hub):
     """As a user runs it: a fresh process with HF_HUB_CACHE and HF_HUB_OFFLINE=1 in its environment."""
     cache, _, commits = hub

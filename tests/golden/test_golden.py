@@ -149,8 +149,9 @@ def test_training_runs_match_the_goldens(tmp_path, name):
     assert run_mismatches(got, goldens.recorded_metrics(name)) == []
 
 
-# a small real change each training-run golden must catch (the default suite runs the subtlest)
-RUN_CHANGES = {"softmax_scale": ["model.softmax_scale=1.001"],
+# a small real change each training-run golden must catch (the subtlest in CI's `ci` tier, after the default suite,
+# which keeps the two runs themselves)
+RUN_CHANGES = {"softmax_scale": pytest.param(["model.softmax_scale=1.001"], marks=(pytest.mark.slow, pytest.mark.ci)),
                "norm_eps": pytest.param(["model.norm_eps=1e-6"], marks=pytest.mark.slow),
                "init_std": pytest.param([f"model.init_std={(2 / (5 * 128)) ** 0.5 * 1.01}"], marks=pytest.mark.slow)}
 

@@ -2,10 +2,10 @@
 
 Hydra composes a job in two stages (hydra/_internal/config_loader_impl.py): the defaults list, chosen by the config
 group overrides, is loaded and merged; then the value overrides (`key=value` of a key that is not a config group)
-are applied to the merged config by `ConfigLoaderImpl._apply_overrides_to_config`. Jobs of one sweep that differ only
-in values therefore share the first stage: `job_config` composes the sweep's base once and runs Hydra's own second
-stage on a copy of it. A job that selects a config group, adds or deletes a key is composed in full.
-tests/config/test_experiments.py checks that both ways give the same config.
+are applied to the merged config by `ConfigLoaderImpl._apply_overrides_to_config`. Jobs of one sweep that select the
+same config group options therefore share the first stage: `job_config` composes the sweep's base with the job's
+group choices once and runs Hydra's own second stage on a copy of it. A job that adds or deletes a key is composed in
+full. tests/config/test_experiments.py checks that both ways give the same config.
 """
 from __future__ import annotations
 
@@ -45,26 +45,40 @@ def sweep_jobs(lines: Sequence[str]) -> list[list[str]]:
     return [list(job) for batch in batches for job in batch]
 
 
+def split_overrides(base: Sequence[str], job: Sequence[str]):
+    """The job's overrides beyond `base` as (the config group choices, as written; the value overrides parsed by
+    Hydra): Hydra's two stages. None when one adds or deletes a key, is a sweep, sets a package, a hydra key or a
+    dict (composed in full)."""
+    groups = set(composed(*base, hydra=True).hydra.runtime.choices)
+    choices, values = [], []
+    for o in OverridesParser.create().parse_overrides([o for o in job if o not in base]):
+        key = o.key_or_group
+        if o.is_add() or o.is_delete() or o.is_sweep_override() or o.package is not None \
+                or key.startswith("hydra") or isinstance(o.value(), dict):
+            return None
+        if "/" in key or key in groups:
+            choices.append(o.input_line)
+        else:
+            values.append(o)
+    return choices, values
+
+
 def value_overrides(base: Sequence[str], job: Sequence[str]):
     """The job's overrides beyond `base` parsed by Hydra, if each sets the value of a key (no config group, no `+` or
     `~`, no hydra key); else None."""
-    groups = set(composed(*base, hydra=True).hydra.runtime.choices)
-    parsed = OverridesParser.create().parse_overrides([o for o in job if o not in base])
-    for o in parsed:
-        key = o.key_or_group
-        if o.is_add() or o.is_delete() or o.is_sweep_override() or o.package is not None or "/" in key \
-                or key in groups or key.startswith("hydra") or isinstance(o.value(), dict):
-            return None
-    return parsed
+    split = split_overrides(base, job)
+    return split[1] if split is not None and not split[0] else None
 
 
 def job_config(base: Sequence[str], job: Sequence[str], full: bool = False) -> DictConfig:
-    """compose([*base, *job]): the cached base with Hydra's value-override stage applied when the job only sets
-    values (see the module's docstring); composed in full otherwise or when `full`. Not cached: a fresh config."""
+    """compose([*base, *job]): the cached composition of the base and the job's config group choices with Hydra's
+    value-override stage applied (see the module's docstring); composed in full when the job adds or deletes a key, or
+    when `full`. Not cached: a fresh config."""
     base = tuple(base)
-    parsed = None if full else value_overrides(base, job)
-    if parsed is None:
+    split = None if full else split_overrides(base, job)
+    if split is None:
         return compose([*base, *(o for o in job if o not in base)])
-    cfg = without_hydra(composed(*base, hydra=True))
-    ConfigLoaderImpl._apply_overrides_to_config(parsed, cfg)
+    choices, values = split
+    cfg = copy.deepcopy(composed(*base, *choices))
+    ConfigLoaderImpl._apply_overrides_to_config(values, cfg)
     return cfg

@@ -175,6 +175,8 @@ def user_env(root: Path, **extra: str) -> dict[str, str]:
     return env
 
 
+@pytest.mark.slow
+@pytest.mark.ci
 def test_an_external_op_and_metric_train_from_the_command_line(user_package, tmp_path, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", user_env(user_package)["PYTHONPATH"])
     monkeypatch.delenv("SINKLAB_PLUGINS", raising=False)
@@ -238,6 +240,8 @@ def checked(user_package) -> dict:
     return dict(zip(calls, run_cli_in_one_process("sinklab", list(calls.values()), env=user_env(user_package))))
 
 
+@pytest.mark.slow
+@pytest.mark.ci
 def test_check_component_passes_an_external_op_and_metric(user_package, checked, tmp_path):
     """`sinklab check-component`, and the same checks in the user's own pytest suite (sinklab.contracts.checks)."""
     (tmp_path / "test_user_contracts.py").write_text(USER_TEST)
@@ -255,6 +259,8 @@ def test_check_component_passes_an_external_op_and_metric(user_package, checked,
     assert "FAIL" not in proc.stdout
 
 
+@pytest.mark.slow
+@pytest.mark.ci
 def test_check_component_fails_a_broken_op_and_metric_one_line_per_check(checked):
     proc = checked["labext.broken"]
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-2000:]
@@ -283,6 +289,8 @@ def refused(user_package) -> dict:
     return dict(zip(calls, run_cli_in_one_process("sinklab-train", list(calls.values()), env=user_env(user_package))))
 
 
+@pytest.mark.slow
+@pytest.mark.ci
 def test_a_bad_knob_or_plugin_is_one_line(user_package, refused, capsys):
     """`sinklab check-component` of a module without components needs no plugin: it runs in this process."""
     missing = start_cli("sinklab-train", env=user_env(user_package, SINKLAB_PLUGINS="labext.nope"))
@@ -306,6 +314,8 @@ def test_a_bad_knob_or_plugin_is_one_line(user_package, refused, capsys):
         "window, the name of ModelConfig's own field model.window; give the knob another name"
 
 
+@pytest.mark.slow
+@pytest.mark.ci
 def test_a_plugin_that_raises_on_import_is_named_above_its_traceback(user_package, refused, tmp_path, monkeypatch,
                                                                     capsys):
     """Named by SINKLAB_PLUGINS (`sinklab`) and by plugins= (`sinklab-train`, `refused`), each in a process with the

@@ -12,8 +12,9 @@ The sink depends on the setting: at lr 3e-3 the same softmax model solves the ta
 lr 1e-2, 1 layer, 1 head).
 
 With one torch thread the two training runs take ~10 s each (sigmoid run alone: 8.5 s at load ~2.7); with torch's
-default 2 threads on the shared 2-core machine they took 31 s + 126 s, and 14 min in all at load ~7. The default
-suite trains the softmax model; the sigmoid run (and the contrast between the two) runs with the slow tests.
+default 2 threads on the shared 2-core machine they took 31 s + 126 s, and 14 min in all at load ~7. CI's `ci` tier
+(after the default suite) trains the softmax model; the sigmoid run (and the contrast between the two) runs with the
+slow tests.
 """
 import pytest
 import torch
@@ -65,6 +66,8 @@ def softmax(tmp_path_factory):
     return final, [r for r in metric_rows(out / "metrics.csv") if r.get("sink/alpha1")]
 
 
+@pytest.mark.slow
+@pytest.mark.ci
 def test_pipeline_detects_sink_for_softmax(softmax):
     final, rows = softmax
     sink = [(int(r["step"]), float(r["sink/sink1"]), float(r["sink/alpha1"])) for r in rows]

@@ -16,6 +16,9 @@ import pytest
 
 from tests.helpers import assert_one_line_error, rows, run_cli, run_cli_in_one_process, write_corpus
 
+# a corpus prepared and a run trained in subprocesses (~20 s): after the default suite, in CI's `ci` tier
+pytestmark = [pytest.mark.slow, pytest.mark.ci]
+
 MISSING = ("datasets", "wandb", "submitit", "hydra_plugins")  # top-level modules; hydra_plugins: the launcher plugin
 
 SITECUSTOMIZE = f'''"""The packages MISSING cannot be imported in this Python, as on an image where they are not installed."""

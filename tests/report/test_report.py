@@ -170,6 +170,8 @@ def test_seeds_are_aggregated(tmp_path):
     assert not (tmp_path / "out" / "sink1_vs_seed.png").exists()  # seeds are averaged, not plotted against
 
 
+@pytest.mark.slow
+@pytest.mark.ci
 def test_cli(tmp_path):
     sweep = make_sweep(tmp_path)
     out = tmp_path / "cli_out"

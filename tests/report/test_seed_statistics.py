@@ -222,6 +222,8 @@ def test_a_malformed_preset_claim_is_refused_when_the_config_is_validated():
         validate_config(cfg)
 
 
+@pytest.mark.slow
+@pytest.mark.ci
 def test_the_readme_report_commands(built, capsys):
     """The README's `sinklab report` lines, on the synthetic sweep: the file list with the verdicts, and --json."""
     sweep, _ = built

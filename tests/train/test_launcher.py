@@ -124,6 +124,8 @@ def test_the_plugins_preset_names_select_sinklabs_presets(conf_dir, name):
     assert new.hydra.launcher.timeout_min == 240  # sinklab's setting, not the plugin's 60
 
 
+@pytest.mark.slow
+@pytest.mark.ci
 def test_local_preset_runs_a_two_job_sweep(tmp_path):
     """A real multirun of a tiny Hydra app (which registers sinklab's schemas, as sinklab-train does) through the
     plugin's name of the local preset: each job runs in its own process under submitit with sinklab's settings and

@@ -4,7 +4,8 @@ Training runs go through the real entry point (`sinklab.train.entry.main`, what 
 calls) with a small model on a small local corpus (a BPE of 320 ids trained once for the module), in this process
 where that is enough and in a subprocess where a process has to die (SIGKILL, SIGTERM). A few test-only callbacks
 below are added through the config (`+callbacks.x._target_=tests.helpers.faults.X`), as a user could add their own.
-docs/reliability.md lists what is validated and which test checks it.
+docs/reliability.md lists what is validated and which test checks it. The checks that start a process of their own, a
+sweep or DDP (~5-15 s each) are marked `slow` and `ci`: out of the default suite, run by CI after it (.ci/run).
 """
 from __future__ import annotations
 
@@ -119,6 +120,8 @@ def test_bad_override_is_one_clear_line_and_exit_2(override, expected, tmp_path,
     assert not (tmp_path / "metrics.csv").exists() and not (tmp_path / "checkpoints").exists()  # nothing ran
 
 
+@pytest.mark.slow
+@pytest.mark.ci
 def test_console_script_reports_hydra_errors_in_one_line(tmp_path):
     """The real command line: Hydra's own error for an unknown key, as one line and exit 2 (Hydra: 7 lines, exit 1)."""
     proc = start_cli("sinklab-train", f"paths.output_dir={tmp_path}", "optim.lrr=1", warnings="ignore")
@@ -127,6 +130,8 @@ def test_console_script_reports_hydra_errors_in_one_line(tmp_path):
     assert assert_one_line_error(err, logs=True) == f"error: {BAD_OVERRIDES[0][1]}"
 
 
+@pytest.mark.slow
+@pytest.mark.ci
 def test_preset_file_with_an_unknown_or_mistyped_trainer_key_is_one_line(tmp_path, monkeypatch):
     """A preset file is checked against the trainer's schema like the command line: an unknown key or a value of the
     wrong type is one line naming the file and the key, exit 2 (a copy of conf/ with two bad presets,
@@ -372,6 +377,8 @@ def test_nan_stops_with_the_step_and_keeps_the_last_good_checkpoint(corpus, tmp_
     assert int(float(rows(tmp_path / "metrics.csv")[-1]["step"])) == 6
 
 
+@pytest.mark.slow
+@pytest.mark.ci
 def test_sweep_contains_failed_jobs_and_reports_them(corpus, tmp_path, capsys):
     """A multirun where jobs fail in each way a job can (a NaN loss at step 3, between checkpoints; a bug: an
     exception raised by a callback at step 1; a user error: a callback class that does not exist) and one trains:
@@ -442,6 +449,8 @@ def assert_same_run(run_dir: Path, reference: Path) -> None:
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.slow
+@pytest.mark.ci
 def test_sigkill_then_resume_equals_an_uninterrupted_run(reference, corpus, tmp_path):
     """SIGKILL at the start of step 6 (last.ckpt holds step 4; metrics.csv already has rows of steps 4 and 5),
     then `ckpt_path=last`: the losses logged after the resume, the metrics.csv rows and the final weights equal the
@@ -462,6 +471,8 @@ def test_sigkill_then_resume_equals_an_uninterrupted_run(reference, corpus, tmp_
     assert_same_run(tmp_path, reference)
 
 
+@pytest.mark.slow
+@pytest.mark.ci
 def test_sigterm_saves_stops_and_requeued_job_resumes(reference, corpus, tmp_path):
     """SIGTERM (pre-emption, scancel) while step 5 runs: step 5 finishes, last.ckpt is saved at step 6, the run
     exits 143 with status "preempted"; the requeued job (ckpt_path=auto) resumes there and ends as the
@@ -504,6 +515,8 @@ def test_submitit_usr2_saves_then_hands_over_to_the_requeue_handler(corpus, tmp_
     assert "preempted: SIGUSR2 received: stopped after step 2" in err
 
 
+@pytest.mark.slow
+@pytest.mark.ci
 def test_lightnings_slurm_requeue_is_off(corpus, tmp_path):
     """One requeue mechanism, submitit's (sinklab.train.fault): under SLURM, Lightning's own auto-requeue would catch
     SIGUSR1, save hpc_ckpt_1.ckpt in the middle of a step, call `scontrol requeue` and train on. It is off: SIGUSR1
@@ -589,6 +602,8 @@ def test_metrics_csv_of_a_resume_goes_on_from_the_checkpoint_step(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------- DDP
+@pytest.mark.slow
+@pytest.mark.ci
 def test_ddp_cpu_matches_a_single_process_run(corpus, tmp_path):
     """trainer=ddp_cpu (2 processes, gloo) with data.batch_size=2 against one process with data.batch_size=4.
 

@@ -180,6 +180,8 @@ def fails_to_compile_backward(gm, example_inputs):
     raise RuntimeError("this backward compiler always fails")
 
 
+@pytest.mark.slow
+@pytest.mark.ci
 @pytest.mark.skipif(backend_is_installed("tvm"), reason="apache-tvm is installed: the tvm backend would compile")
 def test_compile_failure_falls_back_to_eager_with_one_warning():
     """torch.compile is lazy: it compiles at the first forward. A backend that fails there (tvm, registered in torch
@@ -235,6 +237,8 @@ def test_compile_failure_falls_back_to_eager_with_one_warning():
             assert torch.equal(a, b)  # eager is eager: bit for bit
 
 
+@pytest.mark.slow
+@pytest.mark.ci
 @pytest.mark.skipif(backend_is_installed("tvm"), reason="apache-tvm is installed: the tvm backend would compile")
 def test_compile_failure_in_a_real_run_trains_as_eager(short, tmp_path):
     """sinklab-train model.compile=true compile_backend=tvm: compilation fails at the first forward; the run warns
@@ -279,6 +283,8 @@ def test_unknown_compile_backend_is_refused_before_training():
     validate_config(compose(["compile_backend=indcutor"]))  # not used without model.compile=true
 
 
+@pytest.mark.slow
+@pytest.mark.ci
 def test_wandb_offline_without_key_and_one_run_per_job(tmp_path):
     """logger=wandb with no API key goes offline by itself; each multirun job is its own wandb run, grouped as
     <experiment name>-<sweep dir name> and tagged from the config; a single run's group is <experiment name>-<run
