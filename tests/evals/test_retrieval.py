@@ -93,6 +93,8 @@ def test_head_scores_read_the_maps_of_every_layer_and_head(passkey_run):
         assert 0.0 <= h["retrieval"] <= 1.0 and 0.0 <= h["streaming"] <= 1.0
 
 
+@pytest.mark.slow
+@pytest.mark.ci
 def test_the_command_table_json_plot_and_sweep(capsys, passkey_run, tmp_path):
     args = ["eval", "retrieval", str(passkey_run), "--samples", "2", "--policies", "streaming,h2o",
             "--budgets", "16", "--grid", "depth=0.2,0.8"]
@@ -115,6 +117,8 @@ def test_the_command_table_json_plot_and_sweep(capsys, passkey_run, tmp_path):
     assert "Spearman rho(alpha_1, retrieval)" in out and plot.stat().st_size > 10_000
 
 
+@pytest.mark.slow
+@pytest.mark.ci
 @pytest.mark.parametrize("args,message", [
     (["--budgets", "70"], "--budgets 70: 70 keys; allowed: 1 <= budget < 64"),
     (["--policies", "nope"], "cache policy 'nope' is unknown; allowed: dense, streaming"),
@@ -133,12 +137,16 @@ def test_bad_input_is_one_line_and_exit_2(capsys, passkey_run, args, message):
     assert_one_line_error(err, message)
 
 
+@pytest.mark.slow
+@pytest.mark.ci
 def test_a_run_without_a_retrieval_task_is_refused(capsys, trained_run):
     rc, out, err = run_cli("sinklab", "eval", "retrieval", str(trained_run), capsys=capsys)
     assert rc == 2
     assert_one_line_error(err, "its data has no retrieval task (data.retrieval.task is null)")
 
 
+@pytest.mark.slow
+@pytest.mark.ci
 def test_readme_retrieval_commands_run(capsys, passkey_run, tmp_path):
     """Every `sinklab eval retrieval` line of the README on the passkey run (--samples 2 instead of 16)."""
     from tests.helpers import readme_cli_lines, readme_commands
@@ -157,6 +165,8 @@ def test_readme_retrieval_commands_run(capsys, passkey_run, tmp_path):
     assert (tmp_path / "r.png").is_file()
 
 
+@pytest.mark.slow
+@pytest.mark.ci
 def test_an_exported_model_retrieves_as_the_run_does(capsys, passkey_run, tmp_path):
     """The run exported to transformers (LLaMA) and read with --hf-model on the run's task: the same accuracies and
     kept sets for dense, StreamingLLM and H2O (its maps from the eager kernel), per protocol."""
@@ -183,6 +193,8 @@ def test_an_exported_model_retrieves_as_the_run_does(capsys, passkey_run, tmp_pa
     assert_one_line_error(err, "cache policy duo: needs a mask per layer or head")
 
 
+@pytest.mark.slow
+@pytest.mark.ci
 def test_duo_with_the_measured_retrieval_heads(capsys, passkey_run):
     """--duo-heads measured names the heads of highest retrieval score as duo's retrieval heads: all of them
     (retrieval=1) is the dense cache; none is a first + recent cache with positions kept (a key evicted is lost)."""

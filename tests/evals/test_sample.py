@@ -116,6 +116,8 @@ def test_a_bare_checkpoint_needs_a_run_for_its_tokenizer(capsys, tmp_path):
     assert_one_line_error(err, "--prompt")
 
 
+@pytest.mark.slow
+@pytest.mark.ci
 def test_sampling_through_another_cache_policy(capsys, trained_run):
     """--policy window --budget 63 is StreamingLLM's cache without its first tokens; greedy decoding with a budget
     that holds the whole text is the default's; a bad policy setting is one line."""

@@ -286,6 +286,8 @@ def test_the_command_on_every_architecture(capsys, hf_models, tmp_path, kind):
         assert by_name["x=4 y=20"] != pytest.approx(by_name["dense"], rel=1e-4)  # evicted from the 25th token on
 
 
+@pytest.mark.slow
+@pytest.mark.ci
 def test_other_cache_policies_stream_beside_streamingllm(capsys, streaming_run):
     """--policies window --budgets 59 is StreamingLLM's x = 0, y = 60 cache (59 kept + the token fed): the same
     perplexity; H2O at the same budget is scored too, and its columns reach the sweep row."""
