@@ -129,6 +129,8 @@ def test_table_json_and_plot_on_a_trained_run(capsys, streaming_run):
     assert by_name["x=0 y=16"]["ppl"] != pytest.approx(by_name["x=4 y=16"]["ppl"], rel=1e-4)  # x matters
 
 
+@pytest.mark.slow
+@pytest.mark.ci
 def test_transformers_cache_evicts_and_rerotates_as_the_sinklab_cache(capsys, monkeypatch, streaming_run):
     """The run exported with `sinklab export-hf`: DynamicCache with eviction and re-rotated keys gives the sinklab
     cache's perplexities (x = 0 and 2, 400 tokens through 18 or 20 keys: eviction from the 19th token on)."""
@@ -172,6 +174,8 @@ def test_dense_is_skipped_with_a_note_for_absolute_positions(capsys, tmp_path):
     assert rc == 0 and "note: dense: skipped: position 49" in out, err
 
 
+@pytest.mark.slow
+@pytest.mark.ci
 def test_readme_streaming_commands_run(capsys, streaming_run):
     """Every `sinklab eval` line of the README, on the trained run and its export (--n-tokens 300 instead of the
     README's 10,000 tokens, which take about a minute per setting at the CPU recipe's size)."""
