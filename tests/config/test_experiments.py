@@ -467,7 +467,8 @@ for argv in json.loads(sys.argv[1]):
 # in tests/model (test_contracts.py: every component and knob value; test_model_zoo.py: every model/ switch file and
 # size); the optim and trainer keys are numbers the same training step reads. The other presets train with the other
 # slow tests (this test, and every job of every preset below).
-TRAINED = ("batch_size", "data_amount", "fixed_token_position", "gate_positions", "learning_rate", "random_tokens")
+TRAINED = ("batch_size", "data_amount", "fixed_token_position", "gate_positions", "learning_rate", "random_tokens",
+           "retrieval")
 
 
 def _leaves(d: dict, prefix: str = "") -> dict:
