@@ -135,6 +135,8 @@ def reproduce_sweeps(kinds: tuple[str, ...] = ("sweep", "extra")) -> list[str]:
     return ["sinklab-train -m " + shlex.join(words[2:]) for words in reproduce_lines(kinds)]
 
 
+@pytest.mark.slow
+@pytest.mark.ci
 def test_reproduce_script_lists_the_results_sweeps():
     names = [words[1] for words in reproduce_lines()]
     assert len(names) == len(set(names)) >= 10, names

@@ -152,6 +152,8 @@ def check_job_dir(job_dir: Path, name: str) -> dict:
 
 
 # ------------------------------------------------------------------------------------------- composition (fast)
+@pytest.mark.slow
+@pytest.mark.ci
 def test_a_job_that_sets_values_composes_as_hydra_composes_it():
     """The tests compose a job as the composition of the preset and the job's config group choices plus Hydra's
     value-override stage (tests/helpers/configs.py): for one job of each kind of value the presets sweep, alone or
@@ -229,7 +231,7 @@ def test_every_preset_is_documented():
                                   f"a preset, not documented: {sorted(set(PRESETS) - set(documented))}"
 
 
-@pytest.mark.parametrize("scale", SCALES)
+@pytest.mark.parametrize("scale", ["cpu", pytest.param("paper", marks=[pytest.mark.slow, pytest.mark.ci])])  # CI: both
 @pytest.mark.parametrize("name", PRESETS)
 def test_preset_sweep_composes_validates_and_covers_the_paper_table(name, scale):
     base = composed(f"experiment={name}", f"scale={scale}", hydra=True)

@@ -80,6 +80,8 @@ def test_prepared_directory_layout_and_training_reads_it(env, capsys):
                                                                np.fromfile(train.files[1], np.uint16)[:5]]))
 
 
+@pytest.mark.slow
+@pytest.mark.ci
 @pytest.mark.parametrize("fault", ["mid_write:2", "before_manifest:2"])
 def test_killed_build_resumes_to_identical_shards(env, tmp_path, fault):
     out = tmp_path / "out"
@@ -161,6 +163,8 @@ def test_config_file_gives_the_defaults(env, tmp_path):
     assert 0 < n_val < 40 and m["tokens"]["val"] == val_tokens
 
 
+@pytest.mark.slow
+@pytest.mark.ci
 def test_cli_errors_are_one_line(env, tmp_path):
     proc = subprocess.run([sys.executable, "-m", "sinklab", "prepare", "--corpus", "local", "--files",
                            str(tmp_path / "nope.jsonl"), "--out", str(tmp_path / "o")],

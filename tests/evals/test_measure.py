@@ -380,6 +380,8 @@ def test_user_errors_are_one_line_exit_2(capsys, tmp_path, planted_ckpt):
         assert_one_line_error(err, named)
 
 
+@pytest.mark.slow
+@pytest.mark.ci
 def test_hf_model_without_transformers_says_how_to_install(tmp_path):
     code = ("import sys; sys.modules['transformers'] = None; from sinklab.cli.measure import main; "
             f"sys.exit(main(['--hf-model', {str(tmp_path)!r}, '--input', 'random']))")

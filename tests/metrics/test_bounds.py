@@ -14,8 +14,10 @@ SHORT = ["trainer.max_steps=10", "trainer.val_check_interval=5", "callbacks.sink
          "trainer.log_every_n_steps=2", "trainer.enable_progress_bar=false", "data.batch_size=8"]
 
 
-@pytest.mark.parametrize("switches", [[], ["model/bias=kv", "model/attn=sigmoid"], ["model/gate=elementwise_silu"]],
-                         ids=["softmax", "kv_sigmoid", "silu_gate"])
+@pytest.mark.parametrize("switches", [[], pytest.param(["model/bias=kv", "model/attn=sigmoid"],
+                                                      marks=[pytest.mark.slow, pytest.mark.ci]),
+                                      pytest.param(["model/gate=elementwise_silu"], marks=[pytest.mark.slow, pytest.mark.ci])],
+                         ids=["softmax", "kv_sigmoid", "silu_gate"])  # the two switched runs in CI's ci tier
 def test_every_logged_metric_is_within_its_bounds(tmp_path, switches):
     metrics = pd.read_csv(train(tmp_path / "run", *switches, recipe=SHORT, job=False).dir / "metrics.csv")
     families = {"sink/sink1", "sink/alpha1", "act/cos_q_k1", "act/massive_ratio", "train/loss", "val/loss",

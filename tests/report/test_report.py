@@ -333,6 +333,8 @@ def test_sink_star_of_a_normalised_op_is_its_sink_where_another_job_logs_sink_st
     assert all(r.get("sink1_star") is None for r in rows)
 
 
+@pytest.mark.slow
+@pytest.mark.ci
 def test_real_hydra_multirun_is_read(tmp_path, capsys):
     """A real Hydra multirun (basic launcher) of a tiny app that leaves the job files of the contract."""
     conf = tmp_path / "conf"

@@ -151,6 +151,8 @@ def test_each_verdict_case(built):
     assert "claims.png" in {p.name for p in res["plots"]}
 
 
+@pytest.mark.slow
+@pytest.mark.ci
 def test_pairs_hold_a_seed_whatever_the_job_order(built, tmp_path):
     sweep, res = built
     other = report.build_report(make_seed_sweep(tmp_path, order_seed=7), tmp_path / "out")
@@ -182,6 +184,8 @@ def test_a_malformed_claim_is_one_line_before_any_work(tmp_path, capsys, claim, 
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
+@pytest.mark.ci
 def test_json_and_a_baseline_from_the_command_line(built, tmp_path, capsys):
     sweep, _ = built
     rc, out, err = run_cli("sinklab", "report", str(sweep), "--out", str(tmp_path / "out"), "--json", "--baseline",
@@ -251,6 +255,8 @@ def test_a_sweep_started_before_its_preset_stated_claims_gets_the_presets(tmp_pa
         res["md"].read_text()
 
 
+@pytest.mark.slow
+@pytest.mark.ci
 def test_another_presets_claims_judged_on_this_sweep(built, tmp_path, capsys):
     """--claims PRESET|FILE: that file's baseline and claims replace the sweep's own (e.g. sink_uses' claims on an
     outliers_quant sweep of the same models); an unknown name is one line listing the presets."""

@@ -97,6 +97,8 @@ def test_the_schema_refuses_bad_values_in_one_line(key, value, words):
         optimizer_config({"_target_": "sinklab.train.muon.muon", key: value})
 
 
+@pytest.mark.slow
+@pytest.mark.ci
 def test_a_muon_run_trains_resumes_and_refuses_an_unknown_adjustment(tmp_path):
     corpus = write_corpus(tmp_path)
     out = tmp_path / "run"

@@ -259,6 +259,8 @@ class Evil:
         return (os.system, (f"touch {os.environ.get('EVIL_MARKER', '/tmp/sinklab-evil')}",))
 
 
+@pytest.mark.slow
+@pytest.mark.ci
 def test_truncated_foreign_or_unsafe_checkpoint_is_refused(reference, corpus, tmp_path, capsys, monkeypatch):
     import shutil
 
