@@ -154,6 +154,8 @@ def test_reproduce_script_lists_the_results_sweeps():
 QUICK_PRESETS = ("residual_sinks", "gate_positions", "outliers_quant", "sink_uses", "no_bos")  # default: scale=quick
 
 
+@pytest.mark.slow
+@pytest.mark.ci
 @pytest.mark.parametrize("command", reproduce_sweeps())
 def test_every_reproduce_sweep_composes_and_validates(command):
     scale, steps = ("quick", 1600) if any(f"experiment={name}" in command for name in QUICK_PRESETS) else ("cpu", 3000)

@@ -71,6 +71,8 @@ def test_decoding_with_a_kv_cache_gives_the_full_forward_logits(case, mask):
     contract.kv_cache_decoding(case, mask)
 
 
+@pytest.mark.slow
+@pytest.mark.ci
 @pytest.mark.parametrize("case,mask", cases(NEW_PATH_CASES, core=one_mask_each(NEW_PATH_CASES)))
 def test_flex_and_linear_forms_decode_with_a_kv_cache(case, mask, flex_on_cpu):
     """FlexAttention and kernel attention's causal linear form see a KV cache's earlier keys and the bias slots
