@@ -151,7 +151,7 @@ def test_readme_retrieval_commands_run(capsys, passkey_run, tmp_path):
     """Every `sinklab eval retrieval` line of the README on the passkey run (--samples 2 instead of 16)."""
     from tests.helpers import readme_cli_lines, readme_commands
 
-    assert any("data.retrieval.task=passkey" in c for c in readme_commands())
+    assert any(c.startswith("sinklab-train experiment=retrieval") for c in readme_commands())
     commands = readme_cli_lines("sinklab eval retrieval", {"runs/p": passkey_run, "retrieval.png": tmp_path / "r.png"})
     assert len(commands) >= 3
     for args in commands:
