@@ -140,6 +140,24 @@ def check_data_args(args) -> None:
         data_run_dir(args, checkpoint_and_run_dir(args.target)[1] if args.target is not None else None)
 
 
+def name_list(what: str) -> Callable[[str], list[str]]:
+    """An argparse type: 'a,b' -> ['a', 'b'] (deduplicated, in order), a usage error naming `what` when empty."""
+    def parse(text: str) -> list[str]:
+        names = [v.strip() for v in text.split(",") if v.strip()]
+        if not names:
+            raise argparse.ArgumentTypeError(f"{text!r}: a comma-separated list of {what}")
+        return list(dict.fromkeys(names))
+    return parse
+
+
+def knob_number(flag: str, item: str, value: str) -> float | int:
+    """A --knob value: a float where it has '.' or 'e', else an int; one line naming `flag` `item` otherwise."""
+    try:
+        return float(value) if any(c in value for c in ".e") else int(value)
+    except ValueError:
+        raise UserError(f"{flag} {item}: {value!r} is not a number") from None
+
+
 def finite(obj: Any) -> Any:
     """NaN / inf (e.g. a norm ratio with T = 1) -> null, so the output is strict JSON."""
     if isinstance(obj, float):

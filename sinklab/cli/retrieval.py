@@ -35,19 +35,12 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from sinklab.cli.base import (OneLineParser, add_device_json_args, add_sweep_args, add_target_args, check_one_target,
-                              command_main, data_run_dir, pick_device, target_spec)
+                              command_main, data_run_dir, knob_number, name_list, pick_device, target_spec)
 from sinklab.errors import UserError
 
 PROG = "sinklab eval retrieval"
 DEFAULT_POLICIES = ("streaming", "window", "h2o", "snapkv")
 DEFAULT_GRID = {"passkey": ("depth", [0.1, 0.5, 0.9])}
-
-
-def names(text: str) -> list[str]:
-    values = [v.strip() for v in text.split(",") if v.strip()]
-    if not values:
-        raise argparse.ArgumentTypeError(f"{text!r}: a comma-separated list of names")
-    return list(dict.fromkeys(values))
 
 
 def budget_list(text: str) -> list[str]:
@@ -78,12 +71,12 @@ def build_parser() -> OneLineParser:
                     "`sinklab export-hf`; policies that mask per layer or head, pyramidkv and duo, are sinklab's only)")
     ap.add_argument("--data", metavar="RUN_DIR", default=None,
                     help="the run whose retrieval task and validation text to use (default: TARGET's run dir)")
-    ap.add_argument("--policies", type=names, default=list(DEFAULT_POLICIES), metavar="P,...",
+    ap.add_argument("--policies", type=name_list("names"), default=list(DEFAULT_POLICIES), metavar="P,...",
                     help=f"cache policies besides dense, of: {', '.join(n for n in CACHE_POLICIES.names() if n != 'dense')}"
                          f" (default {','.join(DEFAULT_POLICIES)})")
     ap.add_argument("--budgets", type=budget_list, default=["25%", "50%"], metavar="B,...",
                     help="text keys kept: integers, or shares of the sample's tokens (default 25%%,50%%)")
-    ap.add_argument("--protocols", type=names, default=["prefill", "decoding"], metavar="P,...",
+    ap.add_argument("--protocols", type=name_list("names"), default=["prefill", "decoding"], metavar="P,...",
                     help="prefill (compress the prompt once, then ask) and/or decoding (evict after every token) "
                          "(default both)")
     ap.add_argument("--grid", default=None, metavar="KNOB=V,...",
@@ -137,11 +130,7 @@ def parse_knobs(items: Sequence[str], policies: Sequence[str]) -> dict[str, dict
             raise UserError(f"--knob {item}: allowed: POLICY.KNOB=VALUE, e.g. snapkv.window=4")
         if policy not in policies:
             raise UserError(f"--knob {item}: policy {policy!r} is not in --policies ({', '.join(policies)})")
-        try:
-            parsed = float(value) if any(c in value for c in ".e") else int(value)
-        except ValueError:
-            raise UserError(f"--knob {item}: {value!r} is not a number") from None
-        out.setdefault(policy, {})[knob] = parsed
+        out.setdefault(policy, {})[knob] = knob_number("--knob", item, value)
     return out
 
 

@@ -24,7 +24,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from sinklab.cli.base import OneLineParser, add_device_json_args, command_main, data_run_dir, pick_device
+from sinklab.cli.base import (OneLineParser, add_device_json_args, command_main, data_run_dir, knob_number,
+                              pick_device)
 from sinklab.errors import UserError
 from sinklab.evals.sampling import KEEP_FIRST, generate
 from sinklab.analysis.probe_inputs import positive
@@ -79,10 +80,7 @@ def sample_policy(args, context: int):
         key, eq, value = item.partition("=")
         if not eq:
             raise UserError(f"--knob {item}: allowed: KNOB=VALUE, e.g. recent=0.25")
-        try:
-            knobs[key] = float(value) if any(c in value for c in ".e") else int(value)
-        except ValueError:
-            raise UserError(f"--knob {item}: {value!r} is not a number") from None
+        knobs[key] = knob_number("--knob", item, value)
     budget = None if args.policy == "dense" else (args.budget or context - 1)
     policy = build(args.policy, budget, **knobs)
     policy.check(context)

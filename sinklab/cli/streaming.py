@@ -37,7 +37,7 @@ from typing import Optional, Sequence
 import torch
 
 from sinklab.cli.base import (OneLineParser, add_device_json_args, add_sweep_args, add_target_args, check_data_args,
-                              check_one_target, command_main, data_run_dir, pick_device, target_spec)
+                              check_one_target, command_main, data_run_dir, name_list, pick_device, target_spec)
 from sinklab.errors import UserError
 from sinklab.evals import streaming_ppl as pp
 from sinklab.model.lm_loss import bits_per_byte, bytes_per_token, perplexity
@@ -72,14 +72,6 @@ def baseline_list(text: str) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def policy_list(text: str) -> list[str]:
-    """'h2o,snapkv' -> ['h2o', 'snapkv'] (checked against the registry when the command runs)."""
-    names = [v.strip() for v in text.split(",") if v.strip()]
-    if not names:
-        raise argparse.ArgumentTypeError(f"{text!r}: a comma-separated list of cache policies, e.g. h2o,snapkv")
-    return list(dict.fromkeys(names))
-
-
 def build_parser() -> OneLineParser:
     ap = OneLineParser(prog=PROG, description="Perplexity over a long text fed one token at a time through a KV cache "
                                               "that keeps the first x and the y most recent tokens (StreamingLLM), "
@@ -101,7 +93,7 @@ def build_parser() -> OneLineParser:
     ap.add_argument("--baselines", type=baseline_list, default=list(BASELINES), metavar="B,...",
                     help="dense (a cache that never evicts, past the context) and/or recompute (each token from the "
                          "last `context` tokens recomputed), or none (default dense,recompute)")
-    ap.add_argument("--policies", type=policy_list, default=[], metavar="P,...",
+    ap.add_argument("--policies", type=name_list("cache policies, e.g. h2o,snapkv"), default=[], metavar="P,...",
                     help="cache policies to run besides StreamingLLM's x + y (sinklab.model.cache_policies: window, "
                          "h2o, tova, snapkv, pyramidkv, keynorm, duo), each at every --budgets")
     ap.add_argument("--budgets", type=int_list, default=None, metavar="B,...",

@@ -24,7 +24,7 @@ import torch
 
 from sinklab.errors import UserError
 from sinklab.evals.registry import EVALUATIONS, NON_NEGATIVE, UNIT, Evaluation
-from sinklab.model.cache_policies import CachePolicy, Dense, build
+from sinklab.model.cache_policies import CACHE_POLICIES, CachePolicy, Dense, build
 from sinklab.targets.interface import Target
 
 PROTOCOLS = ("prefill", "decoding")
@@ -116,7 +116,7 @@ def run_sample(target: Target, sample, setting: Setting) -> dict:
 
 def batches(samples: Sequence, setting: Setting, size: int = 16) -> list[list]:
     """The samples in batches of one length and question place (a masking policy's, one at a time)."""
-    if setting.make().masks:
+    if CACHE_POLICIES.get(setting.policy).masks:
         return [[s] for s in samples]
     groups: dict[tuple[int, int], list] = {}
     for s in samples:

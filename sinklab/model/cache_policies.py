@@ -115,6 +115,15 @@ def grown(t: Optional[torch.Tensor], shape: Sequence[int], like: torch.Tensor) -
     return F.pad(t, (0, shape[-1] - t.shape[-1]))
 
 
+def gather_state(state: dict, idx: torch.Tensor, n_keys: int) -> None:
+    """A policy's per-key state follows the keys a cache kept: each tensor of `state` whose last dim indexes the
+    n_keys keys ((B, Hkv, n_keys) or (B, Hkv, w, n_keys)) is gathered at idx (B, Hkv, n) along that dim, in place."""
+    B, Hkv, n = idx.shape
+    for name, t in state.items():
+        if isinstance(t, torch.Tensor) and t.shape[-1] == n_keys:
+            state[name] = t.gather(-1, idx.view(B, Hkv, *[1] * (t.dim() - 3), n).expand(*t.shape[:-1], n))
+
+
 def newest(n_keys: int, n: int, like: torch.Tensor) -> torch.Tensor:
     """(n,) the indices of the n most recent of n_keys keys."""
     return torch.arange(n_keys - n, n_keys, device=like.device)

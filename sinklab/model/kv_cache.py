@@ -28,7 +28,7 @@ from typing import Optional
 
 import torch
 
-from .cache_policies import CachePolicy, Dense, Streaming
+from .cache_policies import CachePolicy, Dense, Streaming, gather_state
 
 EVICT = ("decoding", "prefill")
 
@@ -75,10 +75,6 @@ class KVCache:
         self.length = 0  # positions held (sink tokens included) before the next forward
         self.seen = 0  # text tokens the model has been given, evicted ones included
         self._filled = 0  # positions written by the forward in progress (length + its new ones)
-
-    @property
-    def keep_first(self) -> Optional[int]:
-        return self.policy.first if isinstance(self.policy, Streaming) else None
 
     @property
     def moves_keys(self) -> bool:
@@ -223,9 +219,5 @@ class KVCache:
                 buf[:, :, S:S + width] = buf[:, :, S:self.length].gather(2, at)
             self.origin[layer] = torch.cat([self.origin[layer][:, :, :S],
                                             self.origin[layer][:, :, S:self.length].gather(2, idx)], dim=2)
-            state = self.state[layer]
-            for name, t in state.items():  # the policy's per-key state follows its keys
-                if isinstance(t, torch.Tensor) and t.shape[-1] == n_text:
-                    state[name] = t.gather(-1, idx.view(B, Hkv, *[1] * (t.dim() - 3), width)
-                                           .expand(*t.shape[:-1], width))
+            gather_state(self.state[layer], idx, n_text)  # the policy's per-key state follows its keys
         self.length = S + width

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from sinklab.errors import UserError
-from sinklab.model.cache_policies import CACHE_POLICIES, CachePolicy, Dense, PyramidKV, Streaming
+from sinklab.model.cache_policies import CACHE_POLICIES, CachePolicy, Dense, PyramidKV, Streaming, gather_state
 
 from .interface import Decoder
 
@@ -138,10 +138,7 @@ class HFDecoder(Decoder):
             layer.keys = rotate_back(layer.keys.gather(2, at), inv_freq, shift)
             layer.values = layer.values.gather(2, at)
             self.origin[i] = self.origin[i].gather(2, idx)
-            state = self.states[i]
-            for name, t in state.items():
-                if isinstance(t, torch.Tensor) and t.shape[-1] == L:
-                    state[name] = t.gather(-1, idx.view(B, Hkv, *[1] * (t.dim() - 3), n).expand(*t.shape[:-1], n))
+            gather_state(self.states[i], idx, L)
 
     def kept(self) -> list[torch.Tensor]:
         return list(self.origin)
