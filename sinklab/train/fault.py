@@ -13,6 +13,8 @@ sinklab adds only the timing, `PreemptionCallback`: on SIGTERM or SIGUSR2 (callb
 optimizer step finishes, checkpoints/last.ckpt is saved at that step boundary and training stops (`Preempted`); then
 `exit_preempted` hands the signal to the handler that was installed before training (submitit's requeue; outside
 submitit there is none) and exits with 128 + the signal's number.
+Once training has completed, a SLURM job ignores the time-limit warning (`ignore_late_time_limit_signal`): coming
+as the process exits, it would end the finished job by the signal and SLURM would mark it FAILED.
 
 Lightning's own SLURM auto-requeue (SIGUSR1: hpc_ckpt_N.ckpt saved from the signal handler, then `scontrol requeue`)
 is turned off (`slurm_plugins`): it would be a second requeue next to submitit's, and it saves in the middle of a step,
@@ -197,6 +199,23 @@ class PreemptionCallback(L.Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if self._pending is not None:
             raise self._pending
+
+
+def ignore_late_time_limit_signal() -> Optional[int]:
+    """After a training that completed, in a submitit SLURM job: the time-limit warning (submitit's signal, SIGUSR2
+    unless SUBMITIT_PREEMPT_SIGNAL says otherwise) is ignored for the rest of the process. It has nothing left to
+    save, and if it came while the interpreter exits (Python puts every handler back to the default then, and the
+    default action of SIGUSR2 is to end the process) SLURM would mark the finished job FAILED. An ignored signal
+    stays ignored through that exit. Returns the signal ignored (None outside such a job: nothing changes)."""
+    if os.environ.get("SUBMITIT_EXECUTOR") != "slurm" or threading.current_thread() is not threading.main_thread():
+        return None
+    from submitit.slurm.slurm import SlurmJobEnvironment
+
+    signum = SlurmJobEnvironment._usr_sig()
+    signal.signal(signum, signal.SIG_IGN)
+    log.info("training completed: %s (the time-limit warning) is ignored from here on",
+             signal.Signals(signum).name)
+    return signum
 
 
 def exit_preempted(err: Preempted) -> NoReturn:

@@ -26,7 +26,7 @@ log = logging.getLogger("sinklab")
 
 def run_job(cfg: DictConfig, train: Callable[[DictConfig], dict[str, float]]) -> Optional[float]:
     """Run `train(cfg)` as one job (see the module docstring); returns its final val/loss for Hydra."""
-    from sinklab.train.fault import Preempted, exit_preempted
+    from sinklab.train.fault import Preempted, exit_preempted, ignore_late_time_limit_signal
     from sinklab.train.module import TrainingDiverged
 
     exit_code = 1  # for wandb: failed unless training completes (or is pre-empted)
@@ -39,6 +39,7 @@ def run_job(cfg: DictConfig, train: Callable[[DictConfig], dict[str, float]]) ->
                 raise
             raise converted from err
         exit_code = 0
+        ignore_late_time_limit_signal()  # in a SLURM job: a warning now would turn the finished job into FAILED
         return final.get(VAL_LOSS)
     except UserError as err:
         print(f"error: {one_line(err)}", file=sys.stderr)

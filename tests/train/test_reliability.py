@@ -14,6 +14,7 @@ import math
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from sinklab.config import compose, validate_config
 from sinklab.errors import UserError
 from tests.helpers import (REPO, assert_one_line_error, data_args, error_lines, rows, run_cli, run_cli_in_one_process,
                            series, small, start_cli)
+from tests.helpers.cli import process_env
 
 
 def status(run_dir: Path) -> dict:
@@ -515,6 +517,33 @@ def test_submitit_usr2_saves_then_hands_over_to_the_requeue_handler(corpus, tmp_
     assert read_checkpoint(tmp_path / "checkpoints" / "last.ckpt")["global_step"] == 2
     assert status(tmp_path)["status"] == "preempted"
     assert "preempted: SIGUSR2 received: stopped after step 2" in err
+
+
+@pytest.mark.slow
+@pytest.mark.ci
+def test_completed_slurm_job_ignores_a_late_time_limit_warning(corpus, tmp_path):
+    """A job whose training completed must not die of submitit's SIGUSR2 on its way out: Python puts every handler
+    back to the default while it exits, and SIGUSR2's default ends the process, so SLURM would mark the finished job
+    FAILED (seen on a real SLURM). In a submitit SLURM job the signal is ignored once training completed; elsewhere
+    nothing changes, and the same late signal ends the process as it ends any program."""
+    script = ("import os, signal, sys, time\n"
+              "from sinklab.train.entry import main\n"
+              "sys.argv[0] = 'sinklab-train'\n"
+              "try:\n    main()\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
+              "os.kill(os.getpid(), signal.SIGUSR2)\n"
+              "time.sleep(0.5)\n"
+              "print('survived')\n")
+    args = [*small(corpus), "trainer.max_steps=2", "callbacks.sink.every_n_steps=2"]
+    for executor, code in (("slurm", 0), (None, -signal.SIGUSR2)):
+        env = {k: v for k, v in process_env(None, "ignore").items() if k != "SUBMITIT_EXECUTOR"}
+        if executor:
+            env["SUBMITIT_EXECUTOR"] = executor
+        proc = subprocess.run([sys.executable, "-c", script, *args, f"paths.output_dir={tmp_path}/{executor}"],
+                              capture_output=True, text=True, env=env, timeout=300)
+        assert proc.returncode == code, (executor, proc.stderr[-3000:])
+        assert status(tmp_path / str(executor))["status"] == "completed"
+        assert ("survived" in proc.stdout) == (code == 0)
+        assert ("SIGUSR2 (the time-limit warning) is ignored from here on" in proc.stderr + proc.stdout) == (code == 0)
 
 
 @pytest.mark.slow
