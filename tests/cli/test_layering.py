@@ -181,6 +181,8 @@ def run_without_lightning(code: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code + NO_LIGHTNING], capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
+@pytest.mark.ci  # in CI's ci tier: the default suite's time (issue 35)
 def test_quant_and_eval_commands_import_no_lightning():
     proc = run_without_lightning("import sinklab.cli, sinklab.cli.quant, sinklab.cli.eval, sinklab.cli.streaming, "
                                  "sinklab.cli.intervene, sinklab.cli.measure, sinklab.cli.sample, sinklab.model.lm_loss, "

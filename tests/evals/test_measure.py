@@ -84,6 +84,8 @@ def planted_ckpt(tmp_path_factory):
 
 
 # ------------------------------------------------------------------------------------------------ sinklab checkpoints
+@pytest.mark.slow
+@pytest.mark.ci  # in CI's ci tier: the default suite's time (issue 35)
 def test_planted_sink_found_through_cli(planted_ckpt):
     model, ckpt, tokens = planted_ckpt
     proc = run_cli("sinklab", "measure", str(ckpt), "--tokens", str(tokens), "--json", "--eps", "0.3", "0.1",

@@ -113,6 +113,8 @@ def test_a_module_the_model_does_not_need_is_not_imported_either(tmp_path, monke
     assert "SINKLAB_PLUGINS=planted_metrics_only,this loads them" in caplog.text
 
 
+@pytest.mark.slow
+@pytest.mark.ci  # in CI's ci tier: the default suite's time (issue 35)
 def test_a_module_the_user_names_loads_the_checkpoint(planted):
     """The positive case, in a process of its own (the op registers there, not in this test process): the module
     named in SINKLAB_PLUGINS is imported, and the checkpoint loads with its op and knob and is measured."""

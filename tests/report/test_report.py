@@ -114,6 +114,8 @@ def test_report_table_status_and_paper_values(tmp_path):
         assert float(np.std(img[..., :3])) > 0.05  # not a blank canvas
 
 
+@pytest.mark.slow
+@pytest.mark.ci  # in CI's ci tier: the default suite's time (issue 35)
 def test_stale_jobs_without_status_are_killed_and_running_status_stalled(tmp_path):
     sweep = make_sweep(tmp_path)
     later = time.time() + 3600

@@ -243,6 +243,8 @@ def test_the_readme_report_commands(built, capsys):
             assert "claim g1_removes_sink: reproduced\n" in out and "report_claims.csv" in out
 
 
+@pytest.mark.slow
+@pytest.mark.ci  # in CI's ci tier: the default suite's time (issue 35)
 def test_a_sweep_started_before_its_preset_stated_claims_gets_the_presets(tmp_path):
     """No experiment.baseline / claims in the sweep's config: those of conf/experiment/<experiment.name>.yaml."""
     res = report.build_report(make_seed_sweep(tmp_path, claims=None), tmp_path / "out")
@@ -318,6 +320,8 @@ def gate_values(setting, seed):
     return SINK1[setting["model/gate"]][seed], VAL_LOSS[setting["model/gate"]] + seed / 100
 
 
+@pytest.mark.slow
+@pytest.mark.ci  # in CI's ci tier: the default suite's time (issue 35)
 def test_an_ad_hoc_sweep_is_compared_with_the_swept_keys_default(built, tmp_path, capsys):
     """`sinklab-train -m model/gate=elementwise,none seed=0,1,2,3,4`, no preset: the differences are from the
     schema's default gate (none, ModelConfig's; not the first swept value), paired by seed as a preset's are, and
@@ -341,6 +345,8 @@ def test_an_ad_hoc_sweep_is_compared_with_the_swept_keys_default(built, tmp_path
     assert out[1] == note and str(tmp_path / "out" / "report_differences.csv") in out
 
 
+@pytest.mark.slow
+@pytest.mark.ci  # in CI's ci tier: the default suite's time (issue 35)
 def test_a_default_that_was_not_swept_gives_the_first_swept_value(tmp_path):
     """Two swept values: optim.weight_decay's default (the default run's 1.0, conf/scale/quick.yaml) was swept, second,
     and is the baseline; optim.lr's default was not swept, so its first value is, and the report says so. Every

@@ -54,6 +54,8 @@ def test_a_bad_schedule_is_one_line_before_training(override, message):
     assert_one_line_error(err, starts=message)
 
 
+@pytest.mark.slow
+@pytest.mark.ci  # in CI's ci tier: the default suite's time (issue 35)
 def test_kept_checkpoints_beside_last_and_a_resume(corpus, tmp_path):
     """6 steps, last.ckpt every 4, kept every 2 steps and at 128 * 10^(j/2) tokens; then a resume to step 8 with
     ckpt_path=auto starts from last.ckpt (step 4), not from the newer kept step 6, and keeps steps 6 and 8."""

@@ -500,6 +500,8 @@ def test_sigterm_saves_stops_and_requeued_job_resumes(reference, corpus, tmp_pat
     assert_same_run(tmp_path, reference)
 
 
+@pytest.mark.slow
+@pytest.mark.ci  # in CI's ci tier: the default suite's time (issue 35)
 def test_submitit_usr2_saves_then_hands_over_to_the_requeue_handler(corpus, tmp_path, capsys):
     """submitit sends SIGUSR2 before the time limit; its handler (installed before training) requeues the job. Here
     a stand-in handler records the call: sinklab saves last.ckpt first, then calls it, then exits 140."""
