@@ -14,6 +14,9 @@ cell of --samples samples (seeded by --seed, the filler from the run's validatio
 (default: the model context + 1, a training block). Budgets are text keys kept between steps: an integer, or a share
 of the sample's tokens (25%); dense (no eviction) is always run first, the reference. Policies and their knobs:
 `sinklab.model.cache_policies` (`--knob POLICY.KNOB=VALUE`, e.g. h2o.recent=0.25, streaming.first=1).
+A passkey run trained with its question anywhere (data.retrieval.query_at=null) is read with the question at the
+sample's end (query_at=1: the prompt before it is the whole sample, as for every other run; `sinklab.evals.retrieval.
+read_at_end`); --grid query_at=... varies it.
 
 --json prints one object: target, source, task {task, knobs, chance}, grid {knob, values}, length, n_samples (per
 cell), notes, seconds, settings [{protocol, policy, budget, knobs, label, accuracy, loss, first_kept, key_kept, cells
@@ -220,6 +223,7 @@ def run(args) -> dict:
     cases = settings(args, length)
     task, text = load_task(args, meta.run_dir, meta.vocab_size, length, max(20_000, 4 * length))
     knob, values = parse_grid(args.grid, task)
+    task = rv.read_at_end(task, knob)
     cells = {v: make_samples(rv.with_knob(task, knob, v), args.samples, length, args.seed, text) for v in values}
     budgets = [c.budget for c in cases if c.budget is not None]
     heads = rv.head_scores(target, [x for samples in cells.values() for x in samples],

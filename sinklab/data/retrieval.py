@@ -5,11 +5,14 @@ Each task is a class registered under its name in `TASKS` (`@TASKS.register("nam
 data.retrieval it reads (`KNOBS`), how long a sample must be (`too_long`), how one sample is made (`sample`) and its
 chance level (`chance`). The knobs, their defaults and their rules are `RetrievalConfig`'s (data.retrieval):
 
-  passkey  [BOS] filler ... KEY d1..dk filler ... QUERY d1..dk    (Landmark Attention's passkey, arXiv 2305.16300,
-           at block scale). The filler is a contiguous run of corpus tokens; the key is `key_len` digits, each one of
-           the tokenizer's single-character tokens "0".."9"; KEY and QUERY are two dedicated new ids after the ids in
-           use (the model vocabulary grows by 2). The KEY marker sits at `depth` (a fraction of the filler: 0 right
-           after BOS, 1 right before QUERY; null: uniform per sample). Answer: the k digits after QUERY.
+  passkey  [BOS] filler ... KEY d1..dk filler ... QUERY d1..dk [filler ...]    (Landmark Attention's passkey, arXiv
+           2305.16300, at block scale). The filler is a contiguous run of corpus tokens; the key is `key_len` digits,
+           each one of the tokenizer's single-character tokens "0".."9"; KEY and QUERY are two dedicated new ids after
+           the ids in use (the model vocabulary grows by 2). QUERY sits at `query_at` (the share of the filler before
+           it: 1, the default, puts the question at the block's end; null: uniform per sample, so that a model cannot
+           learn where questions come; the filler after the answer goes on with the same text), and the KEY marker
+           at `depth` (a fraction of the filler before QUERY: 0 right after BOS, 1 right before QUERY; null: uniform
+           per sample). Answer: the k digits after QUERY.
   mqar     [BOS] k1 v1 k2 v2 ... kn vn | query region              (Zoology's multi-query associative recall, arXiv
            2312.04927, its generator `multiquery_ar`). Keys are drawn without replacement from the lower half of the
            tokenizer's ids [0, V/2), values from the upper half [V/2, V) (two disjoint ranges of ordinary token ids,
@@ -110,6 +113,7 @@ class RetrievalConfig(Schema):
     val_num_samples: int = rule(64, integer(1))               # held-out samples validated (val/retrieval/*)
     key_len: int = rule(4, integer(1))                        # passkey: digits of the key
     depth: Optional[float] = rule(None, number(ge=0, le=1, optional=True))  # passkey: KEY's place; null: uniform
+    query_at: Optional[float] = rule(1.0, number(ge=0, le=1, optional=True))  # passkey: QUERY's place; null: uniform
     n_pairs: int = rule(8, integer(1))                        # mqar: key-value pairs (every key asked once)
     power_a: float = rule(0.01, number(gt=0))                 # mqar: query gaps p(i) ~ i^(power_a - 1)
 
@@ -221,12 +225,13 @@ class RetrievalTask:
 
 @TASKS.register("passkey")
 class Passkey(RetrievalTask):
-    """[BOS] filler KEY d1..dk filler QUERY d1..dk: the key's digits after QUERY are the answer."""
+    """[BOS] filler KEY d1..dk filler QUERY d1..dk [filler]: the key's digits after QUERY are the answer."""
 
-    KNOBS = ("key_len", "depth")
+    KNOBS = ("key_len", "depth", "query_at")
     EXTRA_IDS = 2
     key_len: int
     depth: Optional[float]
+    query_at: Optional[float]
 
     def __init__(self, vocab: int, digit_ids: Sequence[int], bos_id: Optional[int] = None, reserved: Sequence[int] = (),
                  marker_id: Optional[int] = None, **knobs: Any):
@@ -263,12 +268,16 @@ class Passkey(RetrievalTask):
             self.check(length)
         key = self.digit_ids[rng.integers(0, 10, size=k)]  # (k,)
         depth = rng.random() if self.depth is None else self.depth
-        at = int(np.floor(depth * n_fill + 0.5))  # KEY's place among the filler tokens
+        # (drawn after depth, and only when null: a sample with query_at=1 is the sample made before this knob)
+        query_at = rng.random() if self.query_at is None else self.query_at
+        before = int(np.floor(query_at * n_fill + 0.5))  # filler tokens before QUERY
+        at = int(np.floor(depth * before + 0.5))  # KEY's place among them
         text = self.filler(rng, n_fill, filler)
-        body = np.concatenate([text[:at], [self.key_id], key, text[at:], [self.query_id], key])
+        body = np.concatenate([text[:at], [self.key_id], key, text[at:before], [self.query_id], key, text[before:]])
+        ask = before + 1 + k  # QUERY's index
         answer = np.zeros(len(body), dtype=bool)
-        answer[-k:] = True
-        return self.finish(body, answer, len(body) - k - 1)
+        answer[ask + 1:ask + 1 + k] = True
+        return self.finish(body, answer, ask)
 
     def chance(self) -> float:
         return 10.0 ** -self.key_len

@@ -62,6 +62,14 @@ def with_knob(task, name: str, value):
     return out
 
 
+def read_at_end(task, grid_knob: str):
+    """The task as evaluated: a passkey task trained with its question anywhere (query_at null) asks at the sample's
+    end (query_at=1), unless the grid varies query_at; samples of one question place also read as one batch."""
+    if getattr(task, "query_at", 1.0) is None and grid_knob != "query_at":
+        return with_knob(task, "query_at", 1.0)
+    return task
+
+
 def key_positions(sample) -> np.ndarray:
     """Positions (text indices) of what the question asks for: passkey's planted key digits (the answer's tokens
     before the question), or, for a task whose answers each follow their key, every answer token's earlier twin."""

@@ -72,6 +72,49 @@ def test_passkey_puts_the_key_at_its_depth_and_asks_for_it_at_the_end(depth):
         assert len(text) == n_fill and np.array_equal(np.diff(text), np.ones(n_fill - 1))  # one contiguous run
 
 
+@pytest.mark.parametrize("query_at,depth", [(0.0, 0.5), (0.3, 0.0), (0.6, 1.0), (None, 0.5), (None, None)])
+def test_passkey_query_at_places_the_question_and_the_text_goes_on_after_the_answer(query_at, depth):
+    task, L, k = passkey(depth=depth, key_len=3, query_at=query_at), 65, 3
+    n_fill = L - 1 - 2 - 2 * k
+    filler = np.arange(2000, 2500)
+    places = []
+    for s in make_samples(task, 300, L, 0, filler):
+        t = s.tokens
+        key_at, ask = int(np.flatnonzero(t == task.key_id)[0]), int(np.flatnonzero(t == task.query_id)[0])
+        before = ask - 1 - 1 - k  # filler tokens before QUERY
+        if query_at is not None:
+            assert before == math.floor(query_at * n_fill + 0.5)
+        if depth is not None:
+            assert key_at - 1 == math.floor(depth * before + 0.5)
+        assert s.ask == ask and np.array_equal(t[ask + 1:ask + 1 + k], t[key_at + 1:key_at + 1 + k])
+        assert np.array_equal(np.flatnonzero(s.answer), np.arange(ask + 1, ask + 1 + k))
+        text = np.concatenate([t[1:key_at], t[key_at + 1 + k:ask], t[ask + 1 + k:]])
+        assert len(text) == n_fill and np.array_equal(np.diff(text), np.ones(n_fill - 1))  # one run, on after
+        places.append(before / n_fill)
+    if query_at is None:  # uniform: questions anywhere, the answer's tokens at every position of the block
+        assert abs(np.mean(places) - 0.5) < 0.05 and min(places) < 0.03 and max(places) > 0.97
+
+
+def test_passkey_query_at_is_drawn_after_the_key():
+    """A null query_at is drawn after the key (and a null depth): a seed's keys are those of query_at=1, the default,
+    which draws nothing, so that samples made before the knob existed are made again."""
+    filler = np.arange(2000, 2500)
+    at_end, anywhere = (make_samples(passkey(query_at=q), 50, 65, 5, filler) for q in (1.0, None))
+    assert [list(x.tokens[x.answer]) for x in at_end] == [list(y.tokens[y.answer]) for y in anywhere]
+    assert {x.ask for x in at_end} == {65 - 4 - 1} and len({y.ask for y in anywhere}) > 10
+
+
+def test_a_run_trained_with_questions_anywhere_is_read_with_the_question_at_the_end():
+    from sinklab.evals.retrieval import read_at_end
+
+    task = passkey(query_at=None)
+    at_end = read_at_end(task, "depth")
+    assert at_end.query_at == 1.0 and at_end.knobs["query_at"] == 1.0 and task.query_at is None
+    assert {s.ask for s in make_samples(at_end, 20, 65, 0, None)} == {65 - 4 - 1}
+    assert read_at_end(task, "query_at") is task and read_at_end(passkey(query_at=0.5), "depth").query_at == 0.5
+    assert read_at_end(mqar(), "n_pairs").knobs == mqar().knobs
+
+
 def test_passkey_depth_null_is_uniform_and_keys_are_uniform_digits():
     task, L = passkey(), 65
     samples = make_samples(task, 2000, L, 1, None)
@@ -156,6 +199,7 @@ def test_answer_scores_count_exact_spans():
     ({"task": "copy"}, "data.retrieval.task='copy' is not allowed; allowed: null or one of passkey, mqar"),
     ({"task": "passkey", "rate": 1.5}, "data.retrieval.rate=1.5 is not allowed; allowed: a number >= 0 and <= 1"),
     ({"task": "passkey", "depth": -0.1}, "data.retrieval.depth=-0.1 is not allowed; allowed: a number >= 0 and <= 1"),
+    ({"task": "passkey", "query_at": 2}, "data.retrieval.query_at=2 is not allowed; allowed: a number >= 0 and <= 1"),
     ({"rate": 0.5}, "data.retrieval.rate=0.5 needs data.retrieval.task: one of passkey, mqar"),
     ({"task": "passkey", "key_len": 15}, "data.retrieval.key_len=15 is not allowed; allowed: an integer <= 13 (a "
                                          "passkey sample is 2 markers + the key twice = 32 tokens, more than a "
