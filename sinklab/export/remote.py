@@ -74,10 +74,12 @@ def distribution(module: str) -> Optional[str]:
     """'name==version' of the installed distribution providing `module`'s top-level package, None when none does
     (code on PYTHONPATH)."""
     top = module.split(".")[0]
-    names = importlib.metadata.packages_distributions().get(top) or []
-    if not names:
-        return None
-    return f"{names[0]}=={importlib.metadata.version(names[0])}"
+    for name in importlib.metadata.packages_distributions().get(top) or [top]:  # no file list: a name alike
+        try:
+            return f"{name}=={importlib.metadata.version(name)}"
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return None
 
 
 def write(state: dict[str, torch.Tensor], cfg: ModelConfig, out: Path, torch_dtype: torch.dtype,

@@ -8,7 +8,6 @@ masks, the softmax scale, the residual clamp, a head width of its own, a layer p
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 import torch
@@ -39,21 +38,6 @@ def one_case_each() -> list[dict]:
 
 
 CASES = one_case_each()
-TIMES: list[float] = []
-
-
-@pytest.fixture(scope="module")
-def modules_cache(tmp_path_factory):
-    """transformers' remote-code module cache in a directory of this module's own (HF_MODULES_CACHE is read once,
-    when transformers is imported: its module attribute is what counts)."""
-    transformers = pytest.importorskip("transformers")
-    from transformers import dynamic_module_utils
-
-    root = tmp_path_factory.mktemp("hf_modules")
-    before = dynamic_module_utils.HF_MODULES_CACHE
-    dynamic_module_utils.HF_MODULES_CACHE = str(root)
-    yield transformers
-    dynamic_module_utils.HF_MODULES_CACHE = before
 
 
 def tiny_model(case: dict) -> Transformer:
@@ -81,9 +65,8 @@ def greedy(model: Transformer, prompt: torch.Tensor, n: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("case", CASES, ids=[case_id(c) for c in CASES])
-def test_every_component_exports_with_sinklabs_logits(case, tmp_path, modules_cache):
-    transformers = modules_cache
-    started = time.perf_counter()
+def test_every_component_exports_with_sinklabs_logits(case, tmp_path):
+    transformers = pytest.importorskip("transformers")  # its remote code goes to HF_MODULES_CACHE (tests/conftest.py)
     model = tiny_model(case)
     out = tmp_path / "export"  # one name for every case: the remote code's module is imported once
     result = export(str(save_ckpt(model, tmp_path / "m.ckpt")), str(out), check=False, with_tokenizer=False,
@@ -116,4 +99,3 @@ def test_every_component_exports_with_sinklabs_logits(case, tmp_path, modules_ca
         want = [a[:, :, -T:, extra:] for a in attention_maps(model, idx)]
         assert len(maps) == model.cfg.n_layer
         assert all(m.shape == (2, TINY["n_head"], T, T) and torch.allclose(m, w, atol=1e-6) for m, w in zip(maps, want))
-    TIMES.append(time.perf_counter() - started)

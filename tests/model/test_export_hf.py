@@ -1,4 +1,6 @@
-"""sinklab export-hf: LLaMA-compatible checkpoints load as LlamaForCausalLM with the same logits; others refused."""
+"""sinklab export-hf: LLaMA-compatible checkpoints load as LlamaForCausalLM with the same logits (and no remote code);
+the others as remote code (SinklabForCausalLM, trust_remote_code), which `sinklab measure --hf-model` measures as
+`sinklab measure` measures the checkpoint; every component: tests/model/test_export_components.py."""
 from __future__ import annotations
 
 import json
@@ -6,6 +8,8 @@ import os
 
 import pytest
 import torch
+
+import sinklab
 
 from sinklab.export.llama import unrepresentable
 from sinklab.model import ModelConfig, Transformer
@@ -37,7 +41,8 @@ def test_gqa_export_has_the_same_logits(tmp_path, capsys):
     assert "check: max |logit difference|" in printed and "tokenizer: skipped" in printed
     assert (out / "config.json").is_file() and (out / "model.safetensors").is_file()
     config = json.loads((out / "config.json").read_text())
-    assert config["architectures"] == ["LlamaForCausalLM"]
+    assert config["architectures"] == ["LlamaForCausalLM"] and "auto_map" not in config
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "generation_config.json", "model.safetensors"]
     assert (config["num_attention_heads"], config["num_key_value_heads"], config["max_position_embeddings"],
             config["rms_norm_eps"], config["tie_word_embeddings"]) == (4, 2, 32, 1e-6, False)
 
@@ -52,12 +57,18 @@ def test_gqa_export_has_the_same_logits(tmp_path, capsys):
     assert (ours - theirs).abs().max().item() <= 1e-4
 
 
-def test_refuses_what_llama_cannot_represent(tmp_path, capsys):
+def test_what_llama_cannot_represent_is_remote_code(tmp_path, capsys):
     ckpt = save_ckpt(random_model(pos="alibi"), tmp_path / "alibi.ckpt")
-    rc, out, err = run_cli("sinklab", "export-hf", str(ckpt), str(tmp_path / "out"), capsys=capsys)
-    assert rc == 2
-    assert_one_line_error(err, "model.pos=alibi (LLaMA needs rope)")
-    assert not (tmp_path / "out").exists()
+    rc, out, err = run_cli("sinklab", "export-hf", str(ckpt), str(tmp_path / "out"), "--no-tokenizer", capsys=capsys)
+    assert rc == 0, err
+    assert "SinklabForCausalLM as remote code" in out and "model.pos=alibi (LLaMA needs rope)" in out
+    assert "trust_remote_code=True" in out and "check: max |logit difference| vs the sinklab model = 0 " in out
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["auto_map"] == {"AutoConfig": "configuration_sinklab.SinklabConfig",
+                                  "AutoModelForCausalLM": "modeling_sinklab.SinklabForCausalLM"}
+    assert config["sinklab_model"]["pos"] == "alibi" and config["sinklab_version"] == sinklab.__version__
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert "trust_remote_code=True" in card and f"pip install sinklab=={sinklab.__version__}" in card
 
     cfg = ModelConfig(**SMALL, attn_bias="kv", norm="layer", window=8).validate()
     reasons = unrepresentable(cfg)
@@ -66,20 +77,46 @@ def test_refuses_what_llama_cannot_represent(tmp_path, capsys):
     for overrides in ({"ffn": "gelu"}, {"n_sink_tokens": 1}, {"gate": "headwise"}, {"sink_logit": "learned"},
                       {"norm_position": "post"}, {"attn_op": "sigmoid"}, {"softmax_scale": 2.0}, {"prefix_len": 4},
                       {"gate": "vga"}, {"attn_op": "differential"}, {"rope_heads": [0, 2]},
-                      {"rope_head_fractions": [1.0, 0.75, 0.0, 1.0]}, {"pos": "nape"}, {"head_norm": "rms"}):
+                      {"rope_head_fractions": [1.0, 0.75, 0.0, 1.0]}, {"pos": "nape"}, {"head_norm": "rms"},
+                      {"sparsity": "strided"}, {"sparsity": "topk"}):
         cfg = ModelConfig(**SMALL, **overrides).validate()
         assert not cfg.llama_compatible and [r.split("=")[0] for r in unrepresentable(cfg)] == \
             ["model." + next(iter(overrides))]
 
     # the module entry point, and an output dir that is not empty
-    proc = run_cli("sinklab", "export-hf", str(ckpt), str(tmp_path / "o2"), process=True, env=ENV, timeout=60)
-    assert proc.returncode == 2
-    assert_one_line_error(proc.stderr, "model.pos=alibi")
+    proc = run_cli("sinklab", "export-hf", str(ckpt), str(tmp_path / "o2"), "--no-check", process=True, env=ENV,
+                   timeout=60)
+    assert proc.returncode == 0 and (tmp_path / "o2" / "modeling_sinklab.py").is_file(), proc.stderr
     ok = save_ckpt(random_model(), tmp_path / "ok.ckpt")
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "x").write_text("x")
     rc, out, err = run_cli("sinklab", "export-hf", str(ok), str(tmp_path / "full"), capsys=capsys)
     assert rc == 2 and "OUT_DIR" in err
+
+
+def test_measure_of_the_remote_code_export_equals_measure_of_the_run(tmp_path, capsys):
+    """A gated model with learned sink tokens and a KV bias: `sinklab measure --hf-model` on its export (loaded
+    through transformers with trust_remote_code, since its code files are this sinklab's) reports what `sinklab
+    measure` reports on the checkpoint, per head; an export whose code was edited is refused in one line."""
+    pytest.importorskip("transformers")
+    model = random_model(gate="headwise", n_sink_tokens=1, attn_bias="kv")
+    ckpt = save_ckpt(model, tmp_path / "gated.ckpt")
+    out = tmp_path / "hf"
+    run_cli("sinklab", "export-hf", str(ckpt), str(out), "--no-tokenizer", capsys=capsys, check=True)
+    args = ["--input", "random", "--num-seqs", "6", "--seq-len", "24", "--json"]
+    ours = json.loads(run_cli("sinklab", "measure", str(ckpt), *args, capsys=capsys, check=True).stdout)
+    theirs = json.loads(run_cli("sinklab", "measure", "--hf-model", str(out), *args, capsys=capsys,
+                                check=True).stdout)
+    assert theirs["source"] == "hf" and theirs["model"]["model_type"] == "sinklab"
+    assert len(ours["alpha"]) == 2 and len(ours["alpha"][0]) == 4  # alpha_1 per layer and head
+    for key in ("alpha", "sink", "sink_by_eps", "gates", "massive", "entropy"):
+        assert key in ours and theirs[key] == ours[key], key
+    assert {k for k in ours if k not in ("target", "source", "seconds")} <= set(theirs)
+
+    (out / "modeling_sinklab.py").write_text((out / "modeling_sinklab.py").read_text() + "\n# edited\n")
+    rc, _, err = run_cli("sinklab", "measure", "--hf-model", str(out), *args, capsys=capsys)
+    assert rc == 2
+    assert_one_line_error(err, "its remote code (configuration_sinklab.py, modeling_sinklab.py) is not this sinklab's")
 
 
 def test_exports_the_runs_tokenizer(tmp_path, capsys):
