@@ -40,14 +40,15 @@ A sinklab model ({what}) exported by `sinklab export-hf` as transformers remote 
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 model = AutoModelForCausalLM.from_pretrained("{name}", trust_remote_code=True)
-tokenizer = AutoTokenizer.from_pretrained("{name}")
+tokenizer = AutoTokenizer.from_pretrained("{name}", trust_remote_code=True)  # it reads config.json too
 ```
 
 `trust_remote_code=True` runs modeling_sinklab.py from this directory, which builds sinklab's own model from
 config.json's `sinklab_model`: it needs `pip install sinklab=={version}`{plugins}. `model.generate(...)` decodes
 through sinklab's KV cache (a transformers `Cache`); `output_attentions=True` gives each layer's attention map over
 the real tokens (learned sink tokens' and bias slots' columns left out: a row's mass on them is 1 - its sum);
-`sinklab measure --hf-model {name}` measures it as `sinklab measure` measures the run.
+`sinklab measure --hf-model {name} --input random` measures it as `sinklab measure RUN --input random` measures
+the run.
 """
 
 
@@ -85,6 +86,10 @@ def distribution(module: str) -> Optional[str]:
 def write(state: dict[str, torch.Tensor], cfg: ModelConfig, out: Path, torch_dtype: torch.dtype,
           eos_id: Optional[int], plugins: dict[str, Optional[str]], why: list[str]) -> None:
     """OUT_DIR as the module docstring says; `state`: sinklab's weights (no `model.` prefix)."""
+    import transformers
+
+    from sinklab.targets.transformers_lm import quiet
+
     from .configuration_sinklab import SinklabConfig
     from .modeling_sinklab import SinklabForCausalLM
 
@@ -96,7 +101,8 @@ def write(state: dict[str, torch.Tensor], cfg: ModelConfig, out: Path, torch_dty
     hf_cfg.architectures = ["SinklabForCausalLM"]
     model = SinklabForCausalLM(hf_cfg)
     model.model.load_state_dict(state, strict=True)
-    model.to(torch_dtype).save_pretrained(str(out))
+    with quiet(transformers):
+        model.to(torch_dtype).save_pretrained(str(out))
     needs = "".join(f" and `pip install {p}`" if p else f" and module {m} on PYTHONPATH" for m, p in plugins.items())
     what = ", ".join(f"{k}={v}" for k, v in describe(cfg).items())
     (out / "README.md").write_text(CARD.format(name=out.name, what=what, why="; ".join(why),
@@ -112,8 +118,11 @@ def describe(cfg: ModelConfig) -> dict:
 
 def load(out: Path, transformers, dtype_kwargs):
     """The export loaded back with transformers (its remote code), fp32, in eval mode."""
-    return transformers.AutoModelForCausalLM.from_pretrained(
-        str(out), trust_remote_code=True, local_files_only=True, **dtype_kwargs(transformers, torch.float32)).eval()
+    from sinklab.targets.transformers_lm import quiet
+
+    with quiet(transformers):
+        return transformers.AutoModelForCausalLM.from_pretrained(
+            str(out), trust_remote_code=True, local_files_only=True, **dtype_kwargs(transformers, torch.float32)).eval()
 
 
 def trusted(path: Path, where: str) -> bool:

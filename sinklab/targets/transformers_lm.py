@@ -76,11 +76,15 @@ def load_hf_tokenizer(name_or_dir: Union[str, Path], revision: Optional[str] = N
     """The tokenizer saved beside the model (`load_hf_model`'s dir or snapshot), or a one-line UserError."""
     from sinklab.targets.hub_models import resolve_model
 
+    from sinklab.export.remote import trusted
+
     transformers = require_transformers()
     path = resolve_model(name_or_dir, revision)
+    own_code = trusted(path, f"--hf-model {name_or_dir}")  # AutoTokenizer reads config.json (its auto_map) too
     with quiet(transformers):
         try:
-            return transformers.AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+            return transformers.AutoTokenizer.from_pretrained(str(path), local_files_only=True,
+                                                              trust_remote_code=own_code)
         except Exception as err:
             first = (str(err).strip().splitlines() or [""])[0][:160]
             raise UserError(f"--hf-model {name_or_dir}: no tokenizer beside the model ({type(err).__name__}: "

@@ -13,7 +13,7 @@ import sinklab
 
 from sinklab.export.llama import unrepresentable
 from sinklab.model import ModelConfig, Transformer
-from tests.helpers import REPO, assert_one_line_error, natural_run, run_cli, save_ckpt
+from tests.helpers import REPO, assert_one_line_error, natural_run, readme_cli_lines, run_cli, save_ckpt
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "offline",
        "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
@@ -131,3 +131,37 @@ def test_exports_the_runs_tokenizer(tmp_path, capsys):
     assert tok(text)["input_ids"] == dm.tokenizer.encode(text).ids
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert config["eos_token_id"] == dm.eos_id
+
+
+def test_the_readme_export_section_runs(tmp_path, capsys, monkeypatch):
+    """The README's `sinklab export-hf` lines (a LLaMA run and a gated one, here random models with a word-level
+    tokenizer beside their checkpoints) and its Python lines loading the gated export with trust_remote_code."""
+    pytest.importorskip("transformers")
+    from tests.helpers import README, tiny_tokenizer
+
+    runs = {}
+    for name, overrides in (("runs/a", {}), ("runs/g", {"gate": "headwise"})):
+        run = tmp_path / name
+        tok = tiny_tokenizer(run)  # tokenizer.json in the run dir
+        save_ckpt(random_model(vocab_size=len(tok), **overrides), run / "checkpoints" / "last.ckpt")
+        runs[name] = run
+    paths = {**runs, "hf_out": tmp_path / "hf_out", "hf_gated": tmp_path / "hf_gated"}
+    lines = readme_cli_lines("sinklab export-hf ", paths)
+    assert [line[1:] for line in lines] == [[str(runs["runs/a"]), str(paths["hf_out"])],
+                                            [str(runs["runs/g"]), str(paths["hf_gated"])]]
+    for line in lines:
+        rc, out, err = run_cli("sinklab", *line, capsys=capsys)
+        assert rc == 0 and "tokenizer: from " in out, err
+    assert json.loads((tmp_path / "hf_out" / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+    assert "SinklabForCausalLM as remote code" in out
+
+    text = README.read_text()
+    section = text[text.index("### Export to transformers"):]
+    code = section[section.index("```python\n") + len("```python\n"):section.index("```\n", section.index("```python"))]
+    monkeypatch.chdir(tmp_path)
+    scope: dict = {}
+    exec(compile(code, "README.md", "exec"), scope)  # the README's own lines, as a user runs them
+    ids, maps, model = scope["ids"], scope["maps"], scope["model"]
+    assert type(model).__name__ == "SinklabForCausalLM" and ids.shape[1] > 8
+    assert len(maps) == 2 and maps[0].shape == (1, 4, ids.shape[1], ids.shape[1])
+    assert torch.allclose(maps[0].sum(-1), torch.ones(1, 4, ids.shape[1]), atol=1e-5)  # no extra columns here
