@@ -138,7 +138,6 @@ class SinklabForCausalLM(PreTrainedModel, GenerationMixin):
     config_class = SinklabConfig
     base_model_prefix = "model"
     main_input_name = "input_ids"
-    _supports_cache_class = True
 
     def __init__(self, config: SinklabConfig):
         super().__init__(config)

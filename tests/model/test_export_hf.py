@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 import pytest
 import torch
@@ -165,3 +166,32 @@ def test_the_readme_export_section_runs(tmp_path, capsys, monkeypatch):
     assert type(model).__name__ == "SinklabForCausalLM" and ids.shape[1] > 8
     assert len(maps) == 2 and maps[0].shape == (1, 4, ids.shape[1], ids.shape[1])
     assert torch.allclose(maps[0].sum(-1), torch.ones(1, 4, ids.shape[1]), atol=1e-5)  # no extra columns here
+
+
+def test_beam_search_through_the_sinklab_cache_equals_beam_search_without(tmp_path):
+    """Beam search reorders the cache's sequences (`SinklabCacheLayer.reorder_cache`: keys, values, learned sink
+    tokens' included): the beams through the cache are those recomputed from scratch at every step."""
+    transformers = pytest.importorskip("transformers")
+    from sinklab.export.llama import export
+
+    ckpt = save_ckpt(random_model(gate="elementwise", n_sink_tokens=2), tmp_path / "m.ckpt")
+    export(str(ckpt), str(tmp_path / "hf"), check=False, with_tokenizer=False, log=lambda line: None)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), trust_remote_code=True).eval()
+    prompt = torch.randint(0, SMALL["vocab_size"], (2, 6), generator=torch.Generator().manual_seed(2))
+    beams = [hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=6, num_beams=3,
+                         do_sample=False, pad_token_id=0, use_cache=cached) for cached in (True, False)]
+    assert beams[0].shape == (2, 12) and torch.equal(beams[0], beams[1])
+
+
+def test_loading_remote_code_without_sinklab_is_one_line(tmp_path, monkeypatch):
+    """Where sinklab cannot be imported, loading the export says in one line which sinklab to install."""
+    transformers = pytest.importorskip("transformers")
+    from sinklab.export.llama import export
+
+    export(str(save_ckpt(random_model(pos="alibi"), tmp_path / "m.ckpt")), str(tmp_path / "hf"), check=False,
+           with_tokenizer=False, log=lambda line: None)
+    monkeypatch.setitem(sys.modules, "sinklab", None)  # `import sinklab` fails, as where it is not installed
+    with pytest.raises(ImportError) as err:
+        transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), trust_remote_code=True)
+    assert str(err.value) == ("this model's code (modeling_sinklab.py) runs sinklab's model: pip install "
+                              f"sinklab=={sinklab.__version__}")
