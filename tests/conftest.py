@@ -8,6 +8,13 @@ os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+if "HF_MODULES_CACHE" not in os.environ:  # the remote code transformers imports (sinklab's exports): this session's
+    import atexit  # own directory, set before transformers reads it (once, on import), inherited by subprocesses
+    import shutil
+    import tempfile
+
+    os.environ["HF_MODULES_CACHE"] = tempfile.mkdtemp(prefix="sinklab-tests-hf-modules-")
+    atexit.register(shutil.rmtree, os.environ["HF_MODULES_CACHE"], True)
 if os.environ.get("PYTEST_XDIST_WORKER"):  # `pytest -n N`: N workers share the cores, one thread each (and the
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # trainings they start in subprocesses)
 

@@ -1,6 +1,7 @@
-"""`sinklab export-hf CKPT_OR_RUN_DIR OUT_DIR`: a sinklab checkpoint as a Hugging Face `LlamaForCausalLM` directory
-(`sinklab.export.llama`, whose docstring says what is exported and checked). A config LLaMA cannot represent and other
-bad input are one line on stderr and exit code 2; an export whose logits disagree with the checkpoint's, exit code 1.
+"""`sinklab export-hf CKPT_OR_RUN_DIR OUT_DIR`: a sinklab checkpoint as a Hugging Face directory, `LlamaForCausalLM`
+where LLaMA can represent the config, else `SinklabForCausalLM` as remote code (`sinklab.export.llama`, whose
+docstring says what is exported and checked). Bad input (a plugin's component that nothing could import, among
+others) is one line on stderr and exit code 2; an export whose logits disagree with the checkpoint's, exit code 1.
 """
 from __future__ import annotations
 
@@ -15,8 +16,10 @@ PROG = "sinklab export-hf"
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    ap = OneLineParser(prog=PROG, description="Export a LLaMA-compatible sinklab checkpoint as a Hugging Face "
-                                              "LlamaForCausalLM directory (config.json + model.safetensors).")
+    ap = OneLineParser(prog=PROG, description="Export a sinklab checkpoint as a Hugging Face directory: "
+                                              "LlamaForCausalLM where LLaMA can represent the config, else "
+                                              "SinklabForCausalLM as remote code (load it with "
+                                              "trust_remote_code=True; it needs sinklab installed).")
     ap.add_argument("ckpt", metavar="CKPT", help="a sinklab .ckpt or a run dir (its checkpoints/last.ckpt)")
     ap.add_argument("out_dir", metavar="OUT_DIR", help="new (or empty) output directory")
     ap.add_argument("--dtype", choices=tuple(DTYPES), default="float32", help="weights dtype (default float32)")

@@ -1,15 +1,19 @@
-"""sinklab export-hf: a sinklab checkpoint -> a Hugging Face `LlamaForCausalLM` directory.
+"""sinklab export-hf: a sinklab checkpoint -> a Hugging Face directory: `LlamaForCausalLM` where LLaMA can represent the
+config, else `SinklabForCausalLM` as remote code (`sinklab.export.remote`).
 
     sinklab export-hf CKPT_OR_RUN_DIR OUT_DIR [--dtype float32] [--no-check] [--tokenizer PATH | --no-tokenizer]
     python -m sinklab export-hf ...                           (the same; the command is sinklab.cli.export_hf)
 
 Every config that LLaMA can represent (`ModelConfig.llama_mismatches()` is empty: RoPE, pre-RMSNorm, SwiGLU, softmax, causal,
 no biases, sinks or gates; grouped-query attention is fine) is written with `save_pretrained` (config.json +
-model.safetensors) and, unless --no-check, loaded back with transformers and compared with the sinklab model on
-random tokens (max |logit difference| <= 1e-4 in fp32). Other configs are refused with one line listing the
-keys LLaMA cannot represent, exit code 2.
+model.safetensors). Every other config (gates, sink logits and tokens, K / V biases, QK-norm, differential / sigmoid /
+kernel attention, layer patterns, other positions, sparse operations, per-head norms, plugins' components) is written
+as remote code: config.json with `auto_map`, configuration_sinklab.py and modeling_sinklab.py, which run sinklab's own
+model, loaded with `AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)` where sinklab is installed
+(`sinklab.export.remote` says what is written). Unless --no-check, the export is loaded back with transformers and
+compared with the sinklab model on random tokens (max |logit difference| <= 1e-4 in fp32).
 
-Both implementations use RoPE over the whole head in the rotate-half convention (inv_freq = base^(-2i/d),
+For LLaMA, both implementations use RoPE over the whole head in the rotate-half convention (inv_freq = base^(-2i/d),
 cos/sin of cat(freqs, freqs), rotate_half(x) = cat(-x2, x1)) and share grouped kv heads as repeat_interleave,
 so the weights map one to one:
 
@@ -29,6 +33,7 @@ from typing import Optional
 
 import torch
 
+from sinklab import __version__
 from sinklab.errors import UserError
 from sinklab.model import ModelConfig, Transformer
 from sinklab.runs.run_data import load_run_config, run_dir_of
@@ -156,8 +161,10 @@ def save_tokenizer(tok, out_dir: Path, transformers) -> Optional[int]:
 # ------------------------------------------------------------------------------------------------ export
 def export(ckpt_path: str, out_dir: str, dtype: str = "float32", check: bool = True,
            tokenizer: Optional[str] = None, with_tokenizer: bool = True, log=print) -> dict:
-    """Write OUT_DIR; returns {"out_dir", "max_abs_diff" (None without check), "tokenizer"}."""
+    """Write OUT_DIR; returns {"out_dir", "architecture", "max_abs_diff" (None without check), "tokenizer"}."""
     from sinklab.runs.checkpoints import find_checkpoint, model_config, read_checkpoint
+
+    from . import remote
 
     if not Path(ckpt_path).exists():
         raise UserError(f"CKPT {ckpt_path}: no such checkpoint or run dir")
@@ -171,9 +178,8 @@ def export(ckpt_path: str, out_dir: str, dtype: str = "float32", check: bool = T
     ckpt_file = find_checkpoint(ckpt_path)
     ckpt = read_checkpoint(ckpt_file)
     cfg = model_config(ckpt, ckpt_file)
-    bad = unrepresentable(cfg)
-    if bad:
-        raise UserError(f"{ckpt_file} cannot be exported as LLaMA: {'; '.join(bad)}")
+    bad = unrepresentable(cfg)  # not LLaMA: remote code (sinklab.export.remote)
+    plugins = remote.plugin_modules(cfg) if bad else {}  # refuses a component nothing could import, before writing
 
     from sinklab.targets.transformers_lm import dtype_kwargs, require_transformers
 
@@ -183,39 +189,53 @@ def export(ckpt_path: str, out_dir: str, dtype: str = "float32", check: bool = T
         if k.startswith("model."):
             state[k[len("model."):].replace("_orig_mod.", "")] = v
     torch_dtype = DTYPES[dtype]
-    hf_state = {k: v.to(torch_dtype) for k, v in llama_state_dict(state, cfg.n_layer).items()}
+    hf_state = None if bad else {k: v.to(torch_dtype) for k, v in llama_state_dict(state, cfg.n_layer).items()}
 
     tok, where = (find_tokenizer(ckpt_file, tokenizer) if with_tokenizer or tokenizer else (None, "--no-tokenizer"))
     out.mkdir(parents=True, exist_ok=True)
     eos_id = save_tokenizer(tok, out, transformers) if tok is not None else None
-    hf_cfg = llama_config(cfg, transformers, torch_dtype, eos_id)
-    model = transformers.LlamaForCausalLM(hf_cfg).to(torch_dtype)
-    result = model.load_state_dict(hf_state, strict=True)
-    if getattr(result, "missing_keys", None) or getattr(result, "unexpected_keys", None):
-        raise UserError(f"weights do not fit LlamaForCausalLM: {result}")
-    model.save_pretrained(str(out))
-    log(f"wrote {out} (LlamaForCausalLM, {cfg.n_layer} layers, {cfg.n_head} heads / {cfg.kv_heads} kv heads, "
-        f"{dtype})")
+    if bad:
+        remote.write(state, cfg, out, torch_dtype, eos_id, plugins, bad)
+        log(f"wrote {out} (SinklabForCausalLM as remote code, {cfg.n_layer} layers, {dtype}): LLaMA cannot represent "
+            f"{'; '.join(bad)}; load it with AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True), "
+            f"which needs sinklab {__version__}"
+            + "".join(f" and {p or m + ' on PYTHONPATH'}" for m, p in plugins.items()))
+    else:
+        hf_cfg = llama_config(cfg, transformers, torch_dtype, eos_id)
+        model = transformers.LlamaForCausalLM(hf_cfg).to(torch_dtype)
+        result = model.load_state_dict(hf_state, strict=True)
+        if getattr(result, "missing_keys", None) or getattr(result, "unexpected_keys", None):
+            raise UserError(f"weights do not fit LlamaForCausalLM: {result}")
+        model.save_pretrained(str(out))
+        log(f"wrote {out} (LlamaForCausalLM, {cfg.n_layer} layers, {cfg.n_head} heads / {cfg.kv_heads} kv heads, "
+            f"{dtype})")
     log(f"tokenizer: {'from ' + where if tok is not None else 'skipped: ' + where}")
     diff = None
     if check:
-        diff = parity(state, cfg, out, torch_dtype, transformers, dtype_kwargs)
+        diff = parity(state, cfg, out, torch_dtype, transformers, dtype_kwargs, remote=bool(bad))
         log(f"check: max |logit difference| vs the sinklab model = {diff:.3g} (tolerance {TOLERANCE:g})")
         if not diff <= TOLERANCE:
             raise ParityError(f"exported model disagrees with the checkpoint: max |logit difference| {diff:.3g} "
                                f"> {TOLERANCE:g}")
-    return {"out_dir": str(out), "max_abs_diff": diff, "tokenizer": where if tok is not None else None}
+    return {"out_dir": str(out), "architecture": "SinklabForCausalLM" if bad else "LlamaForCausalLM",
+            "max_abs_diff": diff, "tokenizer": where if tok is not None else None}
 
 
 @torch.no_grad()
-def parity(state: dict, cfg: ModelConfig, out: Path, torch_dtype, transformers, dtype_kwargs) -> float:
-    """Load OUT_DIR back with transformers in fp32 and compare logits with the sinklab model (its weights rounded
-    to the saved dtype) on random tokens."""
+def parity(state: dict, cfg: ModelConfig, out: Path, torch_dtype, transformers, dtype_kwargs,
+           remote: bool = False) -> float:
+    """Load OUT_DIR back with transformers in fp32 (`remote`: its remote code, trust_remote_code) and compare logits
+    with the sinklab model (its weights rounded to the saved dtype) on random tokens."""
+    from . import remote as remote_code
+
     ours = Transformer(cfg)
     ours.load_state_dict({k: v.to(torch_dtype).float() for k, v in state.items()})
     ours.eval()
-    theirs = transformers.AutoModelForCausalLM.from_pretrained(str(out), local_files_only=True,
-                                                               **dtype_kwargs(transformers, torch.float32)).eval()
+    if remote:
+        theirs = remote_code.load(out, transformers, dtype_kwargs)
+    else:
+        theirs = transformers.AutoModelForCausalLM.from_pretrained(str(out), local_files_only=True,
+                                                                   **dtype_kwargs(transformers, torch.float32)).eval()
     g = torch.Generator().manual_seed(0)
     idx = torch.randint(0, cfg.vocab_size, (2, min(cfg.block_size, 128)), generator=g)
     a = ours(idx)

@@ -168,9 +168,20 @@ def measure_model(model, tokens: torch.Tensor, names: Optional[list[str]] = None
 def attention_maps(model, tokens: torch.Tensor, extra_mask=None) -> list[torch.Tensor]:
     """Every layer's whole attention map (B, H, S + T, n_slots + S + T) in one forward (under an intervention's
     `extra_mask`): the explicit, materialising reference (with autograd where it is enabled)."""
+    layout = model.layout(tokens.shape[1], tokens.device, extra_mask=extra_mask)
+    with recorded_maps(model, layout) as maps:
+        model(tokens, extra_mask=extra_mask)
+    return maps
+
+
+@contextlib.contextmanager
+def recorded_maps(model, layout) -> Iterator[list[torch.Tensor]]:
+    """Inside, a forward of `model` whose layout is `layout` (`Transformer.layout` of the same length, cache and
+    mask) appends each layer's whole map (B, H, n_pos, n_keys) to the list yielded, computed from the q and k the
+    layer recorded (`Attention.probs`): the maps of `attention_maps`, and of an exported model's
+    output_attentions (a KV cache's earlier keys included)."""
     maps: list[torch.Tensor] = []
     qk: dict = {}
-    layout = model.layout(tokens.shape[1], tokens.device, extra_mask=extra_mask)
     handles = []
     for block in model.blocks:
         attn = block.attn
@@ -181,11 +192,10 @@ def attention_maps(model, tokens: torch.Tensor, extra_mask=None) -> list[torch.T
             maps.append(attn.probs(qk["q"], out, layout, layout.rows(), qk["extra"]))
         handles.append(attn.hook_k.register_forward_hook(on_k))
     try:
-        model(tokens, extra_mask=extra_mask)
+        yield maps
     finally:
         for h in handles:
             h.remove()
-    return maps
 
 
 def slot_names(cfg) -> list[str]:

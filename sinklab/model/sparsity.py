@@ -42,7 +42,7 @@ class Sparsity(Component):
     # a selection FlexAttention can run: `flex_mask(q, k, layout)` gives its choice as a mask_mod (B and H dependent)
     flex_selects: ClassVar[bool] = False
     per_head: ClassVar[bool] = False  # its pattern depends on the head
-    llama = True  # only `none`: LLaMA attends to every key
+    llama = False  # LLaMA attends to every key: only `none` (Dense) is LLaMA's
 
     def __init__(self, cfg: Any, layer: int = 0):
         self.n_head, self.layer = cfg.n_head, layer
@@ -83,6 +83,8 @@ class Sparsity(Component):
 @SPARSITIES.register("none")
 class Dense(Sparsity):
     """Every key the layout lets a query see."""
+
+    llama = True
 
 
 def check_range(cfg: Any, key: str, low: int, high: int, what: str) -> None:

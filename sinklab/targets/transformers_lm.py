@@ -50,16 +50,21 @@ def load_hf_model(name_or_dir: Union[str, Path], device: Union[str, torch.device
                   dtype: Union[str, torch.dtype] = torch.float32, revision: Optional[str] = None) -> nn.Module:
     """A causal LM -> the model in eval mode on `device` in `dtype` (a torch dtype or a `--dtype` name) with the
     eager attention kernel (maps available). `name_or_dir`: a local dir written by save_pretrained, or a hub id at
-    `revision` (`sinklab.targets.hub_models.resolve_model`: huggingface_hub's cache, read offline with HF_HUB_OFFLINE=1)."""
+    `revision` (`sinklab.targets.hub_models.resolve_model`: huggingface_hub's cache, read offline with HF_HUB_OFFLINE=1).
+    Remote code runs only for a sinklab export whose code files are this sinklab's own (`sinklab.export.remote.trusted`)."""
     from sinklab.targets.hub_models import pick_dtype, resolve_model
+
+    from sinklab.export.remote import trusted
 
     transformers = require_transformers()
     path = resolve_model(name_or_dir, revision)
     dtype = pick_dtype(dtype, device)
+    own_code = trusted(path, f"--hf-model {name_or_dir}")  # a sinklab export's remote code, sinklab's own files
     with quiet(transformers):
         try:
             model = transformers.AutoModelForCausalLM.from_pretrained(
-                str(path), attn_implementation="eager", local_files_only=True, **dtype_kwargs(transformers, dtype))
+                str(path), attn_implementation="eager", local_files_only=True, trust_remote_code=own_code,
+                **dtype_kwargs(transformers, dtype))
         except Exception as err:  # unknown architecture, missing weights, ...
             first = (str(err).strip().splitlines() or [""])[0][:200]
             raise UserError(f"--hf-model {name_or_dir}: transformers cannot load it as a causal LM "
@@ -71,11 +76,15 @@ def load_hf_tokenizer(name_or_dir: Union[str, Path], revision: Optional[str] = N
     """The tokenizer saved beside the model (`load_hf_model`'s dir or snapshot), or a one-line UserError."""
     from sinklab.targets.hub_models import resolve_model
 
+    from sinklab.export.remote import trusted
+
     transformers = require_transformers()
     path = resolve_model(name_or_dir, revision)
+    own_code = trusted(path, f"--hf-model {name_or_dir}")  # AutoTokenizer reads config.json (its auto_map) too
     with quiet(transformers):
         try:
-            return transformers.AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+            return transformers.AutoTokenizer.from_pretrained(str(path), local_files_only=True,
+                                                              trust_remote_code=own_code)
         except Exception as err:
             first = (str(err).strip().splitlines() or [""])[0][:160]
             raise UserError(f"--hf-model {name_or_dir}: no tokenizer beside the model ({type(err).__name__}: "
@@ -391,7 +400,10 @@ class TransformersTarget(Target):
 
     @classmethod
     def of_model(cls, model: nn.Module, name: str, revision: Optional[str] = None) -> "TransformersTarget":
-        """A transformers model already loaded (`load_hf_model`) as a Target."""
+        """A transformers model already loaded (`load_hf_model`) as a Target (a `SinklabExportTarget` for sinklab's
+        remote code)."""
+        if cls is TransformersTarget and wrapped_sinklab_model(model) is not None:
+            return SinklabExportTarget.of_model(model, name, revision)
         recorder = HFRecorder(model)
         description = {"model_type": getattr(text_config(model), "model_type", None), "n_layer": recorder.n_layer,
                        "n_head": recorder.n_head, "sink_logits": recorder.sink_logits}
@@ -467,3 +479,77 @@ class TransformersTarget(Target):
 
     def no_probe_set(self) -> Optional[str]:
         return "an HF model has no probe set"
+
+
+def wrapped_sinklab_model(model: nn.Module) -> Optional[nn.Module]:
+    """sinklab's Transformer inside a `SinklabForCausalLM` (the remote code of `sinklab export-hf`), or None."""
+    from sinklab.model import Transformer
+
+    inner = getattr(model, "model", None)
+    return inner if getattr(model.config, "model_type", None) == "sinklab" and isinstance(inner, Transformer) else None
+
+
+class SinklabExportTarget(TransformersTarget):
+    """A sinklab export loaded through transformers (`SinklabForCausalLM`, the remote code of a config LLaMA cannot
+    represent): its logits through the transformers forward, its natural input through the export's tokenizer, and
+    everything that reads inside the model (the metrics' recordings, a dropped key, a replaced activation, the KV
+    cache and its policies) through the sinklab model it wraps, as `SinklabTarget` does for a checkpoint: the same
+    hooks, so `sinklab measure --hf-model DIR` reports every metric that `sinklab measure RUN` reports (gate
+    scores, bias slots and learned sink tokens included), and the same values. transformers' own
+    `output_attentions` maps are the ones recorded here (`modeling_sinklab.py`), without the extra key columns."""
+
+    def __init__(self, model: nn.Module, meta: TargetMeta):
+        from .native import SinklabTarget
+
+        super().__init__(model, meta)
+        self.native = SinklabTarget.of_model(wrapped_sinklab_model(model), meta.target)
+        self.n_prefix = self.native.n_prefix
+
+    @classmethod
+    def of_model(cls, model: nn.Module, name: str, revision: Optional[str] = None) -> "SinklabExportTarget":
+        from .native import SinklabTarget
+
+        inner = wrapped_sinklab_model(model)
+        description = {"model_type": "sinklab", **SinklabTarget.of_model(inner, name).meta.model}
+        return cls(model, TargetMeta(target=name, source=cls.source, vocab_size=vocab_size(model),
+                                     context=context_length(model), prefix_len=inner.cfg.prefix_len,
+                                     revision=revision, dtype=str(next(model.parameters()).dtype).removeprefix("torch."),
+                                     model=description))
+
+    def logits(self, idx: torch.Tensor) -> torch.Tensor:
+        if self.native.mask is not None:  # the wrapped model takes the intervention's mask
+            return self.native.logits(idx)
+        return self.model(input_ids=idx, use_cache=False).logits
+
+    def last_logits(self, idx: torch.Tensor) -> torch.Tensor:
+        if self.native.mask is not None:
+            return self.native.last_logits(idx)
+        return self.model(input_ids=idx, use_cache=False, logits_to_keep=1).logits[:, -1]  # (B, V)
+
+    def recorder(self):
+        return self.native.recorder()
+
+    def masked(self, mask):
+        return self.native.masked(mask)
+
+    def set_output(self, layer: int, position: int, channels: list[int], values: torch.Tensor):
+        return self.native.set_output(layer, position, channels, values)
+
+    def check_stream(self) -> None:
+        self.native.check_stream()
+
+    def stream(self, first: Optional[int], recent: Optional[int]):
+        return self.native.stream(first, recent)
+
+    def decoder(self, policy, evict: str = "decoding"):
+        return self.native.decoder(policy, evict)
+
+    def stream_notes(self) -> list[str]:
+        return self.native.stream_notes()
+
+    def dense_limit(self, n: int) -> Optional[str]:
+        return self.native.dense_limit(n)
+
+    def past_context(self, n: int):
+        return self.native.past_context(n)
+

@@ -1,5 +1,6 @@
 """Components from outside sinklab (sinklab/plugins.py): a researcher's package, written here in a temporary
-directory and put on PYTHONPATH, brings an attention operation with a knob, a yaml option of its own and a metric.
+directory and put on PYTHONPATH, brings an attention operation with a knob, a yaml option of its own and a metric;
+`sinklab export-hf` exports the op as remote code that imports the package (refused for an op of a script).
 It trains through `sinklab-train` (the op found through the entry-point group `sinklab.plugins` of an installed
 distribution's metadata, the metric through `plugins=` on the command line), its checkpoint loads in a process that
 names the plugins and is refused in one that does not, `sinklab check-component` (and the same checks in the user's
@@ -7,6 +8,7 @@ own pytest suite) passes it and fails a broken one, one line per failed check; a
 one line, a module that raises on import is named above its traceback; a sweep runs under submitit (slow)."""
 from __future__ import annotations
 
+import json
 import math
 import os
 import subprocess
@@ -366,3 +368,89 @@ def test_a_sweep_of_external_ops_runs_under_the_submitit_launcher(user_package, 
     for job, alpha in (("0", 1.5), ("1", 3.0)):
         assert OmegaConf.load(sweep / job / ".hydra" / "config.yaml").model.scaled_alpha == alpha
         assert "act/resid_rms" in pd.read_csv(sweep / job / "metrics.csv")
+
+
+EXPORT = '''
+import contextlib, io, json, sys
+import torch
+from sinklab.cli import main
+from sinklab.model import ModelConfig, Transformer
+from sinklab.model.ops.base import AttentionOp
+from sinklab.model.registry import ATTENTION_OPS
+from sinklab.plugins import load_plugins
+from tests.helpers import save_ckpt
+
+ROOT = sys.argv[1]
+load_plugins()  # labext.ops, through its entry point
+
+
+@ATTENTION_OPS.register("script_sigmoid")
+class ScriptSigmoid(AttentionOp):  # defined in the script (__main__): nothing could import it elsewhere
+    def normalise(self, s, seen):
+        return torch.sigmoid(s) * seen
+
+
+def tiny(**model):
+    torch.manual_seed(0)
+    return Transformer(ModelConfig(vocab_size=64, n_layer=2, n_head=4, d_model=32, d_ff=64, block_size=16, **model))
+
+
+save_ckpt(tiny(attn_op="scaled_sigmoid", scaled_alpha=2.5), __import__("pathlib").Path(ROOT) / "p.ckpt")
+print(main(["export-hf", ROOT + "/p.ckpt", ROOT + "/hf", "--no-tokenizer"]))
+print(json.dumps(json.load(open(ROOT + "/hf/config.json"))["sinklab_plugins"]))
+save_ckpt(tiny(attn_op="script_sigmoid"), __import__("pathlib").Path(ROOT) / "s.ckpt")
+with contextlib.redirect_stderr(io.StringIO()) as err:
+    print(main(["export-hf", ROOT + "/s.ckpt", ROOT + "/hf2", "--no-tokenizer"]))
+print(err.getvalue().strip())
+'''
+
+LOAD = '''
+import sys
+import torch
+import transformers
+
+try:
+    hf = transformers.AutoModelForCausalLM.from_pretrained(sys.argv[1] + "/hf", trust_remote_code=True)
+except ImportError as err:
+    print("ImportError:", err)
+    raise SystemExit(0)
+import sinklab
+
+idx = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+with torch.no_grad():
+    ours, theirs = sinklab.load_model(sys.argv[1] + "/p.ckpt")(idx), hf(input_ids=idx).logits
+print(type(hf.model.blocks[0].attn.op).__name__, float((ours - theirs).abs().max()))
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.ci
+def test_a_plugins_component_is_exported_where_its_package_is_importable(user_package, tmp_path):
+    """sinklab export-hf of the user's op: config.json names its module and distribution (labext==0.1), and a
+    process where the package is importable (not named as a plugin) loads the export with trust_remote_code and
+    gets the checkpoint's logits; where it is not importable, one line says which package to install. An op defined
+    in a script (`__main__`) is refused in one line: nothing could import it where the export is loaded."""
+    from tests.helpers import REPO
+
+    env = user_env(user_package)
+    env["PYTHONPATH"] += os.pathsep + str(REPO)
+    exported = subprocess.run([sys.executable, "-c", EXPORT, str(tmp_path)], capture_output=True, text=True, env=env,
+                              timeout=300)
+    assert exported.returncode == 0, exported.stderr[-3000:]
+    lines = exported.stdout.strip().splitlines()[-4:]  # after what the first export printed
+    assert lines[0] == "0" and json.loads(lines[1]) == {"labext.ops": "labext==0.1"}, exported.stdout
+    assert lines[2] == "2" and lines[3] == (
+        "sinklab export-hf: error: model.attn_op=script_sigmoid cannot be exported: its component is defined in module "
+        "'__main__', which cannot be imported by name where the export is loaded; move it into a package "
+        "(docs/extending.md, 'Add a component from your own package')"), exported.stdout
+    assert not (tmp_path / "hf2").exists()
+
+    without = {k: v for k, v in env.items() if k != "PYTHONPATH"}
+    without["PYTHONPATH"] = str(REPO)  # sinklab, not the user's package
+    loads = [subprocess.Popen([sys.executable, "-c", LOAD, str(tmp_path)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=e) for e in (env, without)]
+    (loaded, lo_err), (refused, re_err) = (p.communicate(timeout=300) for p in loads)
+    assert loads[0].returncode == 0 and loaded.split()[0] == "ScaledSigmoid", lo_err[-3000:]
+    assert float(loaded.split()[1]) <= 1e-5
+    assert refused.strip() == ("ImportError: this model has a component of plugin module 'labext.ops', which cannot "
+                               "be imported: pip install labext==0.1"), re_err[-3000:]

@@ -1,15 +1,20 @@
-"""sinklab export-hf: LLaMA-compatible checkpoints load as LlamaForCausalLM with the same logits; others refused."""
+"""sinklab export-hf: LLaMA-compatible checkpoints load as LlamaForCausalLM with the same logits (and no remote code);
+the others as remote code (SinklabForCausalLM, trust_remote_code), which `sinklab measure --hf-model` measures as
+`sinklab measure` measures the checkpoint; every component: tests/model/test_export_components.py."""
 from __future__ import annotations
 
 import json
 import os
+import sys
 
 import pytest
 import torch
 
+import sinklab
+
 from sinklab.export.llama import unrepresentable
 from sinklab.model import ModelConfig, Transformer
-from tests.helpers import REPO, assert_one_line_error, natural_run, run_cli, save_ckpt
+from tests.helpers import REPO, assert_one_line_error, natural_run, readme_cli_lines, run_cli, save_ckpt
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "offline",
        "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
@@ -37,7 +42,8 @@ def test_gqa_export_has_the_same_logits(tmp_path, capsys):
     assert "check: max |logit difference|" in printed and "tokenizer: skipped" in printed
     assert (out / "config.json").is_file() and (out / "model.safetensors").is_file()
     config = json.loads((out / "config.json").read_text())
-    assert config["architectures"] == ["LlamaForCausalLM"]
+    assert config["architectures"] == ["LlamaForCausalLM"] and "auto_map" not in config
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "generation_config.json", "model.safetensors"]
     assert (config["num_attention_heads"], config["num_key_value_heads"], config["max_position_embeddings"],
             config["rms_norm_eps"], config["tie_word_embeddings"]) == (4, 2, 32, 1e-6, False)
 
@@ -52,12 +58,18 @@ def test_gqa_export_has_the_same_logits(tmp_path, capsys):
     assert (ours - theirs).abs().max().item() <= 1e-4
 
 
-def test_refuses_what_llama_cannot_represent(tmp_path, capsys):
+def test_what_llama_cannot_represent_is_remote_code(tmp_path, capsys):
     ckpt = save_ckpt(random_model(pos="alibi"), tmp_path / "alibi.ckpt")
-    rc, out, err = run_cli("sinklab", "export-hf", str(ckpt), str(tmp_path / "out"), capsys=capsys)
-    assert rc == 2
-    assert_one_line_error(err, "model.pos=alibi (LLaMA needs rope)")
-    assert not (tmp_path / "out").exists()
+    rc, out, err = run_cli("sinklab", "export-hf", str(ckpt), str(tmp_path / "out"), "--no-tokenizer", capsys=capsys)
+    assert rc == 0, err
+    assert "SinklabForCausalLM as remote code" in out and "model.pos=alibi (LLaMA needs rope)" in out
+    assert "trust_remote_code=True" in out and "check: max |logit difference| vs the sinklab model = 0 " in out
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["auto_map"] == {"AutoConfig": "configuration_sinklab.SinklabConfig",
+                                  "AutoModelForCausalLM": "modeling_sinklab.SinklabForCausalLM"}
+    assert config["sinklab_model"]["pos"] == "alibi" and config["sinklab_version"] == sinklab.__version__
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert "trust_remote_code=True" in card and f"pip install sinklab=={sinklab.__version__}" in card
 
     cfg = ModelConfig(**SMALL, attn_bias="kv", norm="layer", window=8).validate()
     reasons = unrepresentable(cfg)
@@ -66,20 +78,46 @@ def test_refuses_what_llama_cannot_represent(tmp_path, capsys):
     for overrides in ({"ffn": "gelu"}, {"n_sink_tokens": 1}, {"gate": "headwise"}, {"sink_logit": "learned"},
                       {"norm_position": "post"}, {"attn_op": "sigmoid"}, {"softmax_scale": 2.0}, {"prefix_len": 4},
                       {"gate": "vga"}, {"attn_op": "differential"}, {"rope_heads": [0, 2]},
-                      {"rope_head_fractions": [1.0, 0.75, 0.0, 1.0]}, {"pos": "nape"}, {"head_norm": "rms"}):
+                      {"rope_head_fractions": [1.0, 0.75, 0.0, 1.0]}, {"pos": "nape"}, {"head_norm": "rms"},
+                      {"sparsity": "strided"}, {"sparsity": "topk"}):
         cfg = ModelConfig(**SMALL, **overrides).validate()
         assert not cfg.llama_compatible and [r.split("=")[0] for r in unrepresentable(cfg)] == \
             ["model." + next(iter(overrides))]
 
     # the module entry point, and an output dir that is not empty
-    proc = run_cli("sinklab", "export-hf", str(ckpt), str(tmp_path / "o2"), process=True, env=ENV, timeout=60)
-    assert proc.returncode == 2
-    assert_one_line_error(proc.stderr, "model.pos=alibi")
+    proc = run_cli("sinklab", "export-hf", str(ckpt), str(tmp_path / "o2"), "--no-check", process=True, env=ENV,
+                   timeout=60)
+    assert proc.returncode == 0 and (tmp_path / "o2" / "modeling_sinklab.py").is_file(), proc.stderr
     ok = save_ckpt(random_model(), tmp_path / "ok.ckpt")
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "x").write_text("x")
     rc, out, err = run_cli("sinklab", "export-hf", str(ok), str(tmp_path / "full"), capsys=capsys)
     assert rc == 2 and "OUT_DIR" in err
+
+
+def test_measure_of_the_remote_code_export_equals_measure_of_the_run(tmp_path, capsys):
+    """A gated model with learned sink tokens and a KV bias: `sinklab measure --hf-model` on its export (loaded
+    through transformers with trust_remote_code, since its code files are this sinklab's) reports what `sinklab
+    measure` reports on the checkpoint, per head; an export whose code was edited is refused in one line."""
+    pytest.importorskip("transformers")
+    model = random_model(gate="headwise", n_sink_tokens=1, attn_bias="kv")
+    ckpt = save_ckpt(model, tmp_path / "gated.ckpt")
+    out = tmp_path / "hf"
+    run_cli("sinklab", "export-hf", str(ckpt), str(out), "--no-tokenizer", capsys=capsys, check=True)
+    args = ["--input", "random", "--num-seqs", "6", "--seq-len", "24", "--json"]
+    ours = json.loads(run_cli("sinklab", "measure", str(ckpt), *args, capsys=capsys, check=True).stdout)
+    theirs = json.loads(run_cli("sinklab", "measure", "--hf-model", str(out), *args, capsys=capsys,
+                                check=True).stdout)
+    assert theirs["source"] == "hf" and theirs["model"]["model_type"] == "sinklab"
+    assert len(ours["alpha"]) == 2 and len(ours["alpha"][0]) == 4  # alpha_1 per layer and head
+    for key in ("alpha", "sink", "sink_by_eps", "gates", "massive", "entropy"):
+        assert key in ours and theirs[key] == ours[key], key
+    assert {k for k in ours if k not in ("target", "source", "seconds")} <= set(theirs)
+
+    (out / "modeling_sinklab.py").write_text((out / "modeling_sinklab.py").read_text() + "\n# edited\n")
+    rc, _, err = run_cli("sinklab", "measure", "--hf-model", str(out), *args, capsys=capsys)
+    assert rc == 2
+    assert_one_line_error(err, "its remote code (configuration_sinklab.py, modeling_sinklab.py) is not this sinklab's")
 
 
 def test_exports_the_runs_tokenizer(tmp_path, capsys):
@@ -94,3 +132,66 @@ def test_exports_the_runs_tokenizer(tmp_path, capsys):
     assert tok(text)["input_ids"] == dm.tokenizer.encode(text).ids
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert config["eos_token_id"] == dm.eos_id
+
+
+def test_the_readme_export_section_runs(tmp_path, capsys, monkeypatch):
+    """The README's `sinklab export-hf` lines (a LLaMA run and a gated one, here random models with a word-level
+    tokenizer beside their checkpoints) and its Python lines loading the gated export with trust_remote_code."""
+    pytest.importorskip("transformers")
+    from tests.helpers import README, tiny_tokenizer
+
+    runs = {}
+    for name, overrides in (("runs/a", {}), ("runs/g", {"gate": "headwise"})):
+        run = tmp_path / name
+        tok = tiny_tokenizer(run)  # tokenizer.json in the run dir
+        save_ckpt(random_model(vocab_size=len(tok), **overrides), run / "checkpoints" / "last.ckpt")
+        runs[name] = run
+    paths = {**runs, "hf_out": tmp_path / "hf_out", "hf_gated": tmp_path / "hf_gated"}
+    lines = readme_cli_lines("sinklab export-hf ", paths)
+    assert [line[1:] for line in lines] == [[str(runs["runs/a"]), str(paths["hf_out"])],
+                                            [str(runs["runs/g"]), str(paths["hf_gated"])]]
+    for line in lines:
+        rc, out, err = run_cli("sinklab", *line, capsys=capsys)
+        assert rc == 0 and "tokenizer: from " in out, err
+    assert json.loads((tmp_path / "hf_out" / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+    assert "SinklabForCausalLM as remote code" in out
+
+    text = README.read_text()
+    section = text[text.index("### Export to transformers"):]
+    code = section[section.index("```python\n") + len("```python\n"):section.index("```\n", section.index("```python"))]
+    monkeypatch.chdir(tmp_path)
+    scope: dict = {}
+    exec(compile(code, "README.md", "exec"), scope)  # the README's own lines, as a user runs them
+    ids, maps, model = scope["ids"], scope["maps"], scope["model"]
+    assert type(model).__name__ == "SinklabForCausalLM" and ids.shape[1] > 8
+    assert len(maps) == 2 and maps[0].shape == (1, 4, ids.shape[1], ids.shape[1])
+    assert torch.allclose(maps[0].sum(-1), torch.ones(1, 4, ids.shape[1]), atol=1e-5)  # no extra columns here
+
+
+def test_beam_search_through_the_sinklab_cache_equals_beam_search_without(tmp_path):
+    """Beam search reorders the cache's sequences (`SinklabCacheLayer.reorder_cache`: keys, values, learned sink
+    tokens' included): the beams through the cache are those recomputed from scratch at every step."""
+    transformers = pytest.importorskip("transformers")
+    from sinklab.export.llama import export
+
+    ckpt = save_ckpt(random_model(gate="elementwise", n_sink_tokens=2), tmp_path / "m.ckpt")
+    export(str(ckpt), str(tmp_path / "hf"), check=False, with_tokenizer=False, log=lambda line: None)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), trust_remote_code=True).eval()
+    prompt = torch.randint(0, SMALL["vocab_size"], (2, 6), generator=torch.Generator().manual_seed(2))
+    beams = [hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=6, num_beams=3,
+                         do_sample=False, pad_token_id=0, use_cache=cached) for cached in (True, False)]
+    assert beams[0].shape == (2, 12) and torch.equal(beams[0], beams[1])
+
+
+def test_loading_remote_code_without_sinklab_is_one_line(tmp_path, monkeypatch):
+    """Where sinklab cannot be imported, loading the export says in one line which sinklab to install."""
+    transformers = pytest.importorskip("transformers")
+    from sinklab.export.llama import export
+
+    export(str(save_ckpt(random_model(pos="alibi"), tmp_path / "m.ckpt")), str(tmp_path / "hf"), check=False,
+           with_tokenizer=False, log=lambda line: None)
+    monkeypatch.setitem(sys.modules, "sinklab", None)  # `import sinklab` fails, as where it is not installed
+    with pytest.raises(ImportError) as err:
+        transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), trust_remote_code=True)
+    assert str(err.value) == ("this model's code (modeling_sinklab.py) runs sinklab's model: pip install "
+                              f"sinklab=={sinklab.__version__}")
