@@ -467,3 +467,13 @@ class TransformersTarget(Target):
 
     def no_probe_set(self) -> Optional[str]:
         return "an HF model has no probe set"
+
+    def token_texts(self, ids: Sequence[int]) -> list[str]:
+        """Through the tokenizer saved beside the model; the ids where it has none."""
+        from sinklab.data.tokenizer import decode_each
+
+        try:
+            tokenizer = load_hf_tokenizer(self.meta.target, self.meta.revision)
+        except UserError:
+            return super().token_texts(ids)
+        return decode_each(tokenizer, ids)
