@@ -172,3 +172,14 @@ def test_bad_input_is_one_line(run, capsys, tmp_path, monkeypatch, args, fragmen
     assert rc == 2 and out == ""
     assert_one_line_error(err, *fragments, starts="sinklab atlas: error: ")
     assert not (tmp_path / "atlas.html").exists()
+
+
+def test_json_grids_names_every_layer_by_head_grid_of_a_part():
+    """What the dropdown offers: lists of n_layer lists of n_head numbers (nulls allowed), by path without `by_head`;
+    per-layer lists, per-pair grids and wrong shapes are not per-head values."""
+    from sinklab.metrics.base import json_grids
+
+    part = {"alpha": [[0.1, 0.2], [0.3, None]], "by_layer": [1.0, 2.0],
+            "by_head": {"induction": [[1, 2], [3, 4]], "pairs": [[[1], [2]], [[3], [4]]]}, "wide": [[1, 2, 3]] * 2}
+    assert json_grids(part, 2, 2) == {"alpha": [[0.1, 0.2], [0.3, None]], "induction": [[1, 2], [3, 4]]}
+    assert json_grids([[0.5, 0.5], [0.5, 0.5]], 2, 2) == {"": [[0.5, 0.5], [0.5, 0.5]]}
