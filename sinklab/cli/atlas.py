@@ -21,10 +21,12 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
+from sinklab.analysis import atlas as at
 from sinklab.analysis.probe_inputs import INPUTS, InputSpec, positive
 from sinklab.cli.base import (OneLineParser, add_device_json_args, add_target_args, check_files, check_one_target,
                               command_main, pick_device, target_spec)
 from sinklab.errors import UserError
+from sinklab.targets import TargetSpec
 
 PROG = "sinklab atlas"
 
@@ -36,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_target_args(ap, "its kept checkpoints (checkpoints/kept/) for the slider, and its probe set",
                     "draw a transformers causal LM instead")
     ap.add_argument("--out", type=Path, default=Path("atlas.html"), help="the page (default atlas.html)")
-    ap.add_argument("--metric", default="sink/alpha",
+    ap.add_argument("--metric", default=at.DEFAULT_METRIC,
                     help="the per-head value the grid is coloured by first (the page's dropdown has every one): "
                          "sink/alpha (alpha_1, default), entropy, induction/induction, ...")
     ap.add_argument("--last", action="store_true", help="a run dir: draw last.ckpt alone (no slider)")
@@ -57,8 +59,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def check_args(args) -> None:
     """Everything that needs no model: one target, sizes, the page's name, the files named, the metric's name."""
-    from sinklab.analysis.atlas import check_metric
-
     check_one_target(args)
     for flag, value in (("--seq-len", args.seq_len), ("--num-seqs", args.num_seqs), ("--batch-size", args.batch_size)):
         positive(flag, value)
@@ -69,13 +69,10 @@ def check_args(args) -> None:
     if args.last and args.hf_model is not None:
         raise UserError("--last applies to a run dir (its last.ckpt); an --hf-model is one model")
     check_files(*(("--text", f) for f in args.text or []))
-    check_metric(args.metric)
+    at.check_metric(args.metric)
 
 
 def run(args) -> dict:
-    from sinklab.analysis import atlas as at
-    from sinklab.targets import TargetSpec
-
     check_args(args)
     device = pick_device(args.device)
     if args.hf_model is not None:

@@ -132,7 +132,8 @@ def test_the_data_cannot_close_its_script_and_packing_keeps_signed_maps():
     page = render(Atlas("t</script>", [Frame("f", a, {"m": [[0.5, None]]})], words, words, "tokens: 1 x 3", "m"))
     assert page.count("</script>") == 2
     data = read_page_data(page)
-    assert data["keys"] == words and data["title"] == "t</script>" and data["frames"][0]["values"] == {"m": [[0.5, None]]}
+    assert data["keys"] == words and data["title"] == "t</script>"
+    assert data["frames"][0]["values"] == {"m": [[0.5, None]]}
 
 
 def test_the_readme_lines_run(run, capsys, tmp_path, monkeypatch):
