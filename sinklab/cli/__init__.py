@@ -1,5 +1,5 @@
-"""`sinklab`: measure, evaluate, sample and quantize checkpoints and models, report sweeps, export to transformers,
-prepare corpora.
+"""`sinklab`: measure, evaluate, sample and quantize checkpoints and models, draw their attention maps, report sweeps,
+export to transformers, prepare corpora.
 
 One module per command, each on the shared base `sinklab.cli.base` (parser, errors, device, TARGET / --hf-model,
 JSON) and the library below it (`sinklab.targets` loads a model as a `Target`); no command imports another
