@@ -57,7 +57,7 @@ def small_run(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def trained_run(tmp_path_factory) -> Path:
-    """A real short default run, shared by the sampling, streaming and trajectory tests: `sinklab-train` with FAST for
+    """A real short default run, shared by the sampling, streaming, trajectory and atlas browser tests: `sinklab-train` with FAST for
     120 steps (Shakespeare, 1024 BPE with a BOS token at position 1, a 2-layer d 64 model of context 64, RoPE; ~20
     s), the sink measured every 20 steps, checkpoints kept at steps 16, 29, 51, 90 (scale=quick's log-spaced
     schedule at 1024 tokens per step) and every 40. At 40 steps greedy decoding repeats one token, which would hide
@@ -87,7 +87,8 @@ def hf_models(tmp_path_factory) -> dict[str, Path]:
 # a worker taking the next unit when it has two tests left. Files that share an expensive session fixture are one unit,
 # so that one worker builds it: `trained_run`, a 120-step training (~20 s).
 ONE_UNIT = {"trained_run": ("tests/evals/test_streaming.py", "tests/evals/test_trajectory.py",
-                            "tests/metrics/test_metric_contracts.py", "tests/evals/test_sample.py")}
+                            "tests/metrics/test_metric_contracts.py", "tests/evals/test_sample.py",
+                            "tests/evals/test_atlas_browser.py")}
 # The units that take longest in the default suite (compositions, training runs, subprocesses: ~5 s to ~90 s each on
 # a 2-core machine), longest first; the others follow, most tests first. (xdist's own order, most tests first, put the
 # long files of a few tests each last, where one worker ran them while the other had nothing left.)

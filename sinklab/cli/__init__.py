@@ -1,5 +1,5 @@
-"""`sinklab`: measure, evaluate, sample and quantize checkpoints and models, report sweeps, export to transformers,
-prepare corpora.
+"""`sinklab`: measure, evaluate, sample and quantize checkpoints and models, draw their attention maps, report sweeps,
+export to transformers, prepare corpora.
 
 One module per command, each on the shared base `sinklab.cli.base` (parser, errors, device, TARGET / --hf-model,
 JSON) and the library below it (`sinklab.targets` loads a model as a `Target`); no command imports another
@@ -15,6 +15,8 @@ COMMANDS = {
     "measure": ("sinklab.cli.measure", "sink and activation metrics of a checkpoint, run dir or transformers model"),
     "trajectory": ("sinklab.cli.trajectory", "every metric over a training: a run's kept checkpoints or a model's "
                    "hub revisions -> CSV by step and tokens, and a plot"),
+    "atlas": ("sinklab.cli.atlas", "every head's attention map as one self-contained HTML page, with a slider over a "
+              "run's kept checkpoints"),
     "quant": ("sinklab.cli.quant", "validation perplexity in fp32 and with simulated W8A8 / W4A4 / W8A16 quantization"),
     "eval": ("sinklab.cli.eval", "streaming perplexity (evicting KV cache), interventions on the sink, quantization"),
     "sample": ("sinklab.cli.sample", "generate text from a trained model with a KV cache"),

@@ -56,6 +56,15 @@ def tokenizer_size(tok: Tokenizer) -> int:
     return max(vocab.values()) + 1 if vocab else 0
 
 
+def decode_each(tok, ids: Sequence[int]) -> list[str]:
+    """Each id decoded alone, special tokens included (`<|endoftext|>` as BOS): what a label shows of a token. `tok`
+    is a `tokenizers.Tokenizer` or a transformers tokenizer (both decode with skip_special_tokens); None (data
+    without a tokenizer: the synthetic tasks) gives the ids themselves."""
+    if tok is None:
+        return [str(int(i)) for i in ids]
+    return [tok.decode([int(i)], skip_special_tokens=False) for i in ids]
+
+
 def check_tokenizer(tok: Tokenizer, where: str) -> Tokenizer:
     """Refuse empty tokenizers (what offline `from_pretrained` loaders may silently return)."""
     n = tokenizer_size(tok)

@@ -253,6 +253,22 @@ def json_scalars(part: Any, n_layer: Optional[int] = None, path: str = "") -> di
     return {}
 
 
+def json_grids(part: Any, n_layer: int, n_head: int, path: str = "") -> dict[str, list]:
+    """A JSON part's layer x head grids by their paths: every list of n_layer lists of n_head numbers (or nulls), the
+    per-head values a metric gives (`alpha`, `by_head/induction`, ...); a `by_head` step of a path is left out of
+    its name (`by_head/induction` -> `induction`, a part that is one grid -> ""). What `sinklab atlas` colours heads
+    by."""
+    if isinstance(part, dict):
+        return {k: v for key, value in part.items()
+                for k, v in json_grids(value, n_layer, n_head,
+                                       path if key == "by_head" else f"{path}/{key}" if path else str(key)).items()}
+    if isinstance(part, list) and len(part) == n_layer and all(
+            isinstance(row, list) and len(row) == n_head and all(x is None or is_number(x) for x in row)
+            for row in part):
+        return {path: part}
+    return {}
+
+
 def scalar_text(title: str, values: dict[str, float]) -> list[str]:
     """`title`, then the overall values on one line and the per-layer ones (`LAYER_KEY`) as a table by layer, in
     4 significant digits; [] without values."""

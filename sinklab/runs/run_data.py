@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from itertools import islice
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -107,6 +107,15 @@ def probe_tokens(run_dir: Path, num_seqs: Optional[int], seq_len: Optional[int])
         raise UserError(f"--input natural: the data module returned a probe set of shape {tuple(tokens.shape)}, "
                         f"asked for ({num_seqs}, {seq_len})")
     return tokens
+
+
+def token_texts(run_dir: Path, ids: Sequence[int]) -> list[str]:
+    """Each token id as text through the run's tokenizer (its data module's, `decode_each`); the ids themselves for
+    data without a tokenizer (the synthetic tasks)."""
+    from sinklab.data.tokenizer import decode_each
+
+    return read_run_data(run_dir, {"num_workers": 0}, lambda dm: decode_each(getattr(dm, "tokenizer", None), ids),
+                         "TARGET", "the tokenizer", "pass a run dir whose data config has the tokenizer")
 
 
 def val_blocks(dm, n_batches: Optional[int]) -> list[torch.Tensor]:

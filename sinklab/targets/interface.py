@@ -154,12 +154,14 @@ class Target(ABC):
         """The model hooked for the metrics (under the open `masked` mask if any)."""
 
     def measure(self, tokens: torch.Tensor, names: Optional[Sequence[str]] = None, eps: Sequence[float] = (0.3,),
-                k: int = 4, batch_size: int = 32) -> list:
-        """The registered metrics `names` (default: every one that applies) measured on tokens (N, T)."""
+                k: int = 4, batch_size: int = 32, also: Sequence[type] = ()) -> list:
+        """The registered metrics `names` (default: every one that applies) measured on tokens (N, T); `also`:
+        unregistered Metric classes measured in the same forwards (the atlas's map of one sequence), returned last."""
         from sinklab.metrics import METRICS, measure_all
 
         recorder = self.recorder()
-        metrics = METRICS.build(recorder.context(eps, k), list(names) if names is not None else None)
+        ctx = recorder.context(eps, k)
+        metrics = METRICS.build(ctx, list(names) if names is not None else None) + [cls(ctx) for cls in also]
         measure_all(recorder, tokens.to(self.device), metrics, batch_size=batch_size)
         return metrics
 
@@ -213,6 +215,11 @@ class Target(ABC):
     def no_probe_set(self) -> Optional[str]:
         """Why the model has no probe set of its own to measure by default (None: it has one)."""
         return None
+
+    def token_texts(self, ids: Sequence[int]) -> list[str]:
+        """Each token id as the text it stands for (special tokens included), for labels (`sinklab atlas`'s axes);
+        by default, where the source has no tokenizer, the ids themselves."""
+        return [str(int(i)) for i in ids]
 
 
 class SourceRegistry(NameRegistry[type[Target]]):

@@ -142,6 +142,12 @@ class SinklabTarget(Target):
             return None
         return no_run_config(self.meta.target)
 
+    def token_texts(self, ids: Sequence[int]) -> list[str]:
+        """Through the run's tokenizer (`sinklab.runs.run_data.token_texts`); the ids for a checkpoint outside a run."""
+        from sinklab.runs.run_data import token_texts
+
+        return token_texts(self.meta.run_dir, ids) if self.meta.run_dir is not None else super().token_texts(ids)
+
 
 class SinklabDecoder(Decoder):
     """The model's own cache under a policy (`sinklab.model.kv_cache`): keys gathered per kv head, positions

@@ -480,6 +480,15 @@ class TransformersTarget(Target):
     def no_probe_set(self) -> Optional[str]:
         return "an HF model has no probe set"
 
+    def token_texts(self, ids: Sequence[int]) -> list[str]:
+        """Through the tokenizer saved beside the model; the ids where it has none."""
+        from sinklab.data.tokenizer import decode_each
+
+        try:
+            tokenizer = load_hf_tokenizer(self.meta.target, self.meta.revision)
+        except UserError:
+            return super().token_texts(ids)
+        return decode_each(tokenizer, ids)
 
 def wrapped_sinklab_model(model: nn.Module) -> Optional[nn.Module]:
     """sinklab's Transformer inside a `SinklabForCausalLM` (the remote code of `sinklab export-hf`), or None."""

@@ -1,9 +1,10 @@
 """Callbacks: the sink metric during training, and the run's status file."""
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import lightning as L
 from lightning.pytorch.callbacks import TQDMProgressBar
@@ -26,14 +27,16 @@ class SinkCallback(L.Callback):
     previous-token scores on their own repeated random tokens; the sink, q / k outliers and induction scores by head
     type as heads/<type>/...; `activations=false`: the sink metric only) on the
     probe set every `every_n_steps` optimizer steps and at the end of training; a layer x head heatmap of alpha_1 at
-    each validation. Runs on rank 0 only; its last measurement survives a resume. The allowed values of its arguments:
-    sinklab.train.config.SinkCallbackConfig."""
+    each validation; at the end, the attention atlas of the final model (<run dir>/atlas.html, `write_atlas`;
+    `atlas=false`: none). Runs on rank 0 only; its last measurement survives a resume. The allowed values of its
+    arguments: sinklab.train.config.SinkCallbackConfig."""
 
     def __init__(self, every_n_steps: int = 250, k: int = 4, eps: Sequence[float] = (0.3,),
-                 activations: bool = True, heatmap: bool = True, batch_size: int = 50):
+                 activations: bool = True, heatmap: bool = True, batch_size: int = 50, atlas: bool = True):
         self.every_n_steps = every_n_steps
         self.k, self.eps = k, list(eps)
-        self.activations, self.heatmap = activations, heatmap
+        self.activations, self.heatmap, self.atlas = activations, heatmap, atlas
+        self.atlas_path: Optional[Path] = None  # the attention atlas written at the end of training
         self.batch_size = batch_size
         self.last_step = -1
         self.last: dict[str, float] = {}
@@ -54,12 +57,10 @@ class SinkCallback(L.Callback):
         probe set, as the flat scalars each metric logs."""
         t0 = time.perf_counter()
         net = pl_module.net
-        was_training = net.training
-        net.eval()
-        try:
+        with evaluating(net):
             tokens = self.probe(trainer).to(pl_module.device)
             target = SinklabRecorder(net)
-            metrics = METRICS.build(target.context(self.eps, self.k), None if self.activations else ["sink"])
+            metrics = METRICS.build(target.context(self.eps, self.k), self.names())
             measure_all(target, tokens, metrics, batch_size=self.batch_size)
             out: dict[str, float] = {}
             grid = None  # the heatmap: the first that a metric gives (`Metric.heatmap`: the sink metric's alpha_1)
@@ -67,12 +68,37 @@ class SinkCallback(L.Callback):
                 result = metric.result()
                 out.update(metric.log(result))
                 grid = metric.heatmap(result) if grid is None else grid
-        finally:
-            net.train(was_training)
         self._alpha1 = grid  # (L, H), for the heatmap
         self._alpha1_step = trainer.global_step
         self.seconds += time.perf_counter() - t0
         return out
+
+    def names(self) -> Optional[list[str]]:
+        """The metrics measured: every registered one, or the sink metric alone with activations=false."""
+        return None if self.activations else ["sink"]
+
+    @torch.no_grad()
+    def write_atlas(self, trainer: L.Trainer, pl_module: L.LightningModule) -> Path:
+        """The attention atlas of the final model (`sinklab.analysis.atlas`: every head's map of the first probe
+        sequence, the grid coloured by alpha_1 or any per-head value of the metrics measured) as <run dir>/atlas.html,
+        which the closing lines link; it costs one more measurement of the probe set."""
+        from sinklab.analysis.atlas import Atlas, checkpoint_label, key_labels, measure_frame, write_atlas
+        from sinklab.data.tokenizer import decode_each
+        from sinklab.targets import SinklabTarget
+
+        run_dir = Path(trainer.default_root_dir)
+        tokens = self.probe(trainer)  # (N, T)
+        with evaluating(pl_module.net):
+            target = SinklabTarget.of_model(pl_module.net, str(run_dir))
+            frame = measure_frame(target, tokens, checkpoint_label(trainer.global_step, None, ""), self.names(),
+                                  self.eps, self.k, self.batch_size)
+        ctx = target.recorder().context()
+        texts = decode_each(getattr(trainer.datamodule, "tokenizer", None), tokens[0].tolist())
+        keys = key_labels(ctx.n_extra, ctx.slot_names, texts)
+        atlas = Atlas(title=str(run_dir), frames=[frame], queries=texts, keys=keys,
+                      input=f"the probe set: {tokens.shape[0]} sequences x {tokens.shape[1]} tokens",
+                      note=f"the final model; `sinklab atlas {run_dir}` draws the run's kept checkpoints on a slider")
+        return write_atlas(atlas, run_dir / "atlas.html")
 
     def _emit(self, trainer: L.Trainer, metrics: dict[str, float]) -> None:
         for logger in trainer.loggers:
@@ -114,6 +140,8 @@ class SinkCallback(L.Callback):
         if trainer.is_global_zero:
             for logger in trainer.loggers:
                 logger.save()
+            if self.atlas:
+                self.atlas_path = self.write_atlas(trainer, pl_module)
 
     def on_validation_end(self, trainer, pl_module) -> None:
         if not (self.heatmap and trainer.is_global_zero) or trainer.sanity_checking:
@@ -140,6 +168,17 @@ class SinkCallback(L.Callback):
         alpha1 = state.get("alpha1")
         self._alpha1 = torch.tensor(alpha1) if alpha1 is not None else None
         self._alpha1_step = state.get("alpha1_step", -1) if alpha1 is not None else -1
+
+
+@contextlib.contextmanager
+def evaluating(net: torch.nn.Module) -> Iterator[None]:
+    """Inside, `net` is in eval mode; its mode is put back afterwards."""
+    was_training = net.training
+    net.eval()
+    try:
+        yield
+    finally:
+        net.train(was_training)
 
 
 def log_heatmap(loggers: Sequence[Any], path: Path, step: int) -> None:

@@ -124,6 +124,7 @@ class SinkCallbackConfig(Schema):
     activations: bool = rule(True, boolean)
     heatmap: bool = rule(True, boolean)
     batch_size: int = rule(50, integer(1))
+    atlas: bool = rule(True, boolean)
 
 
 @dataclass

@@ -3,6 +3,7 @@
     done: 1600 steps, val/loss 4.1234, Sink_1 22.92% (alpha_1 0.151)
     sink: 5.5 of 24 heads (mean over the probe sequences) put > 0.3 of their attention on token 1, the BOS token ...
     heatmap of alpha_1 per layer x head: <run dir>/sink_heatmaps/alpha1_step0001600.png
+    atlas: <run dir>/atlas.html
     next: ... (a run that removes the sink)
     run dir: <run dir>
 
@@ -43,13 +44,14 @@ def summary(trainer: Any, callbacks: list[Any], out: Path) -> dict[str, Any]:
         eps = sink.eps[0] if sink is not None else None
         alpha1 = getattr(sink, "_alpha1", None)  # (layers, heads) of the last measurement
         n_heads = alpha1.numel() if alpha1 is not None else None
-        print("\n".join(closing_lines(steps, final, per_layer, first, eps, n_heads, out)), flush=True)
+        atlas = getattr(sink, "atlas_path", None)
+        print("\n".join(closing_lines(steps, final, per_layer, first, eps, n_heads, out, atlas)), flush=True)
     return final
 
 
 def closing_lines(steps: int, final: dict[str, float], per_layer: dict[int, float], first_token: Optional[str],
-                  eps: Optional[float], n_heads: Optional[int], out: Path) -> list[str]:
-    """The lines printed at the end of a run (see the module docstring)."""
+                  eps: Optional[float], n_heads: Optional[int], out: Path, atlas: Optional[Path] = None) -> list[str]:
+    """The lines printed at the end of a run (see the module docstring); `atlas`: the attention atlas written."""
     msg = f"done: {steps} steps"
     if VAL_LOSS in final:
         msg += f", val/loss {final[VAL_LOSS]:.4f}"
@@ -66,6 +68,8 @@ def closing_lines(steps: int, final: dict[str, float], per_layer: dict[int, floa
         heatmaps = sorted((out / "sink_heatmaps").glob("alpha1_step*.png"))
         if heatmaps:
             lines.append(f"heatmap of alpha_1 per layer x head: {heatmaps[-1]}")
+        if atlas is not None:
+            lines.append(f"atlas: {atlas}")
         if sink1 > 0:
             lines.append(f"next: {NEXT}")
     lines.append(f"run dir: {out}")

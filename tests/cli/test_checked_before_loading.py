@@ -36,7 +36,7 @@ def broken(tmp_path):
     return {"RUN": run, "KEPT_RUN": kept, "BARE": tmp_path / "bare" / "b.ckpt", "IDS": tmp_path / "ids.npy",
             "TEXT_IDS": tmp_path / "text.npy", "MISSING": tmp_path / "missing.npy", "NOT_A_RUN": tmp_path / "bare",
             "FULL": tmp_path / "full", "OUT": tmp_path / "out", "TXT": tmp_path / "missing.txt",
-            "CSV": tmp_path / "t.csv"}
+            "CSV": tmp_path / "t.csv", "PAGE": tmp_path / "atlas.html"}
 
 
 def sinklab(capsys, paths: dict, *args: str) -> str:
@@ -86,6 +86,10 @@ CASES = [
      ["eval", "intervene", "RUN", "--data", "RUN"]),
     (["eval", "intervene", "BARE"], "choose the data", "b.ckpt has no run config",
      ["eval", "intervene", "BARE", "--tokens", "IDS"]),
+    (["atlas", "KEPT_RUN", "--metric", "attention", "--out", "PAGE"], "--metric attention: no registered metric",
+     "", ["atlas", "KEPT_RUN", "--out", "PAGE"]),
+    (["atlas", "--hf-model", "NOT_A_RUN", "--text", "TXT", "--out", "PAGE"], "--text", "no such file",
+     ["atlas", "--hf-model", "NOT_A_RUN", "--input", "random", "--out", "PAGE"]),
     (["export-hf", "RUN", "FULL"], "OUT_DIR", "exists and is not an empty directory", ["export-hf", "RUN", "OUT"]),
     (["export-hf", "RUN", "OUT", "--tokenizer", "TXT"], "--tokenizer", "no tokenizer.json there",
      ["export-hf", "RUN", "OUT"]),
@@ -99,4 +103,4 @@ def test_a_bad_argument_is_refused_before_the_model_is_loaded(capsys, broken, ar
     assert UNREADABLE not in err and NOT_A_MODEL not in err, err
     reached = sinklab(capsys, broken, *control)  # the argument right: the model is loaded, and cannot be
     assert UNREADABLE in reached or NOT_A_MODEL in reached, reached
-    assert not broken["CSV"].exists() and not broken["OUT"].exists()
+    assert not broken["CSV"].exists() and not broken["OUT"].exists() and not broken["PAGE"].exists()

@@ -8,6 +8,7 @@ import warnings
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -53,6 +54,15 @@ def test_training_lowers_loss_and_writes_outputs(run):
     assert closing[1].startswith("sink: ") and "the BOS token '<|endoftext|>'" in closing[1], closing
     heatmap = next(line for line in closing if line.startswith("heatmap of alpha_1 per layer x head: "))
     assert Path(heatmap.split(": ", 1)[1]).is_file() and "step0000060" in heatmap
+    # the attention atlas of the final model, linked after the heatmap: one frame, its alpha_1 the logged one's
+    from sinklab.analysis.atlas import read_page_data
+
+    assert closing[closing.index(heatmap) + 1] == f"atlas: {out / 'atlas.html'}"
+    atlas = read_page_data((out / "atlas.html").read_text(encoding="utf-8"))
+    assert [f["label"] for f in atlas["frames"]] == ["step 60"] and atlas["queries"][0] == "<|endoftext|>"
+    alpha = atlas["frames"][0]["values"]["sink/alpha"]  # (L, H), each to 4 significant digits
+    logged = column(out / "metrics.csv", "sink/alpha1")[-1]
+    assert logged[0] == 60 and np.mean(alpha) == pytest.approx(logged[1], rel=1e-3)
     assert closing[-1] == f"run dir: {out}"
     assert '"status": "completed"' in (out / "status.json").read_text()
 
@@ -386,6 +396,8 @@ def test_closing_lines_say_where_the_sink_is_and_what_to_try():
                         "token 1, the BOS token 'B'; by layer: layer 1 75.0% of its heads")  # from 0, as the log keys
     assert lines[2].startswith("next: sinklab-train model/bias=k") and "model/attn=sigmoid" in lines[2]
     assert lines[-1] == "run dir: /r"  # no heatmap file in /r: no heatmap line
+    atlas = closing_lines(1500, final, {1: 75.0}, "B", 0.3, 24, Path("/r"), Path("/r/atlas.html"))
+    assert atlas[2] == "atlas: /r/atlas.html" and atlas[3].startswith("next: ")
     none = closing_lines(10, {"sink/sink1": 0.0, "sink/alpha1": 0.07}, {0: 0.0}, "the BOS token 'B'", 0.3, 8,
                          Path("/r"))
     assert none[1].startswith("sink: none: no head puts > 0.3")
