@@ -13,6 +13,9 @@ evaluations ask of it, written once per source:
   `decoder(policy, evict)` feeds tokens through a cache that evicts by any policy of
   `sinklab.model.cache_policies` (H2O, SnapKV, ...), after every forward or once when compressed, and says which
   tokens it kept;
+- TransformerLens's hook names (`sinklab.model.hooked`): `run_with_cache(tokens, names_filter, prepend_bos)` ->
+  (logits, an ActivationCache), `run_with_hooks(tokens, fwd_hooks, prepend_bos)`, the BOS token prepended as the
+  source says (sinklab checkpoints; refused in one line elsewhere);
 - its metadata (`meta`: a `TargetMeta`) and, for natural input, `natural_tokens(...)` (a run's probe set, or text
   through the model's own tokenizer).
 Sources register in `SOURCES` (`sinklab.targets.native`: sinklab checkpoints and run dirs; `transformers_lm`: hub ids
@@ -162,6 +165,24 @@ class Target(ABC):
         metrics = METRICS.build(recorder.context(eps, k), list(names) if names is not None else None)
         measure_all(recorder, tokens.to(self.device), metrics, batch_size=batch_size)
         return metrics
+
+    # --------------------------------------------------------------------------------------------- hook names
+    def run_with_cache(self, tokens: torch.Tensor, names_filter: Any = None,
+                       prepend_bos: Optional[bool] = None) -> tuple[torch.Tensor, Any]:
+        """(logits (B, T, V), an ActivationCache of the names `names_filter` picks: None all, a name, a list, or a
+        function of the name) of tokens (T,) or (B, T), the BOS id first where `prepend_bos` says (None: as the
+        source measures); names, shapes and the cache as TransformerLens's (`sinklab.model.hooked`)."""
+        raise self.no_hook_names("run_with_cache")
+
+    def run_with_hooks(self, tokens: torch.Tensor, fwd_hooks: Sequence[tuple],
+                       prepend_bos: Optional[bool] = None) -> torch.Tensor:
+        """The logits of tokens with `fwd_hooks` [(name or a function of the name, fn(tensor, hook) -> None or a
+        replacement)] attached during the forward, and removed afterwards (also when it raised)."""
+        raise self.no_hook_names("run_with_hooks")
+
+    def no_hook_names(self, what: str) -> UserError:
+        return UserError(f"{what}: {self.meta.target} ({self.meta.source}) has no TransformerLens hook names; allowed: "
+                         "a sinklab checkpoint or run dir")
 
     # --------------------------------------------------------------------------------------------- interventions
     @abstractmethod

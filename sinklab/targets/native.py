@@ -23,9 +23,11 @@ from .interface import SOURCES, Decoder, MaskFn, Step, Target, TargetMeta, Targe
 class SinklabTarget(Target):
     """A sinklab Transformer (module docstring); `run_dir`, the training run it belongs to, gives its probe set."""
 
-    def __init__(self, model, meta: TargetMeta, chunk: int = 128):
+    def __init__(self, model, meta: TargetMeta, chunk: int = 128, bos_id: Optional[int] = None):
         super().__init__(model.eval(), meta)
         self.chunk = chunk  # query rows per chunk of a recorded map
+        # (whether a measurement puts the BOS id first, the id): given, or read from the run's data once (`bos`)
+        self.bos_first: Optional[tuple[bool, Optional[int]]] = (True, bos_id) if bos_id is not None else None
         self.n_prefix = model.cfg.n_sink_tokens
         self.mask: Optional[MaskFn] = None  # the open `masked` mask
 
@@ -43,15 +45,17 @@ class SinklabTarget(Target):
         return cls.of_model(load_model(ckpt).to(spec.device), str(ckpt), run_dir)
 
     @classmethod
-    def of_model(cls, model, name: str = "(in memory)", run_dir: Optional[Path] = None) -> "SinklabTarget":
-        """A Transformer already built (training's callback, notebooks) as a Target."""
+    def of_model(cls, model, name: str = "(in memory)", run_dir: Optional[Path] = None,
+                 bos_id: Optional[int] = None) -> "SinklabTarget":
+        """A Transformer already built (training's callback, notebooks) as a Target; `bos_id`, the BOS token that
+        `run_with_cache` prepends by default (else the run's, read from run_dir's data config, or none)."""
         cfg = model.cfg
         description = {"n_layer": cfg.n_layer, "n_head": cfg.n_head, "attn_op": cfg.attn_op, "pos": cfg.pos,
                        "attn_bias": cfg.attn_bias, "n_sink_tokens": cfg.n_sink_tokens, "gate": cfg.gate,
                        "gate_act": cfg.gate_act}
         return cls(model, TargetMeta(target=name, source=cls.source, vocab_size=cfg.vocab_size,
                                      context=cfg.block_size, prefix_len=cfg.prefix_len, run_dir=run_dir,
-                                     model=description))
+                                     model=description), bos_id=bos_id)
 
     # --------------------------------------------------------------------------------------------- logits
     def logits(self, idx: torch.Tensor) -> torch.Tensor:
@@ -64,6 +68,47 @@ class SinklabTarget(Target):
     # --------------------------------------------------------------------------------------------- metrics
     def recorder(self) -> SinklabRecorder:
         return SinklabRecorder(self.model, self.chunk, self.mask)
+
+    # --------------------------------------------------------------------------------------------- hook names
+    def run_with_cache(self, tokens, names_filter=None, prepend_bos: Optional[bool] = None):
+        from sinklab.model.hooked import run_with_cache
+
+        return run_with_cache(self.model, self.hook_input(tokens, prepend_bos), names_filter, extra_mask=self.mask)
+
+    def run_with_hooks(self, tokens, fwd_hooks, prepend_bos: Optional[bool] = None) -> torch.Tensor:
+        from sinklab.model.hooked import run_with_hooks
+
+        return run_with_hooks(self.model, self.hook_input(tokens, prepend_bos), fwd_hooks, extra_mask=self.mask)
+
+    def hook_input(self, tokens, prepend_bos: Optional[bool]) -> torch.Tensor:
+        """tokens (T,) or (B, T) ids -> (B, T) on the model's device, the BOS id put first where `prepend_bos` says;
+        None: as `sinklab measure`'s probe set has it (the run's data.probe_bos; a synthetic task's BOS always; the
+        `bos_id` of `of_model`; nothing for a checkpoint outside a run). The attention sink forms on BOS."""
+        idx = torch.as_tensor(tokens).long()
+        idx = idx[None] if idx.ndim == 1 else idx
+        if idx.ndim != 2:
+            raise UserError(f"tokens: shape {tuple(idx.shape)}; allowed: (T,) or (batch, T) token ids")
+        first, bos = self.bos()
+        if prepend_bos is None:
+            prepend_bos = first
+        if prepend_bos and bos is None:
+            raise UserError(f"prepend_bos=True: {self.meta.target} has no BOS id (no run config to read it from); "
+                            "pass prepend_bos=False or SinklabTarget.of_model(model, bos_id=ID)")
+        if prepend_bos:
+            idx = torch.cat([idx.new_full((idx.shape[0], 1), bos), idx], dim=1)  # (B, 1 + T)
+        return idx.to(self.device)
+
+    def bos(self) -> tuple[bool, Optional[int]]:
+        """(whether the run's probe set starts with the BOS id, that id), read once from its data config; (False,
+        None) without a run."""
+        if self.bos_first is None:
+            from sinklab.runs.run_data import read_run_data
+
+            self.bos_first = (False, None) if self.meta.run_dir is None else read_run_data(
+                self.meta.run_dir, {"num_workers": 0},
+                lambda dm: (bool(getattr(dm.config, "probe_bos", True)), int(dm.eos_id)),
+                "prepend_bos", "the BOS id", "pass prepend_bos=False")
+        return self.bos_first
 
     # --------------------------------------------------------------------------------------------- interventions
     @contextlib.contextmanager
