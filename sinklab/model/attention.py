@@ -192,10 +192,10 @@ class Attention(nn.Module):
     def hooked_map(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Layout,
                    extra: dict[str, torch.Tensor]) -> Optional[torch.Tensor]:
         """The whole map of this forward, explicit (as `sinklab.metrics.record` replays it), through the hooks on its
-        logits (`hook_attn_scores`: (B, H, N, n_key_pos), -inf where a key is not seen), on the map over the
-        positions (`hook_pattern`) and on the bias slot's share (`hook_slot_pattern`), each without the slot columns
-        but the last. Returns the heads' output map @ v (B, H, N, hd) when a hook replaced one of them, else None:
-        the layer's own path computes the output then, so that reading the map changes no number."""
+        logits over the positions (`hook_attn_scores`: (B, H, N, n_key_pos), -inf where a key is not seen), on the
+        map over the positions (`hook_pattern`, the same shape) and on the bias slot columns (`hook_slot_pattern`:
+        (B, H, N, n_slots)). Returns the heads' output map @ v (B, H, N, hd) when a hook replaced one of them, else
+        None: the layer's own path computes the output then, so that reading the map changes no number."""
         n, rows, own = self.attn_bias.n_slots, layout.rows(), self.own(layout)
         replaced = False
         if self.hook_attn_scores.active:
@@ -206,7 +206,8 @@ class Attention(nn.Module):
             scores = s.masked_fill(~seen, float("-inf"))[..., n:]
             new = self.hook_attn_scores(scores)
             if new is not scores:  # the keys not seen keep their logits: the op masks them
-                s, replaced = torch.cat([s[..., :n], torch.where(seen[..., n:], new.to(s.dtype), s[..., n:])], -1), True
+                kept = torch.where(seen[..., n:], new.to(s.dtype), s[..., n:])
+                s, replaced = torch.cat([s[..., :n], kept], -1), True
             a = self.op.normalise(s, seen)
         else:
             a = self.probs(q, k, layout, rows, extra)  # (B, H, N, n_keys)

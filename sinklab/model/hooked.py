@@ -154,11 +154,19 @@ def count_layers(sites: dict[str, HookSite]) -> int:
     return 1 + max((s.layer() for s in sites.values() if s.layer() is not None), default=-1)
 
 
+def read_only(name: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """`from_name` of a name whose tensor a hook may read but not replace."""
+    def refuse(_new: torch.Tensor, _out) -> torch.Tensor:
+        raise UserError(f"a hook on {name} returned a tensor: this name is read-only on this model; allowed: a hook "
+                        "that returns None")
+    return refuse
+
+
 @contextlib.contextmanager
-def hooks(model, fwd_hooks: Sequence[tuple[Union[str, Callable[[str], bool]], HookFn]]) -> Iterator[None]:
-    """Inside, each (name or filter, fn) of `fwd_hooks` is attached to every name it picks; all are removed on the
-    way out, also when the forward (or a hook) raised."""
-    sites = hook_names(model)
+def hooks(sites: dict[str, HookSite], fwd_hooks: Sequence[tuple[Union[str, Callable[[str], bool]], HookFn]]
+          ) -> Iterator[None]:
+    """Inside, each (name or filter, fn) of `fwd_hooks` is attached to every site of `sites` it picks; all are
+    removed on the way out, also when the forward (or a hook) raised."""
     picked = [(site, fn) for names, fn in fwd_hooks for site in selected(sites, names, "fwd_hooks")]
     handles = []
     try:
@@ -168,13 +176,6 @@ def hooks(model, fwd_hooks: Sequence[tuple[Union[str, Callable[[str], bool]], Ho
     finally:
         for handle in handles:
             handle.remove()
-
-
-def run_with_hooks(model, idx: torch.Tensor, fwd_hooks: Sequence[tuple], **forward) -> torch.Tensor:
-    """model(idx, **forward) with `fwd_hooks` attached (TransformerLens's fn(tensor, hook) -> None or a replacement),
-    removed afterwards."""
-    with hooks(model, fwd_hooks):
-        return model(idx, **forward)
 
 
 class ActivationCache(dict):
@@ -190,7 +191,7 @@ class ActivationCache(dict):
             short, layer = key
             if short not in SHORT_NAMES:
                 raise KeyError(f"{short!r}: not a short hook name; allowed: {', '.join(SHORT_NAMES)}")
-            key = SHORT_NAMES[short].format(layer % self.n_layer)
+            key = SHORT_NAMES[short].format(layer + self.n_layer if layer < 0 else layer)
         return super().__getitem__(key)
 
     def __contains__(self, key) -> bool:
@@ -201,14 +202,28 @@ class ActivationCache(dict):
         return True
 
 
-def run_with_cache(model, idx: torch.Tensor, names_filter: NamesFilter = None,
-                   **forward) -> tuple[torch.Tensor, ActivationCache]:
-    """(logits of model(idx, **forward), the activations at the names `names_filter` picks, detached); reading the
-    maps changes no logit."""
+def cached(sites: dict[str, HookSite], names_filter: NamesFilter,
+           forward: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, ActivationCache]:
+    """(forward(), the activations at the sites `names_filter` picks, detached)."""
     tensors: dict[str, torch.Tensor] = {}
 
     def keep(t: torch.Tensor, hook: HookSite) -> None:
         tensors[hook.name] = t.detach()
-    sites = selected(hook_names(model), names_filter, "names_filter")
-    logits = run_with_hooks(model, idx, [(site.name, keep) for site in sites], **forward)
-    return logits, ActivationCache(tensors, len(model.blocks))
+    picked = selected(sites, names_filter, "names_filter")
+    with hooks(sites, [(site.name, keep) for site in picked]):
+        logits = forward()
+    return logits, ActivationCache(tensors, count_layers(sites))
+
+
+def run_with_hooks(model, idx: torch.Tensor, fwd_hooks: Sequence[tuple], **forward) -> torch.Tensor:
+    """A sinklab Transformer's model(idx, **forward) with `fwd_hooks` attached (TransformerLens's fn(tensor, hook)
+    -> None or a replacement), removed afterwards."""
+    with hooks(hook_names(model), fwd_hooks):
+        return model(idx, **forward)
+
+
+def run_with_cache(model, idx: torch.Tensor, names_filter: NamesFilter = None,
+                   **forward) -> tuple[torch.Tensor, ActivationCache]:
+    """(logits of a sinklab Transformer's model(idx, **forward), the activations at the names `names_filter` picks,
+    detached); reading the maps changes no logit."""
+    return cached(hook_names(model), names_filter, lambda: model(idx, **forward))

@@ -70,37 +70,14 @@ class SinklabTarget(Target):
         return SinklabRecorder(self.model, self.chunk, self.mask)
 
     # --------------------------------------------------------------------------------------------- hook names
-    def run_with_cache(self, tokens, names_filter=None, prepend_bos: Optional[bool] = None):
-        from sinklab.model.hooked import run_with_cache
+    def hook_sites(self) -> dict:
+        from sinklab.model.hooked import hook_names
 
-        return run_with_cache(self.model, self.hook_input(tokens, prepend_bos), names_filter, extra_mask=self.mask)
+        return hook_names(self.model)
 
-    def run_with_hooks(self, tokens, fwd_hooks, prepend_bos: Optional[bool] = None) -> torch.Tensor:
-        from sinklab.model.hooked import run_with_hooks
-
-        return run_with_hooks(self.model, self.hook_input(tokens, prepend_bos), fwd_hooks, extra_mask=self.mask)
-
-    def hook_input(self, tokens, prepend_bos: Optional[bool]) -> torch.Tensor:
-        """tokens (T,) or (B, T) ids -> (B, T) on the model's device, the BOS id put first where `prepend_bos` says;
-        None: as `sinklab measure`'s probe set has it (the run's data.probe_bos; a synthetic task's BOS always; the
-        `bos_id` of `of_model`; nothing for a checkpoint outside a run). The attention sink forms on BOS."""
-        idx = torch.as_tensor(tokens).long()
-        idx = idx[None] if idx.ndim == 1 else idx
-        if idx.ndim != 2:
-            raise UserError(f"tokens: shape {tuple(idx.shape)}; allowed: (T,) or (batch, T) token ids")
-        first, bos = self.bos()
-        if prepend_bos is None:
-            prepend_bos = first
-        if prepend_bos and bos is None:
-            raise UserError(f"prepend_bos=True: {self.meta.target} has no BOS id (no run config to read it from); "
-                            "pass prepend_bos=False or SinklabTarget.of_model(model, bos_id=ID)")
-        if prepend_bos:
-            idx = torch.cat([idx.new_full((idx.shape[0], 1), bos), idx], dim=1)  # (B, 1 + T)
-        return idx.to(self.device)
-
-    def bos(self) -> tuple[bool, Optional[int]]:
-        """(whether the run's probe set starts with the BOS id, that id), read once from its data config; (False,
-        None) without a run."""
+    def bos(self) -> tuple[bool, Optional[list[int]]]:
+        """As the run's probe set starts (its data.probe_bos; a synthetic task's BOS always), with the run's BOS id
+        (data.eos_token's), read once from its data config; the `bos_id` of `of_model`; (False, None) otherwise."""
         if self.bos_first is None:
             from sinklab.runs.run_data import read_run_data
 
@@ -108,7 +85,8 @@ class SinklabTarget(Target):
                 self.meta.run_dir, {"num_workers": 0},
                 lambda dm: (bool(getattr(dm.config, "probe_bos", True)), int(dm.eos_id)),
                 "prepend_bos", "the BOS id", "pass prepend_bos=False")
-        return self.bos_first
+        first, bos = self.bos_first
+        return first, None if bos is None else [bos]
 
     # --------------------------------------------------------------------------------------------- interventions
     @contextlib.contextmanager

@@ -44,7 +44,9 @@ def test_every_layer_has_the_names_in_transformer_lens_shapes():
     assert {n: tuple(t.shape) for n, t in cache.items()} == expected
     assert logits.shape == (B, T, cfg.vocab_size)
     assert torch.equal(logits, model(tokens(B)))  # reading every activation changes no logit
-    assert cache["pattern", 1] is cache["blocks.1.attn.hook_pattern"] and cache["z", -1] is cache["blocks.1.attn.hook_z"]
+    assert cache["pattern", 1] is cache["blocks.1.attn.hook_pattern"]
+    assert cache["z", -1] is cache["blocks.1.attn.hook_z"]
+    assert ("pattern", 2) not in cache and ("pattern", 0) in cache
     # before / after RoPE: equal at position 0 (no rotation there), different after it
     q, rot_q = cache["q", 0], cache["rot_q", 0]
     assert torch.equal(q[:, 0], rot_q[:, 0]) and not torch.allclose(q[:, 1:], rot_q[:, 1:])
@@ -100,7 +102,14 @@ def test_run_with_hooks_ablates_a_head_and_removes_its_hooks():
     # a hook that returns what it got changes nothing; zeroing the head's value vectors is the same ablation
     same = target.run_with_hooks(idx, [(lambda name: name.endswith("hook_pattern"), lambda a, hook: a.clone())])
     assert torch.allclose(same, ref, atol=1e-6)
-    # the map: attention on the first real token (BOS in a run) removed, through the replaced pattern
+    same = target.run_with_hooks(idx, [("blocks.0.attn.hook_attn_scores", lambda s, hook: s.clone())])
+    assert torch.allclose(same, ref, atol=1e-6)
+    # the first real token (BOS in a run) taken out of the softmax through its logits, or out of the map
+    def mask_first(s, hook):
+        s = s.clone()
+        s[:, :, 3:, 2] = float("-inf")  # queries after it (its own row would see no key but the slot)
+        return s
+    assert not torch.allclose(target.run_with_hooks(idx, [("blocks.0.attn.hook_attn_scores", mask_first)]), ref)
     def drop_first(a, hook):
         a = a.clone()
         a[..., 2] = 0.0
@@ -157,6 +166,36 @@ def test_bos_is_prepended_as_the_run_measures(tmp_path):
     assert_one_line_error(err, "prepend_bos=True: (in memory) has no BOS id")
 
 
+@pytest.mark.parametrize("kind", ["llama", "gpt_oss"])
+def test_a_transformers_model_answers_to_the_names_its_modules_give(kind, tmp_path):
+    """A transformers model (TransformersTarget): hook_embed, hook_attn_out, hook_resid_post and the eager map as
+    hook_pattern (gpt-oss: its sink logit's share as hook_slot_pattern), BOS first as its tokenizer starts a text."""
+    pytest.importorskip("transformers")
+    from sinklab.targets import TransformersTarget
+    from tests.helpers.hf_models import tiny_hf
+
+    target = TransformersTarget.load(TargetSpec(str(tiny_hf(kind, tmp_path / kind, tokenizer=True)), "hf"))
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    with torch.no_grad():
+        logits, cache = target.run_with_cache(ids)
+        with_bos = torch.cat([torch.zeros(1, 1, dtype=torch.long), ids], 1)  # <s> is id 0
+        assert torch.equal(logits, target.logits(with_bos))
+        per_layer = {"attn.hook_pattern": (1, 4, 7, 7), "hook_attn_out": (1, 7, 32), "hook_resid_post": (1, 7, 32)}
+        if kind == "gpt_oss":
+            per_layer["attn.hook_slot_pattern"] = (1, 4, 7, 1)
+        assert {n: tuple(t.shape) for n, t in cache.items()} == \
+            {"hook_embed": (1, 7, 32), **{f"blocks.{i}.{n}": s for i in range(2) for n, s in per_layer.items()}}
+        alpha = target.measure(with_bos, ["sink"])[0].scores().alpha[..., 0].mean(0)  # (L, H)
+        from_cache = torch.stack([cache["pattern", i][0, :, :, 0].mean(-1) for i in range(2)])
+        assert torch.allclose(from_cache.double(), alpha.double(), atol=1e-6)
+        ablated = target.run_with_hooks(ids, [("blocks.0.hook_attn_out", lambda t, hook: torch.zeros_like(t))])
+        assert not torch.allclose(ablated, logits) and no_hooks_left(target.model)
+        with pytest.raises(UserError) as err:
+            target.run_with_hooks(ids, [("blocks.1.attn.hook_pattern", lambda a, hook: a * 1)])
+        assert_one_line_error(err, "a hook on blocks.1.attn.hook_pattern returned a tensor: this name is read-only")
+        assert no_hooks_left(target.model) and target.run_with_cache(ids, [], prepend_bos=False)[0].shape[1] == 6
+
+
 def test_attnview_renders_a_sinklab_cache(tmp_path):
     attnview = pytest.importorskip("attnview", reason="attnview, in the dev extra (scripts/setup.sh installs it)")
     model = small_model()
@@ -178,4 +217,5 @@ def test_the_readme_snippet_runs(tmp_path):
     ckpt = save_ckpt(small_model(), tmp_path / "a.ckpt")
     scope: dict = {}
     exec(snippet.replace('"runs/a"', repr(str(ckpt))), scope)
-    assert scope["cache"]["pattern", 0].shape[-1] == scope["logits"].shape[1]
+    assert scope["cache"]["pattern", 0].shape[-1] == scope["logits"].shape[1] and scope["alpha_1"].shape == (4,)
+    assert not torch.allclose(scope["ablated"], scope["logits"])
