@@ -234,13 +234,14 @@ def hook_sites(model: nn.Module) -> dict:
     sink_logits = has_sink_logits(layers)
     for i, layer in enumerate(layers):
         attn, p = attention_module(layer), f"blocks.{i}."
-        sites += [HookSite(p + "attn.hook_pattern", attn, returned_map, read_only(p + "attn.hook_pattern"))]
-        if sink_logits:
-            sites.append(HookSite(p + "attn.hook_slot_pattern", attn,
-                                  lambda out: 1.0 - returned_map(out).sum(-1, keepdim=True),  # (B, H, T, 1)
-                                  read_only(p + "attn.hook_slot_pattern")))
-        sites += [HookSite(p + "hook_attn_out", attn, first, replace_first),
-                  HookSite(p + "hook_resid_post", layer, first, replace_first)]
+        if attn is not None:  # a layer without a self-attention module we know has its output only
+            sites.append(HookSite(p + "attn.hook_pattern", attn, returned_map, read_only(p + "attn.hook_pattern")))
+            if sink_logits:
+                sites.append(HookSite(p + "attn.hook_slot_pattern", attn,
+                                      lambda out: 1.0 - returned_map(out).sum(-1, keepdim=True),  # (B, H, T, 1)
+                                      read_only(p + "attn.hook_slot_pattern")))
+            sites.append(HookSite(p + "hook_attn_out", attn, first, replace_first))
+        sites.append(HookSite(p + "hook_resid_post", layer, first, replace_first))
     return {site.name: site for site in sites}
 
 

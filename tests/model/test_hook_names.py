@@ -102,8 +102,11 @@ def test_run_with_hooks_ablates_a_head_and_removes_its_hooks():
     # a hook that returns what it got changes nothing; zeroing the head's value vectors is the same ablation
     same = target.run_with_hooks(idx, [(lambda name: name.endswith("hook_pattern"), lambda a, hook: a.clone())])
     assert torch.allclose(same, ref, atol=1e-6)
-    same = target.run_with_hooks(idx, [("blocks.0.attn.hook_attn_scores", lambda s, hook: s.clone())])
-    assert torch.allclose(same, ref, atol=1e-6)
+    for name in ("attn_scores", "rot_q", "rot_k", "q", "k"):  # back into the model's own layout (slot, kv repeat)
+        same = target.run_with_hooks(idx, [(f"blocks.0.attn.hook_{name}", lambda t, hook: t.clone())])
+        assert torch.allclose(same, ref, atol=1e-6), name
+    halved = target.run_with_hooks(idx, [("blocks.0.attn.hook_rot_k", lambda t, hook: t * 0.5)])
+    assert not torch.allclose(halved, ref)
     # the first real token (BOS in a run) taken out of the softmax through its logits, or out of the map
     def mask_first(s, hook):
         s = s.clone()
