@@ -24,6 +24,7 @@ from .backends import select_backend
 from .gates import G1, G2, G3, G4, G5
 from .hooks import HookPoint
 from .masks import Layout
+from .ops.base import AttentionOp
 from .positional import RotaryAt
 from .recompute import recomputed_rows
 from .registry import ATTENTION_OPS, ATTN_BIASES, GATES, HEAD_NORMS, POSITIONS, QK_NORMS, SPARSITIES
@@ -64,6 +65,14 @@ class Attention(nn.Module):
         # the op's own per-token tensors (`extras`, a dict, {} for most ops), before hook_q: a measurement replays
         # the maps from q, k and these
         self.hook_extra = HookPoint()
+        # TransformerLens's places (`sinklab.model.hooked` names them, `hook_q` .. there meaning the `_in` ones):
+        # q, k, v as projected (after QK-norm and a G2 .. G4 gate), before RoPE, the kv heads' repeat and the bias
+        # slot, in its layout (B, N, h, hd); the map's logits and the map over the positions (B, H, N, n_key_pos),
+        # the bias slot's share (B, H, N, n_slots): computed only when a hook is attached (`hooked_map`); each
+        # head's output, o_proj's input (B, N, H, hd)
+        self.hook_q_in, self.hook_k_in, self.hook_v_in = HookPoint(), HookPoint(), HookPoint()
+        self.hook_attn_scores, self.hook_pattern, self.hook_slot_pattern = HookPoint(), HookPoint(), HookPoint()
+        self.hook_z = HookPoint()
 
     def extras(self, x: torch.Tensor, layout: Layout) -> dict[str, torch.Tensor]:
         """The op's per-token tensors (`AttentionOp.project`) over every key position: those it names in `rotated`
@@ -92,6 +101,9 @@ class Attention(nn.Module):
         q = gate.at(G4, x, self.qk_norm.q(self.q_proj(x).view(B, N, -1, self.hd)).transpose(1, 2))
         k = gate.at(G3, x, self.qk_norm.k(self.k_proj(x).view(B, N, -1, self.hd)).transpose(1, 2))
         v = gate.at(G2, x, self.v_proj(x).view(B, N, -1, self.hd).transpose(1, 2))
+        # (B, h, N, hd) <-> TransformerLens's (B, N, h, hd) at the `_in` hook points (views, no copy)
+        q, k, v = (hook(t.transpose(1, 2)).transpose(1, 2)
+                   for hook, t in ((self.hook_q_in, q), (self.hook_k_in, k), (self.hook_v_in, v)))
         rope = layout.rope if self.rotates else None
         cache = layout.cache
         if cache is not None and cache.stores_rotated:  # a dense cache: keys keep their place, rotated once
@@ -157,7 +169,9 @@ class Attention(nn.Module):
         auxiliary losses join `layout.aux_losses` (the model sums them over its layers)."""
         extra = self.extras(x, layout)
         q, k, v = self.qkv(x, layout)
-        o = self.op.fused(q, k, v, self.own(layout), self.scale, self.backend) if self.use_fused else None
+        o = self.hooked_map(q, k, v, layout, extra) if self.map_hooked else None
+        if o is None and self.use_fused:
+            o = self.op.fused(q, k, v, self.own(layout), self.scale, self.backend)
         if o is None:
             o = self.explicit(q, k, v, layout, extra)
         if layout.cache is not None and layout.cache.wants_maps:  # an attention-based cache policy's scores
@@ -166,8 +180,47 @@ class Attention(nn.Module):
             for name, loss in self.op.aux_losses(q, k, self.own(layout), self.scale, extra, self.row_chunk).items():
                 layout.aux_losses.setdefault(name, []).append(loss)
         o = self.gate_proj.at(G1, x, self.attn_bias.output(self.head_norm(self.op.output(o))))
-        out = self.o_proj(o.transpose(1, 2).flatten(2))  # (B, H, N, hd) -> (B, N, H * hd) -> (B, N, d)
+        z = self.hook_z(o.transpose(1, 2))  # (B, H, N, hd) -> (B, N, H, hd)
+        out = self.o_proj(z.flatten(2))  # (B, N, H, hd) -> (B, N, H * hd) -> (B, N, d)
         return self.gate_proj.at(G5, x, out)
+
+    @property
+    def map_hooked(self) -> bool:
+        """Whether a hook looks at the map's logits, the map or the bias slot's share (one dict check each)."""
+        return self.hook_attn_scores.active or self.hook_pattern.active or self.hook_slot_pattern.active
+
+    def hooked_map(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Layout,
+                   extra: dict[str, torch.Tensor]) -> Optional[torch.Tensor]:
+        """The whole map of this forward, explicit (as `sinklab.metrics.record` replays it), through the hooks on its
+        logits over the positions (`hook_attn_scores`: (B, H, N, n_key_pos), -inf where a key is not seen), on the
+        map over the positions (`hook_pattern`, the same shape) and on the bias slot columns (`hook_slot_pattern`:
+        (B, H, N, n_slots)). Returns the heads' output map @ v (B, H, N, hd) when a hook replaced one of them, else
+        None: the layer's own path computes the output then, so that reading the map changes no number."""
+        n, rows, own = self.attn_bias.n_slots, layout.rows(), self.own(layout)
+        replaced = False
+        if self.hook_attn_scores.active:
+            if type(self.op).probs is not AttentionOp.probs:
+                raise UserError(f"hook_attn_scores: model.attn_op={self.op.name} has no one matrix of logits; "
+                                "allowed: hook_pattern")
+            s, seen = self.op.logits(q, k, own, rows, self.scale)  # (B, H, N, n_keys), ((B,) (H,) N, n_keys)
+            scores = s.masked_fill(~seen, float("-inf"))[..., n:]
+            new = self.hook_attn_scores(scores)
+            if new is not scores:  # the keys not seen keep their logits: the op masks them
+                kept = torch.where(seen[..., n:], new.to(s.dtype), s[..., n:])
+                s, replaced = torch.cat([s[..., :n], kept], -1), True
+            a = self.op.normalise(s, seen)
+        else:
+            a = self.probs(q, k, layout, rows, extra)  # (B, H, N, n_keys)
+        slot, pattern = a[..., :n], a[..., n:]
+        new_slot = self.hook_slot_pattern(slot) if n else slot
+        new_pattern = self.hook_pattern(pattern)
+        if not (replaced or new_slot is not slot or new_pattern is not pattern):
+            return None
+        if type(self.op).attend is not AttentionOp.attend:
+            raise UserError(f"a hook replacing the attention map: model.attn_op={self.op.name} does not attend "
+                            "through its map (its branches have values of their own); allowed: a hook that "
+                            "returns None, or one on hook_z")
+        return torch.cat([new_slot, new_pattern], -1).to(v.dtype) @ v  # (B, H, N, n_keys) @ (B, H, n_keys, hd)
 
 
 def rotate_leading(rope: RotaryAt, t: torch.Tensor) -> torch.Tensor:

@@ -33,6 +33,8 @@ class Block(LayerPattern, nn.Module):
         self.ffn = FFNS.selected(cfg).build(cfg)
         self.clip = cfg.residual_clip
         self.hook_resid = HookPoint()  # the block's output: the residual stream after the clamp
+        # its input, and the residual stream between the attention and the FFN sublayers (TransformerLens's names)
+        self.hook_resid_pre, self.hook_resid_mid = HookPoint(), HookPoint()
 
     llama = True
 
@@ -41,7 +43,8 @@ class Block(LayerPattern, nn.Module):
         return self.hook_resid(x if self.clip is None else x.clamp(-self.clip, self.clip))
 
     def forward(self, x, layout: Layout):
-        x = x + self.attn(self.norm1(x), layout)
+        x = self.hook_resid_pre(x)
+        x = self.hook_resid_mid(x + self.attn(self.norm1(x), layout))
         return self.out(x + self.ffn(self.norm2(x)))
 
 
@@ -54,7 +57,8 @@ class PostNormBlock(Block):
     llama = False
 
     def forward(self, x, layout: Layout):
-        x = self.norm1(x + self.attn(x, layout))
+        x = self.hook_resid_pre(x)
+        x = self.hook_resid_mid(self.norm1(x + self.attn(x, layout)))
         return self.out(self.norm2(x + self.ffn(x)))
 
 

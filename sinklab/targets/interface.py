@@ -13,6 +13,9 @@ evaluations ask of it, written once per source:
   `decoder(policy, evict)` feeds tokens through a cache that evicts by any policy of
   `sinklab.model.cache_policies` (H2O, SnapKV, ...), after every forward or once when compressed, and says which
   tokens it kept;
+- TransformerLens's hook names (`sinklab.model.hooked`): `run_with_cache(tokens, names_filter, prepend_bos)` ->
+  (logits, an ActivationCache), `run_with_hooks(tokens, fwd_hooks, prepend_bos)`, BOS prepended as the source
+  measures (a source gives its names in `hook_sites` and its BOS in `bos`; refused in one line where it has none);
 - its metadata (`meta`: a `TargetMeta`) and, for natural input, `natural_tokens(...)` (a run's probe set, or text
   through the model's own tokenizer).
 Sources register in `SOURCES` (`sinklab.targets.native`: sinklab checkpoints and run dirs; `transformers_lm`: hub ids
@@ -164,6 +167,56 @@ class Target(ABC):
         metrics = METRICS.build(ctx, list(names) if names is not None else None) + [cls(ctx) for cls in also]
         measure_all(recorder, tokens.to(self.device), metrics, batch_size=batch_size)
         return metrics
+
+    # --------------------------------------------------------------------------------------------- hook names
+    def hook_sites(self) -> dict:
+        """TransformerLens's names on this model, name -> `sinklab.model.hooked.HookSite`; refused in one line where
+        the source has none (the default)."""
+        raise UserError(f"run_with_cache / run_with_hooks: {self.meta.target} ({self.meta.source}) has no "
+                        "TransformerLens hook names; allowed: a sinklab checkpoint or run dir, a transformers model")
+
+    def bos(self) -> tuple[bool, Optional[list[int]]]:
+        """(whether a measurement puts BOS first by default, the ids put first for it, None where unknown)."""
+        return False, None
+
+    def run_with_cache(self, tokens: torch.Tensor, names_filter: Any = None,
+                       prepend_bos: Optional[bool] = None) -> tuple[torch.Tensor, Any]:
+        """(logits (B, T, V), an ActivationCache of the names `names_filter` picks: None all, a name, a list, or a
+        function of the name) of tokens (T,) or (B, T), BOS first where `prepend_bos` says (`hook_input`); names,
+        shapes and the cache as TransformerLens's (`sinklab.model.hooked`); under the open `masked` mask if any."""
+        from sinklab.model.hooked import cached
+
+        sites = self.hook_sites()
+        idx = self.hook_input(tokens, prepend_bos)
+        return cached(sites, names_filter, lambda: self.logits(idx))
+
+    def run_with_hooks(self, tokens: torch.Tensor, fwd_hooks: Sequence[tuple],
+                       prepend_bos: Optional[bool] = None) -> torch.Tensor:
+        """The logits of tokens with `fwd_hooks` [(name or a function of the name, fn(tensor, hook) -> None or a
+        replacement)] attached during the forward, and removed afterwards (also when it raised)."""
+        from sinklab.model.hooked import hooks
+
+        sites = self.hook_sites()
+        idx = self.hook_input(tokens, prepend_bos)
+        with hooks(sites, fwd_hooks):
+            return self.logits(idx)
+
+    def hook_input(self, tokens, prepend_bos: Optional[bool]) -> torch.Tensor:
+        """tokens (T,) or (B, T) ids -> (B, T) on the model's device, BOS put first where `prepend_bos` says (None:
+        as `sinklab measure` puts it, `bos()`). The attention sink forms on BOS, so this is never implicit."""
+        idx = torch.as_tensor(tokens).long()
+        idx = idx[None] if idx.ndim == 1 else idx
+        if idx.ndim != 2:
+            raise UserError(f"tokens: shape {tuple(idx.shape)}; allowed: (T,) or (batch, T) token ids")
+        first, ids = self.bos()
+        if prepend_bos is None:
+            prepend_bos = first
+        if prepend_bos and not ids:
+            raise UserError(f"prepend_bos=True: {self.meta.target} has no BOS id (no run config or tokenizer to read "
+                            "it from); pass prepend_bos=False")
+        if prepend_bos:
+            idx = torch.cat([idx.new_tensor(ids).expand(idx.shape[0], -1), idx], dim=1)  # (B, len(ids) + T)
+        return idx.to(self.device)
 
     # --------------------------------------------------------------------------------------------- interventions
     @abstractmethod

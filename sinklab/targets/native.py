@@ -23,9 +23,11 @@ from .interface import SOURCES, Decoder, MaskFn, Step, Target, TargetMeta, Targe
 class SinklabTarget(Target):
     """A sinklab Transformer (module docstring); `run_dir`, the training run it belongs to, gives its probe set."""
 
-    def __init__(self, model, meta: TargetMeta, chunk: int = 128):
+    def __init__(self, model, meta: TargetMeta, chunk: int = 128, bos_id: Optional[int] = None):
         super().__init__(model.eval(), meta)
         self.chunk = chunk  # query rows per chunk of a recorded map
+        # (whether a measurement puts the BOS id first, the id): given, or read from the run's data once (`bos`)
+        self.bos_first: Optional[tuple[bool, Optional[int]]] = (True, bos_id) if bos_id is not None else None
         self.n_prefix = model.cfg.n_sink_tokens
         self.mask: Optional[MaskFn] = None  # the open `masked` mask
 
@@ -43,15 +45,17 @@ class SinklabTarget(Target):
         return cls.of_model(load_model(ckpt).to(spec.device), str(ckpt), run_dir)
 
     @classmethod
-    def of_model(cls, model, name: str = "(in memory)", run_dir: Optional[Path] = None) -> "SinklabTarget":
-        """A Transformer already built (training's callback, notebooks) as a Target."""
+    def of_model(cls, model, name: str = "(in memory)", run_dir: Optional[Path] = None,
+                 bos_id: Optional[int] = None) -> "SinklabTarget":
+        """A Transformer already built (training's callback, notebooks) as a Target; `bos_id`, the BOS token that
+        `run_with_cache` prepends by default (else the run's, read from run_dir's data config, or none)."""
         cfg = model.cfg
         description = {"n_layer": cfg.n_layer, "n_head": cfg.n_head, "attn_op": cfg.attn_op, "pos": cfg.pos,
                        "attn_bias": cfg.attn_bias, "n_sink_tokens": cfg.n_sink_tokens, "gate": cfg.gate,
                        "gate_act": cfg.gate_act}
         return cls(model, TargetMeta(target=name, source=cls.source, vocab_size=cfg.vocab_size,
                                      context=cfg.block_size, prefix_len=cfg.prefix_len, run_dir=run_dir,
-                                     model=description))
+                                     model=description), bos_id=bos_id)
 
     # --------------------------------------------------------------------------------------------- logits
     def logits(self, idx: torch.Tensor) -> torch.Tensor:
@@ -64,6 +68,25 @@ class SinklabTarget(Target):
     # --------------------------------------------------------------------------------------------- metrics
     def recorder(self) -> SinklabRecorder:
         return SinklabRecorder(self.model, self.chunk, self.mask)
+
+    # --------------------------------------------------------------------------------------------- hook names
+    def hook_sites(self) -> dict:
+        from sinklab.model.hooked import hook_names
+
+        return hook_names(self.model)
+
+    def bos(self) -> tuple[bool, Optional[list[int]]]:
+        """As the run's probe set starts (its data.probe_bos; a synthetic task's BOS always), with the run's BOS id
+        (data.eos_token's), read once from its data config; the `bos_id` of `of_model`; (False, None) otherwise."""
+        if self.bos_first is None:
+            from sinklab.runs.run_data import read_run_data
+
+            self.bos_first = (False, None) if self.meta.run_dir is None else read_run_data(
+                self.meta.run_dir, {"num_workers": 0},
+                lambda dm: (bool(getattr(dm.config, "probe_bos", True)), int(dm.eos_id)),
+                "prepend_bos", "the BOS id", "pass prepend_bos=False")
+        first, bos = self.bos_first
+        return first, None if bos is None else [bos]
 
     # --------------------------------------------------------------------------------------------- interventions
     @contextlib.contextmanager

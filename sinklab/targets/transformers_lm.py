@@ -212,6 +212,48 @@ def first(output):
     return output[0] if isinstance(output, (tuple, list)) else output
 
 
+def replace_first(new: torch.Tensor, output):
+    """A module's output with its first tensor (the hidden states) replaced by `new`."""
+    return (new, *output[1:]) if isinstance(output, tuple) else new
+
+
+def returned_map(output) -> torch.Tensor:
+    """The attention map (B, H, T, T) an eager attention module returns beside its output."""
+    a = output[1] if isinstance(output, (tuple, list)) and len(output) > 1 else None
+    if a is None:
+        raise UserError("hook_pattern: the model's eager attention returned no attention map; this architecture is "
+                        "not supported")
+    return a
+
+
+def hook_sites(model: nn.Module) -> dict:
+    """TransformerLens's names that a transformers causal LM's modules give (`sinklab.model.hooked` lists them all),
+    through forward hooks on them: hook_embed (the input embedding), blocks.{i}.hook_attn_out (the attention
+    module's output, after its output projection), blocks.{i}.hook_resid_post (the decoder layer's output), and, read
+    only, blocks.{i}.attn.hook_pattern (the map the eager kernel returns, what `sinklab measure --hf-model` scores)
+    and, for learned sink logits (gpt-oss), blocks.{i}.attn.hook_slot_pattern (the logit's share, 1 - the row's
+    sum). q, k, v, z and the scores are inside transformers' attention function, which has no hooks."""
+    from sinklab.model.hooked import HookSite, read_only
+
+    layers = decoder_layers(model)
+    if not layers:
+        raise UserError(f"run_with_cache: no list of decoder layers found in {type(model).__name__}; this "
+                        "architecture is not supported")
+    sites = [HookSite("hook_embed", model.get_input_embeddings())]
+    sink_logits = has_sink_logits(layers)
+    for i, layer in enumerate(layers):
+        attn, p = attention_module(layer), f"blocks.{i}."
+        if attn is not None:  # a layer without a self-attention module we know has its output only
+            sites.append(HookSite(p + "attn.hook_pattern", attn, returned_map, read_only(p + "attn.hook_pattern")))
+            if sink_logits:
+                sites.append(HookSite(p + "attn.hook_slot_pattern", attn,
+                                      lambda out: 1.0 - returned_map(out).sum(-1, keepdim=True),  # (B, H, T, 1)
+                                      read_only(p + "attn.hook_slot_pattern")))
+            sites.append(HookSite(p + "hook_attn_out", attn, first, replace_first))
+        sites.append(HookSite(p + "hook_resid_post", layer, first, replace_first))
+    return {site.name: site for site in sites}
+
+
 class HFRecorder:
     """A Hugging Face causal LM as a measurement target (`sinklab.metrics.record`): forward hooks on each decoder
     layer (its output: the residual stream `h`), on its attention's input (a pre-hook recomputing `q`, `k`, `v`
@@ -392,6 +434,7 @@ class TransformersTarget(Target):
     def __init__(self, model: nn.Module, meta: TargetMeta):
         super().__init__(model.eval(), meta)
         self.mask = None  # the open `masked` mask
+        self.prefix: Optional[tuple[bool, Optional[list[int]]]] = None  # `bos`, read once
 
     @classmethod
     def load(cls, spec: TargetSpec) -> "TransformersTarget":
@@ -430,6 +473,22 @@ class TransformersTarget(Target):
 
     def recorder(self) -> "HFRecorder":
         return HFRecorder(self.model, self.mask)
+
+    def hook_sites(self) -> dict:
+        return hook_sites(self.model)
+
+    def bos(self) -> tuple[bool, Optional[list[int]]]:
+        """As `sinklab measure` starts natural text: the ids the model's tokenizer puts first (LLaMA's BOS, nothing
+        for GPT-2's), read once; a model whose tokenizer does not load: none by default, its config's bos_token_id
+        for prepend_bos=True."""
+        if self.prefix is None:
+            try:
+                prefix = special_prefix(load_hf_tokenizer(self.meta.target, self.meta.revision))
+            except UserError:
+                prefix = []
+            bos = getattr(text_config(self.model), "bos_token_id", None)
+            self.prefix = (bool(prefix), prefix or ([int(bos)] if isinstance(bos, int) else None))
+        return self.prefix
 
     @contextlib.contextmanager
     def masked(self, mask) -> Iterator[None]:

@@ -101,6 +101,13 @@ class AttentionOp(Component, torch.nn.Module):
               extra: Optional[dict[str, torch.Tensor]] = None) -> torch.Tensor:
         """Explicit map for query rows: q (B, H, R, hd), k (B, H, n_keys, hd) -> A (B, H, R, n_keys); `extra`: the
         tensors of `project` (an op without them may leave the argument out of its own `probs`)."""
+        return self.normalise(*self.logits(q, k, layout, rows, scale))
+
+    def logits(self, q: torch.Tensor, k: torch.Tensor, layout: Layout, rows: torch.Tensor,
+               scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """The logits of query rows and the keys each sees, before `normalise`: q (B, H, R, hd), k (B, H, n_keys,
+        hd) -> (s (B, H, R, n_keys), seen ((B,) (H,) R, n_keys)). Only an op whose map is `normalise` of them (one
+        that keeps this class's `probs`) has them (`sinklab.model.hooked`: blocks.{i}.attn.hook_attn_scores)."""
         seen = layout.mask(rows)  # ((H,) R, n_keys)
         s = (q @ k.transpose(-1, -2)) * scale  # (B, H, R, n_keys)
         bias = layout.bias(rows)
@@ -108,7 +115,7 @@ class AttentionOp(Component, torch.nn.Module):
             s = s + bias.to(s.dtype)
         if layout.selector is not None:  # a sparsity's choice among the visible keys (B, H, R, n_keys)
             seen = layout.selector.keep(q, k, s, seen, layout.n_slots, rows)
-        return self.normalise(s, seen)
+        return s, seen
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Layout, rows: torch.Tensor,
                scale: float, extra: dict[str, torch.Tensor]) -> torch.Tensor:
