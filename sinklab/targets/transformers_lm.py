@@ -597,6 +597,9 @@ class SinklabExportTarget(TransformersTarget):
     def recorder(self):
         return self.native.recorder()
 
+    def hook_sites(self) -> dict:  # every TransformerLens name of the wrapped sinklab model, not transformers' subset
+        return self.native.hook_sites()
+
     def masked(self, mask):
         return self.native.masked(mask)
 

@@ -113,6 +113,15 @@ def test_measure_of_the_remote_code_export_equals_measure_of_the_run(tmp_path, c
     for key in ("alpha", "sink", "sink_by_eps", "gates", "massive", "entropy"):
         assert key in ours and theirs[key] == ours[key], key
     assert {k for k in ours if k not in ("target", "source", "seconds")} <= set(theirs)
+    # the export answers to every TransformerLens name of the sinklab model it wraps, with the checkpoint's values
+    from sinklab.targets import TargetSpec, load_target
+
+    tokens = torch.randint(0, SMALL["vocab_size"], (2, 12))
+    native, exported = (load_target(TargetSpec(name, source)) for name, source in ((str(ckpt), "sinklab"),
+                                                                                  (str(out), "hf")))
+    want, got = (t.run_with_cache(tokens, prepend_bos=False)[1] for t in (native, exported))
+    assert "blocks.1.attn.hook_z" in got and "blocks.0.attn.hook_pattern" in got and sorted(got) == sorted(want)
+    assert all(torch.allclose(got[name], want[name], atol=1e-6) for name in want)
 
     (out / "modeling_sinklab.py").write_text((out / "modeling_sinklab.py").read_text() + "\n# edited\n")
     rc, _, err = run_cli("sinklab", "measure", "--hf-model", str(out), *args, capsys=capsys)
