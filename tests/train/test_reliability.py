@@ -566,6 +566,8 @@ def test_lightnings_slurm_requeue_is_off(corpus, tmp_path):
     assert not (tmp_path / "checkpoints" / "last.ckpt").exists()  # the first periodic one is due at step 4
 
 
+@pytest.mark.slow
+@pytest.mark.ci  # in CI's ci tier: its reference training is the default suite's only one (issue 35)
 def test_ckpt_path_auto_takes_the_latest_checkpoint(reference, tmp_path, monkeypatch):
     """ckpt_path=auto: none -> a fresh start; else the checkpoint with the most steps among checkpoints/last.ckpt
     and Lightning's SLURM requeue checkpoints hpc_ckpt_N.ckpt (an unreadable one is never preferred). Under SLURM
