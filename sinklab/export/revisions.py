@@ -27,10 +27,11 @@ import tempfile
 from pathlib import Path
 
 from sinklab.errors import UserError
+from sinklab.runs.checkpoints import KEPT_DIR
 from sinklab.runs.run_data import is_run_dir
 from sinklab.targets.hub_models import PROGRESS_FILE, git
 
-from .llama import export, new_out_dir
+from .llama import export, new_out_dir, tokenizer_file
 
 FLAG = "--revisions"
 # who commits: set on each command, so that a machine without a git identity (CI) commits too; no signing, no hooks
@@ -68,10 +69,12 @@ def export_revisions(run: str, out_dir: str, log=print, **options) -> dict:
         raise UserError(f"CKPT {run}: {FLAG} exports a run's kept checkpoints; pass a training run dir (with "
                         ".hydra/config.yaml), not a checkpoint file")
     out = new_out_dir(out_dir)
+    if options.get("tokenizer") is not None:
+        tokenizer_file(options["tokenizer"])  # before a checkpoint is read
+    git(Path.cwd(), "--version", flag=FLAG)  # git on PATH, before anything is read or written
     points = run_series(run).points
-    git(Path.cwd(), "--version", flag=FLAG)  # git on PATH, before anything is written
     run_dir = Path(run)
-    if not any(Path(p.name).parent.name == "kept" for p in points):
+    if not any(Path(p.name).parent.name == KEPT_DIR for p in points):
         log(f"{FLAG}: {run} has no kept checkpoints (callbacks.checkpoint.keep); only last.ckpt is exported: main"
             + (f" and its branch step{points[0].step}" if points[0].step is not None else ""))
     branches = [f"step{p.step}" for p in points if p.step is not None]
