@@ -56,7 +56,7 @@ def resolve_model(name_or_dir: Union[str, Path], revision: Optional[str] = None)
     return snapshot(str(name_or_dir), revision)
 
 
-# ------------------------------------------------------------------------------------------------ local git repositories
+# ------------------------------------------------------------------------------------ local git repositories
 def git(repo: Path, *args: str, flag: str, check: bool = True, **kwargs) -> subprocess.CompletedProcess:
     """`git -C repo ARGS` (output captured as bytes), with git's redirecting environment variables removed;
     git missing from PATH is one line naming `flag`, the option that needs it; with `check`, a failure is one line
@@ -65,7 +65,8 @@ def git(repo: Path, *args: str, flag: str, check: bool = True, **kwargs) -> subp
     proc = subprocess.run(git_command(repo, *args, flag=flag), stderr=subprocess.PIPE, env=git_env(), **kwargs)
     if check and proc.returncode != 0:
         first = (proc.stderr.decode(errors="replace").strip().splitlines() or [""])[0][:200]
-        raise UserError(f"{flag}: git {args[0]} failed in {repo} ({first})")
+        command = next((a for a in args if not a.startswith("-") and "=" not in a), "")  # past the -c settings
+        raise UserError(f"{flag}: git {command} failed in {repo} ({first})")
     return proc
 
 
