@@ -93,17 +93,28 @@ def run_series(run_dir: str) -> Series:
     return Series(str(run_dir), "sinklab", points, run_dir=path)
 
 
-def hf_series(names: Sequence[str], revisions: Sequence[str], tokens_per_step: Optional[int]) -> Series:
+def hf_series(names: Sequence[str], revisions: Sequence[str], tokens_per_step: Optional[int],
+              recorded: Optional[Callable] = None) -> Series:
     """One model at several hub revisions (`--hf-model ID --revision R1 R2 ...`), or several local checkpoint dirs
-    of one training (`--hf-model DIR1 DIR2 ...`), in the order given; step and tokens parsed from the names."""
+    of one training (`--hf-model DIR1 DIR2 ...`), in the order given; step and tokens parsed from the names, what
+    they do not say taken from `recorded(name, revision) -> (step, tokens)` where given (what a local export
+    records: `sinklab.targets.hub_models.recorded_progress`, which also refuses an unknown local revision)."""
     if revisions and len(names) > 1:
         raise UserError(f"--revision {' '.join(revisions)} follows {len(names)} models ({' '.join(names)}); give "
                         "one --hf-model ID per --revision list, e.g. --hf-model A --revision r1 r2 --hf-model B ...")
+
+    def placed(name: str, revision: Optional[str], per_step: Optional[int]) -> tuple[Optional[int], Optional[int]]:
+        step, tokens = parse_revision(revision or name, per_step)
+        if recorded is not None and (step is None or tokens is None):
+            known_step, known_tokens = recorded(name, revision)
+            step, tokens = (step if step is not None else known_step), (tokens if tokens is not None else known_tokens)
+        return step, tokens
+
     if revisions:
         per_step = tokens_per_step or known_tokens_per_step(names[0])
-        points = [Point(rev, *parse_revision(rev, per_step), name=names[0], revision=rev) for rev in revisions]
+        points = [Point(rev, *placed(names[0], rev, per_step), name=names[0], revision=rev) for rev in revisions]
         return Series(names[0], "hf", points)
-    points = [Point(name, *parse_revision(name, tokens_per_step), name=name) for name in names]
+    points = [Point(name, *placed(name, None, tokens_per_step), name=name) for name in names]
     label = names[0] if len(names) == 1 else f"{Path(names[0]).parent.name or names[0]} ({len(names)} dirs)"
     return Series(label, "hf", points)
 

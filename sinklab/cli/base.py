@@ -71,7 +71,8 @@ def add_hf_args(parser: argparse.ArgumentParser) -> None:
     from sinklab.targets.hub_models import DTYPES
 
     parser.add_argument("--revision", default=None,
-                        help="with a hub id: its branch, tag or commit (default main; e.g. step1000 of Pythia)")
+                        help="with a hub id, or a local git repository (export-hf --revisions): its branch, tag or "
+                             "commit (default main; e.g. step1000 of Pythia)")
     parser.add_argument("--dtype", choices=DTYPES, default="auto",
                         help="the --hf-model's weights and activations: auto (bfloat16 on CUDA, float32 on the "
                              "CPU), float32, bfloat16, float16")

@@ -2,6 +2,8 @@
 where LLaMA can represent the config, else `SinklabForCausalLM` as remote code (`sinklab.export.llama`, whose
 docstring says what is exported and checked). Bad input (a plugin's component that nothing could import, among
 others) is one line on stderr and exit code 2; an export whose logits disagree with the checkpoint's, exit code 1.
+`--revisions` exports every checkpoint a run kept as the branches step<N> of one local git repository
+(`sinklab.export.revisions`), which `sinklab trajectory --hf-model OUT_DIR --revision step<N> ...` reads.
 """
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from typing import Optional, Sequence
 from sinklab.cli.base import OneLineParser
 from sinklab.errors import UserError
 from sinklab.export.llama import DTYPES, ParityError, export
+from sinklab.export.revisions import export_revisions
 
 PROG = "sinklab export-hf"
 
@@ -27,10 +30,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     help="skip loading the export back and comparing logits with the sinklab model")
     ap.add_argument("--tokenizer", default=None, help="a tokenizer.json (or a dir holding one) to export with it")
     ap.add_argument("--no-tokenizer", action="store_true", help="do not look for the run's tokenizer")
+    ap.add_argument("--revisions", action="store_true",
+                    help="CKPT is a run dir: write each checkpoint it kept (and last.ckpt) as a branch step<N> of "
+                         "OUT_DIR, a git repository whose main is the newest (needs git)")
     args = ap.parse_args(argv)
+    options = dict(dtype=args.dtype, check=not args.no_check, tokenizer=args.tokenizer,
+                   with_tokenizer=not args.no_tokenizer)
     try:
-        export(args.ckpt, args.out_dir, dtype=args.dtype, check=not args.no_check, tokenizer=args.tokenizer,
-               with_tokenizer=not args.no_tokenizer)
+        if args.revisions:
+            export_revisions(args.ckpt, args.out_dir, **options)
+        else:
+            export(args.ckpt, args.out_dir, **options)
     except UserError as err:
         print(f"{PROG}: error: {err}", file=sys.stderr)
         return 2

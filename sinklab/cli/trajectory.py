@@ -8,8 +8,10 @@ revisions, into one CSV keyed by step and tokens seen, and a plot of chosen metr
 A run's points are its kept checkpoints (callbacks.checkpoint.keep: checkpoints/kept/step<S>-tokens<N>.ckpt) and
 last.ckpt, measured on the run's probe set (or --input / --tokens); a model's points are its revisions or dirs in
 the order given, step and tokens parsed from names like `step143000` or `stage1-step1000-tokens4B` (Pythia's
-tokens per step are known; else --tokens-per-step), measured on --text (through the model's tokenizer, loaded once),
---input random|repeat or --tokens. Each series reads its input once. RUN_DIRs go before --hf-model.
+tokens per step are known; else --tokens-per-step, or what a local export records in trainer_state.json), measured
+on --text (through the model's tokenizer, loaded once), --input random|repeat or --tokens. Each series reads its
+input once. RUN_DIRs go before --hf-model. A local git repository takes --revision too: `sinklab export-hf RUN DIR
+--revisions` writes a run's kept checkpoints as its branches step<N>, read with --hf-model DIR --revision step<N> ...
 
 The CSV has one row per checkpoint: series, checkpoint, step, tokens, input, seconds (load + measure), then every
 value the metrics log (the names of metrics.csv: sink/sink1, act/attn_entropy, act/layer0/..., ...). --metrics
@@ -31,7 +33,7 @@ from typing import Optional, Sequence
 
 from sinklab.cli.base import OneLineParser, add_device_json_args, check_files, command_main, pick_device
 from sinklab.errors import UserError
-from sinklab.targets.hub_models import DTYPES, pick_dtype
+from sinklab.targets.hub_models import DTYPES, pick_dtype, recorded_progress
 from sinklab.analysis.probe_inputs import INPUTS, InputSpec, check_thresholds, positive
 
 PROG = "sinklab trajectory"
@@ -61,7 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="a transformers model (hub id with --revision), or several local checkpoint dirs of one "
                          "training; repeat for more models")
     ap.add_argument("--revision", nargs="+", metavar="REV", action=_Revisions, default=None,
-                    help="the hub revisions of the --hf-model before it (branches, tags or commits), e.g. step1000")
+                    help="the revisions of the --hf-model before it (branches, tags or commits of a hub id, or of a "
+                         "local git repository written by export-hf --revisions), e.g. step1000")
     ap.add_argument("--tokens-per-step", type=int, default=None,
                     help="tokens seen per step, for revisions named by step only (Pythia's 2,097,152 is known)")
     ap.add_argument("--metrics", nargs="+", default=["sink/sink1"], metavar="NAME",
@@ -134,7 +137,8 @@ def run(args) -> dict:
     keys = metric_keys(args.metrics)
     check_files(("--tokens", args.tokens), ("--text", args.text))  # before any checkpoint is read
     series = [tj.run_series(r) for r in args.runs]
-    series += [tj.hf_series(names, revs, args.tokens_per_step) for names, revs in args.hf_groups or []]
+    series += [tj.hf_series(names, revs, args.tokens_per_step, recorded_progress)
+               for names, revs in args.hf_groups or []]
     tj.unique_labels(series)
     device = pick_device(args.device)
     args.dtype = pick_dtype(args.dtype, device)

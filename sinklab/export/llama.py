@@ -159,6 +159,14 @@ def save_tokenizer(tok, out_dir: Path, transformers) -> Optional[int]:
 
 
 # ------------------------------------------------------------------------------------------------ export
+def new_out_dir(out_dir: str) -> Path:
+    """OUT_DIR, which must not exist or be an empty directory (an export never writes over files)."""
+    out = Path(out_dir)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise UserError(f"OUT_DIR {out_dir}: exists and is not an empty directory; choose a new one")
+    return out
+
+
 def export(ckpt_path: str, out_dir: str, dtype: str = "float32", check: bool = True,
            tokenizer: Optional[str] = None, with_tokenizer: bool = True, log=print) -> dict:
     """Write OUT_DIR; returns {"out_dir", "architecture", "max_abs_diff" (None without check), "tokenizer"}."""
@@ -170,9 +178,7 @@ def export(ckpt_path: str, out_dir: str, dtype: str = "float32", check: bool = T
         raise UserError(f"CKPT {ckpt_path}: no such checkpoint or run dir")
     if dtype not in DTYPES:
         raise UserError(f"--dtype {dtype}: allowed: {', '.join(DTYPES)}")
-    out = Path(out_dir)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise UserError(f"OUT_DIR {out_dir}: exists and is not an empty directory; choose a new one")
+    out = new_out_dir(out_dir)
     if tokenizer is not None:
         tokenizer_file(tokenizer)  # before the checkpoint is read
     ckpt_file = find_checkpoint(ckpt_path)

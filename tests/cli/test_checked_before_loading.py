@@ -93,6 +93,10 @@ CASES = [
     (["export-hf", "RUN", "FULL"], "OUT_DIR", "exists and is not an empty directory", ["export-hf", "RUN", "OUT"]),
     (["export-hf", "RUN", "OUT", "--tokenizer", "TXT"], "--tokenizer", "no tokenizer.json there",
      ["export-hf", "RUN", "OUT"]),
+    (["export-hf", "RUN", "FULL", "--revisions"], "OUT_DIR", "exists and is not an empty directory",
+     ["export-hf", "RUN", "OUT", "--revisions"]),
+    (["export-hf", "RUN", "OUT", "--revisions", "--tokenizer", "TXT"], "--tokenizer", "no tokenizer.json there",
+     ["export-hf", "RUN", "OUT", "--revisions"]),
 ]
 
 

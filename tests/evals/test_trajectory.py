@@ -4,6 +4,7 @@ maps, revision names, the README's commands and one-line errors."""
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -192,7 +193,8 @@ def test_pythia_revisions_are_placed_by_its_tokens_per_step():
 # ------------------------------------------------------------------------------------------------ README, errors
 def test_readme_trajectory_commands(trained_run, capsys, tmp_path, monkeypatch):
     """The README's `sinklab trajectory` lines: on local runs they run (runs/a and runs/b: the trained run); a hub
-    model's line is parsed and its revisions placed (no network here)."""
+    model's line is parsed and its revisions placed (no network here); the line reading an export's revisions
+    (hf/a) is run by the next test."""
     monkeypatch.chdir(tmp_path)
     commands = readme_cli_lines("sinklab trajectory", {"runs/a": trained_run, "runs/b": trained_run})
     assert len(commands) >= 3
@@ -202,6 +204,8 @@ def test_readme_trajectory_commands(trained_run, capsys, tmp_path, monkeypatch):
         metric_keys(args.metrics)
         if args.hf_groups:
             (names, revisions), = args.hf_groups
+            if names == ["hf/a"]:
+                continue
             assert names == ["EleutherAI/pythia-160m"] and len(revisions) >= 4
             assert all(p.tokens == p.step * 2_097_152 for p in hf_series(names, revisions, None).points)
             continue
@@ -209,6 +213,52 @@ def test_readme_trajectory_commands(trained_run, capsys, tmp_path, monkeypatch):
         assert rc == 0, (argv, err)
         assert args.csv.is_file() and args.plot.is_file() and "measured" in out
         assert len(pd.read_csv(args.csv)) == 7 * len(args.runs)
+
+
+def test_the_readme_revisions_export_is_measured_as_the_run(trained_run, capsys, tmp_path, monkeypatch):
+    """The README's `sinklab export-hf runs/a hf/a --revisions`: the trained run's kept checkpoints and last.ckpt as
+    branches step<N> of one git repository, main at last.ckpt's, each branch's weights (transformers'
+    LlamaForCausalLM from a checkout) its checkpoint's; and its `sinklab trajectory --hf-model hf/a --revision ...`
+    line gives each step the step, tokens and values that `sinklab trajectory runs/a` gives on the same input."""
+    transformers = pytest.importorskip("transformers")
+    from sinklab.export.llama import llama_state_dict
+    from tests.helpers import git_checkout
+
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "hf_a"
+    paths = {"runs/a": trained_run, "hf/a": out}
+    (export_line,) = readme_cli_lines("sinklab export-hf runs/a hf/a --revisions", paths)
+    rc, printed, err = run_cli("sinklab", *export_line, capsys=capsys)
+    assert rc == 0, err
+    assert "(LlamaForCausalLM, 2 layers" in printed and "tokenizer: from " in printed
+    steps = [16, 29, 40, 51, 80, 90, 120]
+    git = ["git", "-C", str(out)]
+    refs = subprocess.run([*git, "for-each-ref", "--format=%(refname:short) %(objectname)", "refs/heads"],
+                          capture_output=True, text=True, check=True).stdout.split("\n")
+    refs = dict(line.split() for line in refs if line)
+    assert sorted(refs) == sorted(["main", *(f"step{s}" for s in steps)]) and refs["main"] == refs["step120"]
+    for step, ckpt in ((16, trained_run / "checkpoints" / "kept" / "step0000016-tokens16384.ckpt"),
+                       (120, trained_run / "checkpoints" / "last.ckpt")):
+        d = git_checkout(out, f"step{step}", tmp_path / f"step{step}")
+        assert (d / "tokenizer.json").is_file() and (d / "README.md").is_file()
+        assert json.loads((d / "trainer_state.json").read_text()) == {"global_step": step,
+                                                                       "num_input_tokens_seen": step * TOKENS_PER_STEP}
+        hf = transformers.AutoModelForCausalLM.from_pretrained(str(d)).state_dict()
+        model = load_model(ckpt)
+        expected = llama_state_dict(model.state_dict(), model.cfg.n_layer)
+        assert hf.keys() == expected.keys() and all(torch.equal(hf[k], v) for k, v in expected.items()), step
+
+    (line,) = readme_cli_lines("sinklab trajectory --hf-model hf/a", paths)
+    metrics = ["--num-seqs", "10", "--metrics", "sink/sink1,sink/alpha1,entropy"]
+    theirs, _ = trajectory(capsys, tmp_path, *line[1:], *metrics)
+    ours, _ = trajectory(capsys, tmp_path, str(trained_run), "--input", "random", *metrics)
+    by_step = {p["step"]: p for p in ours["points"]}
+    assert [p["step"] for p in theirs["points"]] == [16, 29, 51, 90]
+    assert len({p["values"]["sink/alpha1"] for p in theirs["points"]}) == 4  # four models, four values
+    for p in theirs["points"]:
+        assert p["tokens"] == by_step[p["step"]]["tokens"] == p["step"] * TOKENS_PER_STEP
+        for key, value in by_step[p["step"]]["values"].items():
+            assert p["values"][key] == pytest.approx(value, rel=1e-5, abs=1e-6), (p["step"], key)
 
 
 @pytest.mark.parametrize("args,message", [

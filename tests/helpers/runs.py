@@ -126,3 +126,16 @@ def series(path: Path, key: str) -> dict[int, str]:
             assert step not in out, f"{key} logged twice at step {step} in {path}"
             out[step] = r[key]
     return out
+
+
+def git_checkout(repo: Path, revision: str, dest: Path) -> Path:
+    """The files of `revision` of the git repository `repo` in `dest`, through git itself (`git archive`), not
+    through sinklab's reader of local revisions."""
+    import io
+    import subprocess
+    import tarfile
+
+    tar = subprocess.run(["git", "-C", str(repo), "archive", revision], capture_output=True, check=True).stdout
+    with tarfile.open(fileobj=io.BytesIO(tar)) as archive:
+        archive.extractall(dest, filter="data")
+    return dest

@@ -14,7 +14,9 @@ import sinklab
 
 from sinklab.export.llama import unrepresentable
 from sinklab.model import ModelConfig, Transformer
-from tests.helpers import REPO, assert_one_line_error, natural_run, readme_cli_lines, run_cli, save_ckpt
+from sinklab.runs.checkpoints import TOKENS_SEEN
+from tests.helpers import (REPO, assert_one_line_error, git_checkout, natural_run, readme_cli_lines, run_cli,
+                           save_ckpt)
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "offline",
        "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
@@ -156,7 +158,7 @@ def test_the_readme_export_section_runs(tmp_path, capsys, monkeypatch):
         save_ckpt(random_model(vocab_size=len(tok), **overrides), run / "checkpoints" / "last.ckpt")
         runs[name] = run
     paths = {**runs, "hf_out": tmp_path / "hf_out", "hf_gated": tmp_path / "hf_gated"}
-    lines = readme_cli_lines("sinklab export-hf ", paths)
+    lines = [line for line in readme_cli_lines("sinklab export-hf ", paths) if "--revisions" not in line]
     assert [line[1:] for line in lines] == [[str(runs["runs/a"]), str(paths["hf_out"])],
                                             [str(runs["runs/g"]), str(paths["hf_gated"])]]
     for line in lines:
@@ -204,3 +206,118 @@ def test_loading_remote_code_without_sinklab_is_one_line(tmp_path, monkeypatch):
         transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), trust_remote_code=True)
     assert str(err.value) == ("this model's code (modeling_sinklab.py) runs sinklab's model: pip install "
                               f"sinklab=={sinklab.__version__}")
+
+
+# ------------------------------------------------------------------------------------------------ --revisions
+def kept_run(base, kept=(2, 4), last=6, **overrides):
+    """A run dir (its config has no data: --input random) with random models, each of its own seed, kept at the
+    steps `kept` (32 tokens per step) and in last.ckpt at step `last` (None: no last.ckpt): (run dir, {step: its
+    sinklab state dict})."""
+    run = base / "run"
+    (run / ".hydra").mkdir(parents=True)
+    (run / ".hydra" / "config.yaml").write_text("seed: 0\n")
+    states = {}
+    for i, step in enumerate([*kept, *([last] if last is not None else [])]):
+        torch.manual_seed(i)
+        model = Transformer(ModelConfig(**{**SMALL, **overrides})).eval()
+        is_last = step == last and i == len(kept)
+        path = save_ckpt(model, run / "checkpoints" / ("last.ckpt" if is_last else
+                                                       f"kept/step{step:07d}-tokens{32 * step}.ckpt"))
+        if is_last:
+            ckpt = torch.load(path, weights_only=True)
+            torch.save({**ckpt, "global_step": step, TOKENS_SEEN: 32 * step}, path)
+        states[step] = model.state_dict()
+    return run, states
+
+
+def git_out(repo, *args: str) -> str:
+    import subprocess
+
+    return subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, check=True).stdout.strip()
+
+
+def test_revisions_are_branches_of_one_repository_that_trajectory_reads(tmp_path, capsys):
+    """`sinklab export-hf RUN OUT --revisions` of a gated run (remote code) with checkpoints kept at steps 2 and 4
+    and last.ckpt at 6: a git repository with branches step2, step4, step6 and main at step6, each branch's weights
+    (loaded by transformers from a checkout) its checkpoint's; `sinklab trajectory --hf-model OUT --revision ...`
+    gives each step the values, step and tokens of `sinklab trajectory RUN`."""
+    transformers = pytest.importorskip("transformers")
+    run, states = kept_run(tmp_path, gate="headwise")
+    out = tmp_path / "hf"
+    rc, printed, err = run_cli("sinklab", "export-hf", str(run), str(out), "--revisions", "--no-tokenizer",
+                               capsys=capsys)
+    assert rc == 0, err
+    assert "SinklabForCausalLM as remote code" in printed and f"wrote {out} (" in printed
+    assert "step4: checkpoints/kept/step0000004-tokens128.ckpt, 128 tokens seen; check: max |logit diff" in printed
+    assert git_out(out, "for-each-ref", "--format=%(refname:short)", "refs/heads").split() == \
+        ["main", "step2", "step4", "step6"]
+    assert git_out(out, "rev-parse", "main") == git_out(out, "rev-parse", "step6") and \
+        git_out(out, "status", "--porcelain") == ""  # the work tree is main's
+    for step, state in states.items():
+        d = git_checkout(out, f"step{step}", tmp_path / f"step{step}")
+        assert sorted(p.name for p in d.iterdir()) == ["README.md", "config.json", "configuration_sinklab.py",
+                                                       "generation_config.json", "model.safetensors",
+                                                       "modeling_sinklab.py", "trainer_state.json"]
+        assert json.loads((d / "trainer_state.json").read_text()) == {"global_step": step,
+                                                                       "num_input_tokens_seen": 32 * step}
+        assert f"This revision is branch `step{step}`" in (d / "README.md").read_text()
+        hf = transformers.AutoModelForCausalLM.from_pretrained(str(d), trust_remote_code=True)
+        theirs = hf.model.state_dict()
+        assert theirs.keys() == state.keys()
+        assert all(torch.equal(theirs[k], v) for k, v in state.items()), step
+
+    def points(*args: str) -> list[dict]:
+        res = json.loads(run_cli("sinklab", "trajectory", *args, "--input", "random", "--num-seqs", "6",
+                                 "--metrics", "sink/sink1,sink/alpha1", "--csv", str(tmp_path / "t.csv"), "--plot",
+                                 str(tmp_path / "t.png"), "--json", capsys=capsys, check=True).stdout)
+        return [{k: p[k] for k in ("step", "tokens", "values")} for p in res["points"]]
+
+    theirs = points("--hf-model", str(out), "--revision", "step2", "step4", "main")
+    ours = points(str(run))
+    assert [p["step"] for p in theirs] == [2, 4, 6] and [p["tokens"] for p in theirs] == [64, 128, 192]
+    assert len({p["values"]["sink/alpha1"] for p in ours}) == 3  # three models, three values
+    for a, b in zip(theirs, ours):
+        assert (a["step"], a["tokens"]) == (b["step"], b["tokens"])
+        for key, value in b["values"].items():
+            assert a["values"][key] == pytest.approx(value, rel=1e-6, abs=1e-6), (a["step"], key)
+
+
+def test_revisions_bad_input_is_one_line(tmp_path, capsys, monkeypatch):
+    """A checkpoint file, an OUT_DIR with files, a revision the repository lacks, --revision of a directory that
+    is no git repository, git missing (to write and to read): one line each; a run without kept checkpoints
+    exports last.ckpt alone, as main and its step branch, and says so."""
+    run, _ = kept_run(tmp_path, kept=(), last=6)
+    out = tmp_path / "hf"
+    rc, printed, err = run_cli("sinklab", "export-hf", str(run), str(out), "--revisions", "--no-tokenizer",
+                               "--no-check", capsys=capsys)
+    assert rc == 0, err
+    assert (f"--revisions: {run} has no kept checkpoints (callbacks.checkpoint.keep); only last.ckpt is exported: "
+            "main and its branch step6") in printed
+    assert git_out(out, "branch", "--format=%(refname:short)").split() == ["main", "step6"]
+
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("x")
+    plain = tmp_path / "plain"
+    run_cli("sinklab", "export-hf", str(run), str(plain), "--no-tokenizer", "--no-check", capsys=capsys, check=True)
+    measure = ["--input", "random", "--num-seqs", "2", "--seq-len", "8"]
+    cases = [(["export-hf", str(run / "checkpoints" / "last.ckpt"), str(tmp_path / "o"), "--revisions"],
+              ["--revisions exports a run's kept checkpoints; pass a training run dir"]),
+             (["export-hf", str(run), str(tmp_path / "full"), "--revisions"],
+              [f"OUT_DIR {tmp_path / 'full'}: exists and is not an empty directory"]),
+             (["trajectory", "--hf-model", str(out), "--revision", "step6", "step5", *measure],
+              ["--revision step5: no such branch, tag or commit of --hf-model", "its branches: main, step6"]),
+             (["measure", "--hf-model", str(plain), "--revision", "step6", *measure],
+              ["--revision step6:", "is a local directory, not a git repository", "export-hf RUN DIR --revisions"])]
+    for args, named in cases:
+        rc, printed, err = run_cli("sinklab", *args, capsys=capsys)
+        assert rc == 2 and printed == "", (args, err)
+        assert_one_line_error(err, *named)
+    assert not (tmp_path / "o").exists()
+
+    monkeypatch.setenv("PATH", str(tmp_path / "no-git"))  # no git on PATH
+    for args, flag in ((["export-hf", str(run), str(tmp_path / "o2"), "--revisions"], "--revisions"),
+                       (["trajectory", "--hf-model", str(out), "--revision", "step6", *measure], "--revision step6")):
+        rc, printed, err = run_cli("sinklab", *args, capsys=capsys)
+        assert rc == 2, (args, err)
+        assert_one_line_error(err, f"{flag}: needs git on PATH")
+    assert not (tmp_path / "o2").exists()
