@@ -123,27 +123,3 @@ def load(out: Path, transformers, dtype_kwargs):
     with quiet(transformers):
         return transformers.AutoModelForCausalLM.from_pretrained(
             str(out), trust_remote_code=True, local_files_only=True, **dtype_kwargs(transformers, torch.float32)).eval()
-
-
-def trusted(path: Path, where: str) -> bool:
-    """Whether transformers may run the remote code of the model dir `path`: only an export of this sinklab, whose
-    configuration_sinklab.py and modeling_sinklab.py are byte for byte the installed sinklab's own (so the code that
-    runs is code already installed here). An export whose files differ (another sinklab version, or edited) is
-    refused in one line; any other model is not trusted (transformers refuses remote code it was not allowed)."""
-    import json
-
-    try:
-        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return False
-    if not isinstance(config, dict) or config.get("model_type") != "sinklab" or "auto_map" not in config:
-        return False
-    here = Path(__file__).parent
-    if all((path / name).is_file() and (path / name).read_bytes() == (here / name).read_bytes() for name in CODE):
-        return True
-    raise UserError(f"{where}: its remote code ({', '.join(CODE)}) is not this sinklab's {sinklab.__version__} (the "
-                    f"export was written by sinklab {config.get('sinklab_version')}); export the run again with this "
-                    f"sinklab (sinklab export-hf), or load it yourself with trust_remote_code=True")
-
-
-CODE = ("configuration_sinklab.py", "modeling_sinklab.py")  # the files an export's auto_map names

@@ -28,6 +28,7 @@ import subprocess
 from pathlib import Path
 from typing import Optional, Union
 
+from sinklab import __version__
 from sinklab.errors import UserError
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -236,3 +237,26 @@ def pick_dtype(name: Union[str, "torch.dtype"], device) -> "torch.dtype":  # noq
     if name not in DTYPES:
         raise UserError(f"--dtype {name}: allowed: {', '.join(DTYPES)}")
     return getattr(torch, name)
+
+
+# the files an export's auto_map names (sinklab/export/: configuration and modeling of `SinklabForCausalLM`)
+REMOTE_CODE = ("configuration_sinklab.py", "modeling_sinklab.py")
+
+
+def trusted(path: Path, where: str) -> bool:
+    """Whether transformers may run the remote code of the model dir `path`: only an export of this sinklab, whose
+    configuration_sinklab.py and modeling_sinklab.py are byte for byte the installed sinklab's own (so the code that
+    runs is code already installed here). An export whose files differ (another sinklab version, or edited) is
+    refused in one line; any other model is not trusted (transformers refuses remote code it was not allowed)."""
+    try:
+        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    if not isinstance(config, dict) or config.get("model_type") != "sinklab" or "auto_map" not in config:
+        return False
+    here = Path(__file__).parents[1] / "export"  # the installed sinklab's own files (not imported here)
+    if all((path / name).is_file() and (path / name).read_bytes() == (here / name).read_bytes() for name in REMOTE_CODE):
+        return True
+    raise UserError(f"{where}: its remote code ({', '.join(REMOTE_CODE)}) is not this sinklab's {__version__} (the "
+                    f"export was written by sinklab {config.get('sinklab_version')}); export the run again with this "
+                    f"sinklab (sinklab export-hf), or load it yourself with trust_remote_code=True")

@@ -51,10 +51,10 @@ def load_hf_model(name_or_dir: Union[str, Path], device: Union[str, torch.device
     """A causal LM -> the model in eval mode on `device` in `dtype` (a torch dtype or a `--dtype` name) with the
     eager attention kernel (maps available). `name_or_dir`: a local dir written by save_pretrained, or a hub id at
     `revision` (`sinklab.targets.hub_models.resolve_model`: huggingface_hub's cache, read offline with HF_HUB_OFFLINE=1).
-    Remote code runs only for a sinklab export whose code files are this sinklab's own (`sinklab.export.remote.trusted`)."""
+    Remote code runs only for a sinklab export whose code files are this sinklab's own (`sinklab.targets.hub_models.trusted`)."""
     from sinklab.targets.hub_models import pick_dtype, resolve_model
 
-    from sinklab.export.remote import trusted
+    from sinklab.targets.hub_models import trusted
 
     transformers = require_transformers()
     path = resolve_model(name_or_dir, revision)
@@ -76,7 +76,7 @@ def load_hf_tokenizer(name_or_dir: Union[str, Path], revision: Optional[str] = N
     """The tokenizer saved beside the model (`load_hf_model`'s dir or snapshot), or a one-line UserError."""
     from sinklab.targets.hub_models import resolve_model
 
-    from sinklab.export.remote import trusted
+    from sinklab.targets.hub_models import trusted
 
     transformers = require_transformers()
     path = resolve_model(name_or_dir, revision)
