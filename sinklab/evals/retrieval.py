@@ -173,9 +173,9 @@ class Recording(Dense):
 
 
 @torch.no_grad()
-def head_scores(target: Target, samples: Sequence, first: int = 4, recent: int = 16) -> list[dict]:
-    """Per (layer, kv head), averaged over the samples read densely in one forward each (maps averaged over a GQA
-    group's query heads):
+def head_scores(target: Target, samples: Sequence, first: int = 4, recent: int = 16, batch: int = 16) -> list[dict]:
+    """Per (layer, kv head), averaged over the samples read densely (samples of one length `batch` to a forward;
+    maps averaged over a GQA group's query heads):
     - alpha_1: the attention on the first text token, averaged over every query (the sink metric's alpha_1);
     - retrieval: the attention the queries that predict an answer token put on the key's tokens (`key_positions`):
       how much the head reads what the question asks for (a retrieval head);
@@ -183,26 +183,32 @@ def head_scores(target: Target, samples: Sequence, first: int = 4, recent: int =
       query: what the head loses when it becomes a streaming head (DuoAttention's concern, measured on the fly).
     "Are sink heads the streaming heads?" is alpha_1 against retrieval."""
     sums: dict[tuple[int, int], np.ndarray] = {}
+    by_length: dict[int, list] = {}
     for sample in samples:
+        by_length.setdefault(len(sample.tokens), []).append(sample)
+    chunks = [group[i:i + batch] for group in by_length.values() for i in range(0, len(group), batch)]
+    for chunk in chunks:
         policy = Recording()
         dec = target.decoder(policy)
-        tokens = torch.as_tensor(sample.tokens, device=target.device)[None]
+        tokens = torch.as_tensor(np.stack([s.tokens for s in chunk]), device=target.device)  # (B, L)
         dec(tokens[:, :-1])
-        keys = torch.as_tensor(key_positions(sample), device=tokens.device)
-        rows = torch.as_tensor(np.flatnonzero(sample.answer) - 1, device=tokens.device)  # queries predicting answers
+        T = tokens.shape[1] - 1
+        q = torch.arange(T, device=tokens.device)[:, None]
+        k = torch.arange(T, device=tokens.device)[None, :]
+        outside = ((k >= first) & (k < q - recent + 1)).float()  # (T, T) keys a streaming head drops
         for layer, state in enumerate(policy.layers):
-            maps = state["maps"][0][0]  # (Hkv, T, T), summed over each group's query heads
-            group = target_group(target, maps.shape[0])
-            T = maps.shape[-1]
-            q = torch.arange(T, device=maps.device)[:, None]
-            k = torch.arange(T, device=maps.device)[None, :]
-            outside = ((k >= first) & (k < q - recent + 1)).float()  # (T, T) keys a streaming head drops
-            values = torch.stack([maps[:, :, 0].mean(-1),
-                                  maps[:, rows][:, :, keys].sum(-1).mean(-1) if len(keys) and len(rows)
-                                  else maps.new_zeros(maps.shape[0]),
-                                  (maps * outside).sum(-1).mean(-1)], dim=-1) / group  # (Hkv, 3)
-            for h, row in enumerate(values.cpu().numpy()):
-                sums[layer, h] = sums.get((layer, h), 0) + row
+            maps = state["maps"][0]  # (B, Hkv, T, T), summed over each group's query heads
+            group = target_group(target, maps.shape[1])
+            first_share = maps[..., 0].mean(-1)  # (B, Hkv)
+            lost = (maps * outside).sum(-1).mean(-1)  # (B, Hkv)
+            for b, sample in enumerate(chunk):
+                keys = torch.as_tensor(key_positions(sample), device=tokens.device)
+                rows = torch.as_tensor(np.flatnonzero(sample.answer) - 1, device=tokens.device)  # answers' queries
+                read = (maps[b][:, rows][:, :, keys].sum(-1).mean(-1) if len(keys) and len(rows)
+                        else maps.new_zeros(maps.shape[1]))  # (Hkv,)
+                values = torch.stack([first_share[b], read, lost[b]], dim=-1) / group  # (Hkv, 3)
+                for h, row in enumerate(values.cpu().numpy()):
+                    sums[layer, h] = sums.get((layer, h), 0) + row
     return [{"layer": layer, "head": h, "alpha_1": float(v[0] / len(samples)), "retrieval": float(v[1] / len(samples)),
              "streaming": float(v[2] / len(samples))} for (layer, h), v in sorted(sums.items())]
 

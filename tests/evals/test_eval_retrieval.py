@@ -91,6 +91,11 @@ def test_head_scores_read_the_maps_of_every_layer_and_head(passkey_run):
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
     for h in heads:
         assert 0.0 <= h["retrieval"] <= 1.0 and 0.0 <= h["streaming"] <= 1.0
+    one_at_a_time = rv.head_scores(target, samples, batch=1)  # the same, sample by sample
+    for got_head, want_head in zip(heads, one_at_a_time):
+        assert got_head.keys() == want_head.keys()
+        assert all(got_head[k] == pytest.approx(want_head[k], abs=1e-6) for k in got_head)
+    assert max(h["retrieval"] for h in heads) > 0.05  # some head reads the key: the per-sample rows and keys count
 
 
 @pytest.mark.slow
