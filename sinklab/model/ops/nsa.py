@@ -175,9 +175,15 @@ class NativeSparseAttention(AttentionOp):
         P, device = layout.n_key_pos, extra["k_cmp"].device
         nb = max(0, (P - self.block) // self.stride + 1)
         blocks = (torch.arange(nb, device=device) * self.stride)[:, None] + torch.arange(self.block, device=device)
+        m = self.block // self.stride  # strides per block
 
-        def windows(t: torch.Tensor) -> torch.Tensor:  # (B, Hkv, P, hd) -> (B, Hkv, nb, l, hd), a view where nb > 0
-            return t.unfold(2, self.block, self.stride).transpose(-1, -2) if nb else t[:, :, blocks]
+        def windows(t: torch.Tensor) -> torch.Tensor:
+            """(B, Hkv, P, hd) -> (B, Hkv, nb, l, hd): block i is the strides i .. i + m - 1, so the blocks are m
+            shifted views of the strides, stacked (t[:, :, blocks] alike, with a cheaper backward)."""
+            if not nb:  # fewer than l positions: no complete block
+                return t[:, :, blocks]
+            strides = t[:, :, :(nb + m - 1) * self.stride].unflatten(2, (-1, self.stride))  # (B, Hkv, nb+m-1, d, hd)
+            return torch.stack([strides[:, :, j:j + nb] for j in range(m)], 3).flatten(3, 4)
 
         kc = self.compress_k(windows(extra["k_cmp"]))  # (B, Hkv, nb, l, hd) -> (B, Hkv, nb, hd)
         vc = self.compress_v(windows(extra["v_cmp"]))
