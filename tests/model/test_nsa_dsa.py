@@ -146,12 +146,13 @@ def nsa_by_the_masks(op, q, k, v, layout, rows, scale, extra):
 
 @pytest.mark.parametrize("knobs, restrict", [
     ({}, None), ({"n_kv_head": 2, "nsa_force_local": 1}, None), ({"attn_bias": "k"}, None),
-    ({"pos": "alibi", "nsa_slc_block": 4, "nsa_force_initial": False}, None), ({"window": 20}, None),
+    ({"pos": "alibi", "nsa_slc_block": 4, "nsa_force_initial": False}, None), ({"pos": "relative"}, None),
+    ({"window": 20}, None),
     ({"prefix_len": 6}, None),
     # key 0 hidden: row 0 sees nothing in any branch; per-head masks: a head may see none of the chosen tokens
     ({}, ("hidden_key", lambda b, h, q, kv: kv != 0, None)),
     ({"nsa_force_local": 0}, ("per_head", lambda b, h, q, kv: (h + kv) % 3 != 0, 4))],
-    ids=["default", "gqa", "k_slot", "alibi", "window", "prefix", "hidden_key", "per_head"])
+    ids=["default", "gqa", "k_slot", "alibi", "relative", "window", "prefix", "hidden_key", "per_head"])
 def test_nsa_output_and_gradients_equal_the_masked_formula(knobs, restrict):
     """The op's output for every row, and for a chunk of rows, and the gradients of every input and parameter,
     equal the masked formula's to float32 rounding."""
@@ -161,7 +162,7 @@ def test_nsa_output_and_gradients_equal_the_masked_formula(knobs, restrict):
     if restrict is not None:
         layout = layout.restricted(restrict[0], restrict[1], heads=restrict[2])
     inputs = [t.clone().requires_grad_() for t in (got["q"], got["k"], got["v"], *got["extra"].values())]
-    params = list(attn.op.parameters())
+    params = [*attn.op.parameters(), *layout.bias_params]  # a learned relative bias table takes its gradient
     for rows in (layout.rows(), layout.rows(40, 64)):
         outs = []
         for f in (attn.op.attend, partial(nsa_by_the_masks, attn.op)):

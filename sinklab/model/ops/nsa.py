@@ -36,7 +36,11 @@ Decided here (the paper leaves it open, or this framework asks it):
   + g^slc + g^win, not one, so the sink metric also reports the renormalised Sink*. `branch_maps` gives the three
   maps ungated, `gates` the gates of query rows, and `hook_gate` sees every forward's gates (B, H, N, 3).
 - Compressed keys are computed per row chunk from the per-token ones (kept in a KV cache, dense only, with the
-  window's keys and values); no fused kernel: every forward runs the explicit row chunks.
+  window's keys and values); no fused kernel: every forward runs the explicit row chunks. Each branch's logits
+  take its mask (0 / -inf) and bias in the batched matmul that makes them, so the map is a plain softmax (a hidden
+  key's weight an exact 0) and no (B, H, R, n_keys) mask is applied to it or its gradient; the selected branch's
+  chosen blocks are added per block. The maps and gradients equal the masked formula's to float32 rounding
+  (tests/model/test_nsa_dsa.py); docs/performance.md has the training step's speed.
 """
 from __future__ import annotations
 
@@ -213,22 +217,24 @@ class NativeSparseAttention(AttentionOp):
         seen = layout.mask(rows)  # (R, n_keys), or (H, R, n_keys) with per-head masks
         bias = layout.bias(rows)  # (H, R, n_keys) or None
         seen_pos = seen[..., S0:]  # (.., R, P): the key positions, without the bias slots
+        # what the token logits add: 0 where the query sees the key, -inf where not, plus the bias ((H,) R, n_keys)
         hidden = torch.zeros(seen.shape, dtype=q.dtype, device=q.device).masked_fill_(~seen, float("-inf"))
         if bias is not None:
-            hidden = hidden + bias.to(q.dtype)  # (H, R, n_keys): what the logits add, the bias and the mask
+            hidden = hidden + bias.to(q.dtype)
 
         # compressed: the blocks all of whose tokens the query sees (causally: i d + l - 1 <= t)
         kc, vc, blocks = self.compressed(extra, layout)
         complete = seen_pos[..., blocks].all(-1)  # seen_pos[..., blocks]: (.., R, nb, l) -> (.., R, nb)
-        ends = hidden[..., S0 + blocks[:, -1]]  # (.., R, nb): the bias at each block's last position
-        a_cmp = sparse_softmax(logits(q, self.group(kc), scale, ends.masked_fill(~complete, float("-inf"))),
+        ends = hidden[..., S0 + blocks[:, -1]]  # (.., R, nb): the bias (and mask) at each block's last position
+        a_cmp = sparse_softmax(masked_logits(q, self.group(kc), scale, ends.masked_fill(~complete, float("-inf"))),
                                ~complete.any(-1))
 
         # selected: the tokens of the chosen blocks (and the bias slots), through the layer's keys
         chosen = self.group(self.select(a_cmp, rows, seen_pos))  # (B, H, R, n_slc)
         drop = torch.zeros(chosen.shape, dtype=q.dtype, device=q.device).masked_fill_(~chosen, float("-inf"))
-        s = logits(q, k, scale, hidden)  # (B, H, R, n_slots + P)
-        if S0 == 0 and P % ls == 0:  # (B, H, R, n_slc, l') + (B, H, R, n_slc, 1): no (B, H, R, P) mask
+        # the logits of the blocks not chosen -inf, by blocks where the positions fill whole blocks
+        s = masked_logits(q, k, scale, hidden)  # (B, H, R, n_slots + P)
+        if S0 == 0 and P % ls == 0:  # (B, H, R, n_slc, l') + (B, H, R, n_slc, 1): no (B, H, R, P) mask built
             s = (s.unflatten(-1, (-1, ls)) + drop[..., None]).flatten(-2)
         else:  # a partial last block (decoding) or bias slots (always kept)
             drop = drop[..., None].expand(*chosen.shape, ls).flatten(-2)[..., :P]  # (B, H, R, n_slc) -> (.., P)
@@ -239,9 +245,8 @@ class NativeSparseAttention(AttentionOp):
 
         # window: the last w positions, through the window's own keys
         near = (rows[:, None] - torch.arange(P, device=q.device)) < self.window  # (R, P)
-        in_win = seen_pos & near  # (.., R, P)
-        a_win = sparse_softmax(logits(q, self.group(extra["k_win"]), scale,
-                                      hidden[..., S0:].masked_fill(~near, float("-inf"))), ~in_win.any(-1))
+        s = masked_logits(q, self.group(extra["k_win"]), scale, hidden[..., S0:].masked_fill(~near, float("-inf")))
+        a_win = sparse_softmax(s, ~(seen_pos & near).any(-1))  # (B, H, R, P); empty: (.., R)
         return Branches(a_cmp, self.group(vc), blocks, a_slc, a_win, self.gates(extra, rows))
 
     def select(self, a_cmp: torch.Tensor, rows: torch.Tensor, seen_pos: torch.Tensor) -> torch.Tensor:
@@ -310,7 +315,7 @@ class NativeSparseAttention(AttentionOp):
                 + g[..., 2:3] * (b.win @ self.group(extra["v_win"])))
 
 
-def logits(q: torch.Tensor, k: torch.Tensor, scale: float, add: torch.Tensor) -> torch.Tensor:
+def masked_logits(q: torch.Tensor, k: torch.Tensor, scale: float, add: torch.Tensor) -> torch.Tensor:
     """(q @ k^T) * scale + add in one batched matmul: q (B, H, R, hd), k (B, H, n, hd), add broadcast against
     (B, H, R, n) (a mask's 0 / -inf and a bias) -> (B, H, R, n)."""
     B, H, R, hd = q.shape
@@ -322,7 +327,8 @@ def logits(q: torch.Tensor, k: torch.Tensor, scale: float, add: torch.Tensor) ->
 
 def sparse_softmax(s: torch.Tensor, empty: torch.Tensor) -> torch.Tensor:
     """softmax of logits s (B, H, R, n) that are -inf where a key is hidden; the rows `empty` ((B,) (H,) R, bool:
-    those that see no key) zero, in the gradient too: masked_softmax's map, without its passes over the map.
+    those that see no key) zero, in the gradient too: masked_softmax's map, without its passes over the map (the
+    check for empty rows reads the small masks; on a GPU it is one host sync).
     On the CPU a last axis shorter than 16 is padded with -inf keys (weight 0) to 16: PyTorch's AVX-512 softmax
     takes a slow path below a vector of 16 floats (8x slower at n = 15, the preset's compressed blocks)."""
     gone = empty[..., None] if empty.any() else None  # (.., R, 1)
