@@ -128,6 +128,7 @@ class NativeSparseAttention(AttentionOp):
         self.compress_k, self.compress_v = BlockCompressor(self.block, hd), BlockCompressor(self.block, hd)
         self.gate_proj = nn.Linear(d, H * len(BRANCHES), bias=False)
         self.hook_gate = HookPoint()  # the gates (B, H, N, 3) of every forward
+        self.overlaps: dict[tuple, torch.Tensor] = {}  # Eq. 9's matrix by (nb, n_slc, device, dtype), built once
         self.rotates_in = partial(POSITIONS.selected(cfg).rotates, cfg)  # layer -> whether it takes RoPE
         self.rotates = self.rotates_in(0)
 
@@ -256,7 +257,10 @@ class NativeSparseAttention(AttentionOp):
         P, device = seen_pos.shape[-1], a_cmp.device
         n_slc = -(-P // self.slc_block)
         p = a_cmp.view(B, self.n_kv, H // self.n_kv, R, nb).sum(2)  # Eq. 10, a group's heads: (B, Hkv, R, nb)
-        p = p @ self.overlap(nb, n_slc, device).to(p.dtype)  # Eq. 9: (B, Hkv, R, n_slc)
+        key = (nb, n_slc, device, p.dtype)
+        if key not in self.overlaps:
+            self.overlaps[key] = self.overlap(nb, n_slc, device).to(p.dtype)
+        p = p @ self.overlaps[key]  # Eq. 9: (B, Hkv, R, n_slc)
         visible = self.blockwise(seen_pos if seen_pos.dim() == 2 else seen_pos.any(0))  # (R, n_slc): a token seen
         back = rows[:, None] // self.slc_block - torch.arange(n_slc, device=device)  # (R, n_slc): blocks back
         forced = (back >= 0) & (back < self.force_local)
