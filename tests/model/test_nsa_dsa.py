@@ -2,13 +2,17 @@
 blocks, its causal compressed blocks, the GQA group's shared choice, Eq. 9's block mapping and the metric's map
 against the output; DSA's choice (the top-k of its indexer over the visible keys, by the formula), its dense warm-up
 and its forced first token; the one-line refusals."""
+from functools import partial
+
 import pytest
 import torch
 from torch import nn
 
 from sinklab.errors import UserError
 from sinklab.model import ConfigError, ModelConfig
+from sinklab.model.ops.base import masked_softmax
 from sinklab.model.ops.nsa import NativeSparseAttention
+from sinklab.model.positional import RotaryAt
 from tests.helpers import SMALL, small_model, token_ids
 
 
@@ -110,6 +114,67 @@ def test_nsa_map_of_the_metrics_is_the_one_the_output_reads():
     torch.testing.assert_close(o, a @ got["v"])
     g = op.gates(got["extra"], rows)  # (B, H, T, 3)
     torch.testing.assert_close(a.sum(-1), g[..., 0] * (rows >= 7) + g[..., 1] + g[..., 2])
+
+
+def nsa_by_the_masks(op, q, k, v, layout, rows, scale, extra):
+    """Eq. 5 for query rows, each branch the masked softmax of its full logits: the blocks gathered by index, the
+    chosen blocks spread over their tokens by index, every mask applied to the (B, H, R, n_keys) logits (what the op
+    computed before it made its token branches' logits with their masks in one matmul)."""
+    S0, P, ls = layout.n_slots, layout.n_key_pos, op.slc_block
+    seen, bias = layout.mask(rows), layout.bias(rows)  # ((H,) R, n_keys), (H, R, n_keys) or None
+    bias = torch.zeros(seen.shape[-1]) if bias is None else bias
+    seen_pos = seen[..., S0:]
+    nb = max(0, (P - op.block) // op.stride + 1)
+    blocks = (torch.arange(nb) * op.stride)[:, None] + torch.arange(op.block)  # (nb, l)
+    kc = op.compress_k(extra["k_cmp"][:, :, blocks])  # (B, Hkv, nb, hd)
+    vc = op.compress_v(extra["v_cmp"][:, :, blocks])
+    rope = layout.rotary_at(P) if op.rotates and layout.rotary_at is not None else None
+    if rope is not None:
+        kc = RotaryAt(rope.cos[blocks[:, -1]], rope.sin[blocks[:, -1]])(kc)
+    kc, vc = op.group(kc), op.group(vc)
+    a_cmp = masked_softmax((q @ kc.transpose(-1, -2)) * scale + bias[..., S0 + blocks[:, -1]],
+                           seen_pos[..., blocks].all(-1))
+    chosen = op.group(op.select(a_cmp, rows, seen_pos))  # (B, H, R, n_slc)
+    in_chosen = torch.cat([chosen.new_ones(*chosen.shape[:-1], S0), chosen[..., torch.arange(P) // ls]], -1)
+    a_slc = masked_softmax((q @ k.transpose(-1, -2)) * scale + bias, seen & in_chosen)
+    near = (rows[:, None] - torch.arange(P)) < op.window
+    a_win = masked_softmax((q @ op.group(extra["k_win"]).transpose(-1, -2)) * scale + bias[..., S0:],
+                           seen_pos & near)
+    g = extra["gate"][:, :, rows]
+    return g[..., 0:1] * (a_cmp @ vc) + g[..., 1:2] * (a_slc @ v) + g[..., 2:3] * (a_win @ op.group(extra["v_win"]))
+
+
+@pytest.mark.parametrize("knobs, restrict", [
+    ({}, None), ({"n_kv_head": 2, "nsa_force_local": 1}, None), ({"attn_bias": "k"}, None),
+    ({"pos": "alibi", "nsa_slc_block": 4, "nsa_force_initial": False}, None), ({"pos": "relative"}, None),
+    ({"window": 20}, None),
+    ({"prefix_len": 6}, None),
+    # key 0 hidden: row 0 sees nothing in any branch; per-head masks: a head may see none of the chosen tokens
+    ({}, ("hidden_key", lambda b, h, q, kv: kv != 0, None)),
+    ({"nsa_force_local": 0}, ("per_head", lambda b, h, q, kv: (h + kv) % 3 != 0, 4))],
+    ids=["default", "gqa", "k_slot", "alibi", "relative", "window", "prefix", "hidden_key", "per_head"])
+def test_nsa_output_and_gradients_equal_the_masked_formula(knobs, restrict):
+    """The op's output for every row, and for a chunk of rows, and the gradients of every input and parameter,
+    equal the masked formula's to float32 rounding."""
+    m = nsa_model(**knobs)
+    attn = m.blocks[0].attn
+    got, layout = layer_inputs(m, token_ids(T=64))
+    if restrict is not None:
+        layout = layout.restricted(restrict[0], restrict[1], heads=restrict[2])
+    inputs = [t.clone().requires_grad_() for t in (got["q"], got["k"], got["v"], *got["extra"].values())]
+    params = [*attn.op.parameters(), *layout.bias_params]  # a learned relative bias table takes its gradient
+    for rows in (layout.rows(), layout.rows(40, 64)):
+        outs = []
+        for f in (attn.op.attend, partial(nsa_by_the_masks, attn.op)):
+            q, k, v, *more = inputs
+            o = f(q[:, :, rows - layout.start], k, v, layout, rows, attn.scale, dict(zip(got["extra"], more)))
+            grads = torch.autograd.grad((o * torch.linspace(-1, 1, o.shape[-1])).sum(), inputs + params,
+                                        allow_unused=True)
+            outs.append((o, grads))
+        (o, grads), (o_ref, grads_ref) = outs
+        torch.testing.assert_close(o, o_ref)
+        for g, g_ref in zip(grads, grads_ref):
+            torch.testing.assert_close(g, g_ref)
 
 
 def test_nsa_refuses_impossible_knobs_in_one_line():

@@ -36,7 +36,11 @@ Decided here (the paper leaves it open, or this framework asks it):
   + g^slc + g^win, not one, so the sink metric also reports the renormalised Sink*. `branch_maps` gives the three
   maps ungated, `gates` the gates of query rows, and `hook_gate` sees every forward's gates (B, H, N, 3).
 - Compressed keys are computed per row chunk from the per-token ones (kept in a KV cache, dense only, with the
-  window's keys and values); no fused kernel: every forward runs the explicit row chunks.
+  window's keys and values); no fused kernel: every forward runs the explicit row chunks. Each branch's logits
+  take its mask (0 / -inf) and bias in the batched matmul that makes them, so the map is a plain softmax (a hidden
+  key's weight an exact 0) and no (B, H, R, n_keys) mask is applied to it or its gradient; the selected branch's
+  chosen blocks are added per block. The maps and gradients equal the masked formula's to float32 rounding
+  (tests/model/test_nsa_dsa.py); docs/performance.md has the training step's speed.
 """
 from __future__ import annotations
 
@@ -45,13 +49,14 @@ from functools import partial
 from typing import Any, NamedTuple, Optional
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..hooks import HookPoint
 from ..masks import Layout
 from ..positional import RotaryAt
 from ..registry import ATTENTION_OPS, POSITIONS, ConfigError, check_positive_int
-from .base import AttentionOp, masked_softmax
+from .base import AttentionOp
 
 BRANCHES = ("cmp", "slc", "win")  # the order of the gates' last axis
 
@@ -123,6 +128,7 @@ class NativeSparseAttention(AttentionOp):
         self.compress_k, self.compress_v = BlockCompressor(self.block, hd), BlockCompressor(self.block, hd)
         self.gate_proj = nn.Linear(d, H * len(BRANCHES), bias=False)
         self.hook_gate = HookPoint()  # the gates (B, H, N, 3) of every forward
+        self.overlaps: dict[tuple, torch.Tensor] = {}  # Eq. 9's matrix by (nb, n_slc, device, dtype), built once
         self.rotates_in = partial(POSITIONS.selected(cfg).rotates, cfg)  # layer -> whether it takes RoPE
         self.rotates = self.rotates_in(0)
 
@@ -174,8 +180,18 @@ class NativeSparseAttention(AttentionOp):
         P, device = layout.n_key_pos, extra["k_cmp"].device
         nb = max(0, (P - self.block) // self.stride + 1)
         blocks = (torch.arange(nb, device=device) * self.stride)[:, None] + torch.arange(self.block, device=device)
-        kc = self.compress_k(extra["k_cmp"][:, :, blocks])  # (B, Hkv, nb, l, hd) -> (B, Hkv, nb, hd)
-        vc = self.compress_v(extra["v_cmp"][:, :, blocks])
+        m = self.block // self.stride  # strides per block
+
+        def windows(t: torch.Tensor) -> torch.Tensor:
+            """(B, Hkv, P, hd) -> (B, Hkv, nb, l, hd): block i is the strides i .. i + m - 1, so the blocks are m
+            shifted views of the strides, stacked (t[:, :, blocks] alike, with a cheaper backward)."""
+            if not nb:  # fewer than l positions: no complete block
+                return t[:, :, blocks]
+            strides = t[:, :, :(nb + m - 1) * self.stride].unflatten(2, (-1, self.stride))  # (B, Hkv, nb+m-1, d, hd)
+            return torch.stack([strides[:, :, j:j + nb] for j in range(m)], 3).flatten(3, 4)
+
+        kc = self.compress_k(windows(extra["k_cmp"]))  # (B, Hkv, nb, l, hd) -> (B, Hkv, nb, hd)
+        vc = self.compress_v(windows(extra["v_cmp"]))
         rope = layout.rotary_at(P) if self.rotates and layout.rotary_at is not None else None
         if rope is not None:
             ends = blocks[:, -1]
@@ -185,42 +201,53 @@ class NativeSparseAttention(AttentionOp):
     # ------------------------------------------------------------------------------------------- per query
     def group(self, t: torch.Tensor) -> torch.Tensor:
         """(B, Hkv, ...) -> (B, H, ...): each kv head's tensor for each query head of its group."""
-        return t.repeat_interleave(self.n_head // self.n_kv, dim=1)
+        return t if self.n_head == self.n_kv else t.repeat_interleave(self.n_head // self.n_kv, dim=1)
 
     def branches(self, q: torch.Tensor, k: torch.Tensor, layout: Layout, rows: torch.Tensor, scale: float,
                  extra: Optional[dict[str, torch.Tensor]]) -> Branches:
-        """The three branches of query rows: q (B, H, R, hd), the layer's k (B, H, n_slots + P, hd)."""
+        """The three branches of query rows: q (B, H, R, hd), the layer's k (B, H, n_slots + P, hd).
+
+        The two token branches' (B, H, R, n_keys) logits are the costly tensors: each is made by one batched matmul
+        that adds its additive mask (0 where seen, -inf elsewhere, and the bias), and its map is the plain softmax
+        of those (a hidden key's weight is exp(-inf) = 0, and so is its gradient); only rows that see no key at all,
+        found on the small masks, are set apart (`sparse_softmax`). Equal to masked_softmax of the scaled logits."""
         if not extra:
             raise ValueError("model.attn_op=nsa computes its maps from its own per-token tensors: pass the `extra` "
                              "its layer recorded at hook_extra (Attention.probs(q, k, layout, rows, extra))")
-        S0, P = layout.n_slots, layout.n_key_pos
+        S0, P, ls = layout.n_slots, layout.n_key_pos, self.slc_block
         seen = layout.mask(rows)  # (R, n_keys), or (H, R, n_keys) with per-head masks
         bias = layout.bias(rows)  # (H, R, n_keys) or None
         seen_pos = seen[..., S0:]  # (.., R, P): the key positions, without the bias slots
+        # what the token logits add: 0 where the query sees the key, -inf where not, plus the bias ((H,) R, n_keys)
+        hidden = torch.zeros(seen.shape, dtype=q.dtype, device=q.device).masked_fill_(~seen, float("-inf"))
+        if bias is not None:
+            hidden = hidden + bias.to(q.dtype)
 
         # compressed: the blocks all of whose tokens the query sees (causally: i d + l - 1 <= t)
         kc, vc, blocks = self.compressed(extra, layout)
-        s = (q @ self.group(kc).transpose(-1, -2)) * scale  # (B, H, R, nb)
-        if bias is not None:
-            s = s + bias[..., S0 + blocks[:, -1]].to(s.dtype)  # the bias at each block's last position
-        a_cmp = masked_softmax(s, seen_pos[..., blocks].all(-1))  # seen_pos[..., blocks]: (.., R, nb, l)
+        complete = seen_pos[..., blocks].all(-1)  # seen_pos[..., blocks]: (.., R, nb, l) -> (.., R, nb)
+        ends = hidden[..., S0 + blocks[:, -1]]  # (.., R, nb): the bias (and mask) at each block's last position
+        a_cmp = sparse_softmax(masked_logits(q, self.group(kc), scale, ends.masked_fill(~complete, float("-inf"))),
+                               ~complete.any(-1))
 
         # selected: the tokens of the chosen blocks (and the bias slots), through the layer's keys
         chosen = self.group(self.select(a_cmp, rows, seen_pos))  # (B, H, R, n_slc)
-        in_chosen = chosen[..., torch.arange(P, device=q.device) // self.slc_block]  # (B, H, R, P)
-        if S0:
-            in_chosen = torch.cat([in_chosen.new_ones(*in_chosen.shape[:-1], S0), in_chosen], dim=-1)
-        s = (q @ k.transpose(-1, -2)) * scale  # (B, H, R, n_slots + P)
-        if bias is not None:
-            s = s + bias.to(s.dtype)
-        a_slc = masked_softmax(s, seen & in_chosen)
+        drop = torch.zeros(chosen.shape, dtype=q.dtype, device=q.device).masked_fill_(~chosen, float("-inf"))
+        # the logits of the blocks not chosen -inf, by blocks where the positions fill whole blocks
+        s = masked_logits(q, k, scale, hidden)  # (B, H, R, n_slots + P)
+        if S0 == 0 and P % ls == 0:  # (B, H, R, n_slc, l') + (B, H, R, n_slc, 1): no (B, H, R, P) mask built
+            s = (s.unflatten(-1, (-1, ls)) + drop[..., None]).flatten(-2)
+        else:  # a partial last block (decoding) or bias slots (always kept)
+            drop = drop[..., None].expand(*chosen.shape, ls).flatten(-2)[..., :P]  # (B, H, R, n_slc) -> (.., P)
+            s = s + F.pad(drop, (S0, 0))
+        # a row sees no key if no slot and none of its chosen blocks' tokens is seen
+        empty = ~((self.blockwise(seen_pos) & chosen).any(-1) | seen[..., :S0].any(-1))  # (B, H, R)
+        a_slc = sparse_softmax(s, empty)
 
         # window: the last w positions, through the window's own keys
         near = (rows[:, None] - torch.arange(P, device=q.device)) < self.window  # (R, P)
-        s = (q @ self.group(extra["k_win"]).transpose(-1, -2)) * scale  # (B, H, R, P)
-        if bias is not None:
-            s = s + bias[..., S0:].to(s.dtype)
-        a_win = masked_softmax(s, seen_pos & near)
+        s = masked_logits(q, self.group(extra["k_win"]), scale, hidden[..., S0:].masked_fill(~near, float("-inf")))
+        a_win = sparse_softmax(s, ~(seen_pos & near).any(-1))  # (B, H, R, P); empty: (.., R)
         return Branches(a_cmp, self.group(vc), blocks, a_slc, a_win, self.gates(extra, rows))
 
     def select(self, a_cmp: torch.Tensor, rows: torch.Tensor, seen_pos: torch.Tensor) -> torch.Tensor:
@@ -230,11 +257,11 @@ class NativeSparseAttention(AttentionOp):
         P, device = seen_pos.shape[-1], a_cmp.device
         n_slc = -(-P // self.slc_block)
         p = a_cmp.view(B, self.n_kv, H // self.n_kv, R, nb).sum(2)  # Eq. 10, a group's heads: (B, Hkv, R, nb)
-        p = p @ self.overlap(nb, n_slc, device).to(p.dtype)  # Eq. 9: (B, Hkv, R, n_slc)
-        sees = seen_pos if seen_pos.dim() == 2 else seen_pos.any(0)  # (R, P): a token seen by some head
-        padded = sees.new_zeros(R, n_slc * self.slc_block)
-        padded[:, :P] = sees
-        visible = padded.view(R, n_slc, self.slc_block).any(-1)  # (R, n_slc)
+        key = (nb, n_slc, device, p.dtype)
+        if key not in self.overlaps:
+            self.overlaps[key] = self.overlap(nb, n_slc, device).to(p.dtype)
+        p = p @ self.overlaps[key]  # Eq. 9: (B, Hkv, R, n_slc)
+        visible = self.blockwise(seen_pos if seen_pos.dim() == 2 else seen_pos.any(0))  # (R, n_slc): a token seen
         back = rows[:, None] // self.slc_block - torch.arange(n_slc, device=device)  # (R, n_slc): blocks back
         forced = (back >= 0) & (back < self.force_local)
         if self.force_initial:
@@ -242,6 +269,12 @@ class NativeSparseAttention(AttentionOp):
         score = p.masked_fill(forced & visible, float("inf")).masked_fill(~visible, float("-inf"))
         top = score.topk(min(self.top_n, n_slc), dim=-1).indices  # (B, Hkv, R, n)
         return torch.zeros_like(score, dtype=torch.bool).scatter(-1, top, True) & visible
+
+    def blockwise(self, seen_pos: torch.Tensor) -> torch.Tensor:
+        """(.., R, P) key positions a query sees -> (.., R, n_slc): the selection blocks with a token it sees."""
+        P, ls = seen_pos.shape[-1], self.slc_block
+        padded = F.pad(seen_pos, (0, -(-P // ls) * ls - P))  # (.., R, n_slc l'): the last block filled up with False
+        return padded.unflatten(-1, (-1, ls)).any(-1)  # (.., R, n_slc, l') -> (.., R, n_slc)
 
     def overlap(self, nb: int, n_slc: int, device: torch.device) -> torch.Tensor:
         """Eq. 9 as a matrix M (nb, n_slc), p_slc = p_cmp @ M: M[i, j] = #{(m, n): (l'/d) j + m - n = i, m < l'/d,
@@ -284,6 +317,33 @@ class NativeSparseAttention(AttentionOp):
         g = b.gate
         return (g[..., 0:1] * (b.cmp @ b.cmp_values) + g[..., 1:2] * (b.slc @ v)
                 + g[..., 2:3] * (b.win @ self.group(extra["v_win"])))
+
+
+def masked_logits(q: torch.Tensor, k: torch.Tensor, scale: float, add: torch.Tensor) -> torch.Tensor:
+    """(q @ k^T) * scale + add in one batched matmul: q (B, H, R, hd), k (B, H, n, hd), add broadcast against
+    (B, H, R, n) (a mask's 0 / -inf and a bias) -> (B, H, R, n)."""
+    B, H, R, hd = q.shape
+    n = k.shape[-2]
+    add = add.expand(B, H, R, n).reshape(B * H, R, n)  # a view where `add` is shared by the batch and the heads
+    s = torch.baddbmm(add, q.reshape(B * H, R, hd), k.reshape(B * H, n, hd).transpose(1, 2), alpha=scale)
+    return s.view(B, H, R, n)  # (B H, R, n) -> (B, H, R, n)
+
+
+def sparse_softmax(s: torch.Tensor, empty: torch.Tensor) -> torch.Tensor:
+    """softmax of logits s (B, H, R, n) that are -inf where a key is hidden; the rows `empty` ((B,) (H,) R, bool:
+    those that see no key) zero, in the gradient too: masked_softmax's map, without its passes over the map (the
+    check for empty rows reads the small masks; on a GPU it is one host sync).
+    On the CPU a last axis shorter than 16 is padded with -inf keys (weight 0) to 16: PyTorch's AVX-512 softmax
+    takes a slow path below a vector of 16 floats (8x slower at n = 15, the preset's compressed blocks)."""
+    gone = empty[..., None] if empty.any() else None  # (.., R, 1)
+    if gone is not None:
+        s = s.masked_fill(gone, 0.0)  # finite logits in a row that sees nothing, zeroed below
+    n = s.shape[-1]
+    if s.device.type == "cpu" and 0 < n < 16:
+        a = torch.softmax(F.pad(s, (0, 16 - n), value=float("-inf")), dim=-1)[..., :n]
+    else:
+        a = torch.softmax(s, dim=-1)
+    return a if gone is None else a.masked_fill(gone, 0.0)
 
 
 def divisors(n: int) -> str:
