@@ -53,15 +53,16 @@ def lower_median(x: torch.Tensor) -> torch.Tensor:
     if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.float64) or n == 0 or x.numel() == 0:
         return x.median(-1).values
     k = (n - 1) // 2  # the lower middle, as torch.median
-    middle = torch.from_numpy(np.partition(x.detach().numpy(), k, axis=-1)[..., k])  # numpy puts NaN last
-    return torch.where(x.isnan().any(-1), torch.full_like(middle, float("nan")), middle)
+    values = x.detach().numpy()
+    middle = np.partition(values, k, axis=-1)[..., k]  # numpy orders NaN last, torch.median returns it
+    return torch.from_numpy(np.where(np.isnan(values).any(-1), np.nan, middle).astype(values.dtype, copy=False))
 
 
 def outlier_stats(x: torch.Tensor) -> dict[str, torch.Tensor]:
     """Activations x (B, T, d) of the real tokens -> per sequence (B,): inf (max |x|), median (median |x|, the lower
     one for an even count, as torch.median), kurt (`kurtosis`)."""
     flat = rearrange(x.float().abs(), "b t d -> b (t d)")
-    return {"inf": flat.max(-1).values, "median": lower_median(flat), "kurt": kurtosis(x)}
+    return {"inf": flat.amax(-1), "median": lower_median(flat), "kurt": kurtosis(x)}
 
 
 def channel_means(h: torch.Tensor) -> torch.Tensor:
@@ -121,7 +122,7 @@ class Outliers(Metric):
 
     def update(self, layer: int, rec: dict[str, torch.Tensor]) -> None:
         h = rec["h"]
-        values = {"inf": rearrange(h.float().abs(), "b t d -> b (t d)").max(-1).values, "kurt": kurtosis(h)}
+        values = {"inf": rearrange(h.float().abs(), "b t d -> b (t d)").amax(-1), "kurt": kurtosis(h)}
         if "attn" in rec:
             a = {f"attn_{name}": v for name, v in outlier_stats(rec["attn"]).items()}
             values.update(a)
