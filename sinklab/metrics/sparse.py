@@ -132,7 +132,7 @@ class SparseSinkMetric(Metric):
         self.acc["alpha"] += (a[..., :K].double() * counted).sum(2)
         self.acc["seen"] += counted.sum(-2)
         kept = (a != 0).logical_and_(m["seen"])  # (B, H, R, T): the selection, the map's support on what it can see
-        share = kept.sum(-1).double() / m["n_seen"]  # (B, H, R): m_i / n_i, in float64
+        share = kept.sum(-1, dtype=torch.int32).double() / m["n_seen"]  # (B, H, R): m_i / n_i, in float64
         self.acc["select"] += (kept[..., 0] & sees1).sum(-1)
         self.acc["uniform"] += (share * sees1).sum(-1)
         self.acc["queries"] += sees1.sum(-1)
