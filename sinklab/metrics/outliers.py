@@ -47,8 +47,9 @@ def kurtosis(x: torch.Tensor) -> torch.Tensor:
 def lower_median(x: torch.Tensor) -> torch.Tensor:
     """x (..., n) -> (...): the median over the last axis, the lower of the two middle values for an even n, NaN in
     a row with a NaN; the values of `x.median(-1).values`. On the CPU in float32 / float64 it is numpy's
-    `partition` (introselect), about ten times faster than torch.median there on a row of a sequence's activations
-    (T x d values), the measurement's largest single cost; elsewhere torch.median."""
+    `partition` (introselect), about ten times faster there than torch.median, which was the largest single cost of
+    the training callback's measurement (a median over each sequence's T x d activations, per layer); elsewhere
+    torch.median."""
     n = x.shape[-1]
     if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.float64) or n == 0 or x.numel() == 0:
         return x.median(-1).values
