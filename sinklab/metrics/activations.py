@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 
-from .outliers import channel_means, kurtosis, outlier_stats
+from .outliers import channel_means, kurtosis, lower_median, outlier_stats
 
 
 def first_over_rest(norms: torch.Tensor) -> torch.Tensor:
@@ -26,7 +26,7 @@ def top_and_median(h: torch.Tensor) -> dict[str, torch.Tensor]:
     flat = rearrange(h.float().abs(), "b t d -> b (t d)")
     val, pos = flat.max(-1)  # (B,), position in the flattened (t d) axis
     top = torch.stack([val, (pos // d).float() + 1, (pos % d).float()], -1)  # (B, 3)
-    return {"top": top, "inf": val, "median": flat.median(-1).values}
+    return {"top": top, "inf": val, "median": lower_median(flat)}
 
 
 def h1_ratio(h: torch.Tensor) -> torch.Tensor:

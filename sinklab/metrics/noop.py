@@ -28,6 +28,7 @@ import torch
 from sinklab.keys import ACT_PREFIX
 
 from .base import METRICS, NON_NEGATIVE, UNIT, Context, Metric, layer_table, per_layer
+from .outliers import lower_median
 from .secondary_sinks import ColumnMeans
 
 SINKING = 0.5  # a query sinks when at least this share of its attention is on the head's sink positions
@@ -70,7 +71,7 @@ class NoOpSignature(Metric):
             v_norm = state["v"].norm(dim=-1, dtype=torch.float64)  # (B, H, T)
             sinks = torch.zeros_like(v_norm, dtype=torch.bool)
             sinks[..., :alpha.shape[-1]] = alpha > self.ctx.eps[0]
-            drain = v_norm / v_norm.median(-1, keepdim=True).values.clamp_min(1e-30)  # ||v_k|| / median_j
+            drain = v_norm / lower_median(v_norm)[..., None].clamp_min(1e-30)  # ||v_k|| / median_j
             self.sums["drain"][layer] += drain[sinks].sum().item()
             self.sums["drained"][layer] += sinks.sum().item()
             state["sinks"] = sinks

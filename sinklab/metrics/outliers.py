@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+import numpy as np
 import torch
 from einops import rearrange
 from torch import nn
@@ -43,11 +44,26 @@ def kurtosis(x: torch.Tensor) -> torch.Tensor:
     return (sq * sq).mean(-1) / (var * var + KURTOSIS_EPS)
 
 
+def lower_median(x: torch.Tensor) -> torch.Tensor:
+    """x (..., n) -> (...): the median over the last axis, the lower of the two middle values for an even n, NaN in
+    a row with a NaN; the values of `x.median(-1).values`. On the CPU in float32 / float64 it is numpy's
+    `partition` (introselect), about ten times faster there than torch.median, which was the largest single cost of
+    the training callback's measurement (a median over each sequence's T x d activations, per layer); elsewhere
+    torch.median."""
+    n = x.shape[-1]
+    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.float64) or n == 0 or x.numel() == 0:
+        return x.median(-1).values
+    k = (n - 1) // 2  # the lower middle, as torch.median
+    values = x.detach().numpy()
+    middle = np.partition(values, k, axis=-1)[..., k]  # numpy orders NaN last, torch.median returns it
+    return torch.from_numpy(np.where(np.isnan(values).any(-1), np.nan, middle).astype(values.dtype, copy=False))
+
+
 def outlier_stats(x: torch.Tensor) -> dict[str, torch.Tensor]:
     """Activations x (B, T, d) of the real tokens -> per sequence (B,): inf (max |x|), median (median |x|, the lower
     one for an even count, as torch.median), kurt (`kurtosis`)."""
     flat = rearrange(x.float().abs(), "b t d -> b (t d)")
-    return {"inf": flat.max(-1).values, "median": flat.median(-1).values, "kurt": kurtosis(x)}
+    return {"inf": flat.amax(-1), "median": lower_median(flat), "kurt": kurtosis(x)}
 
 
 def channel_means(h: torch.Tensor) -> torch.Tensor:
@@ -107,7 +123,7 @@ class Outliers(Metric):
 
     def update(self, layer: int, rec: dict[str, torch.Tensor]) -> None:
         h = rec["h"]
-        values = {"inf": rearrange(h.float().abs(), "b t d -> b (t d)").max(-1).values, "kurt": kurtosis(h)}
+        values = {"inf": rearrange(h.float().abs(), "b t d -> b (t d)").amax(-1), "kurt": kurtosis(h)}
         if "attn" in rec:
             a = {f"attn_{name}": v for name, v in outlier_stats(rec["attn"]).items()}
             values.update(a)

@@ -109,7 +109,7 @@ class SinklabRecorder:
             feed_maps(metrics, i, lambda: self.maps(i, rec, layout))
 
         with self.hooks(names, on_layer):
-            self.model(idx, extra_mask=self.extra_mask)
+            self.model(idx, return_hidden=True, extra_mask=self.extra_mask)  # no metric reads the logits: no LM head
 
 
 KEEP_CHUNKS_BYTES = 64 << 20  # a layer's map chunks up to this size are kept for a second pass, not recomputed

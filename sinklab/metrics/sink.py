@@ -125,7 +125,8 @@ class SinkMetric(Metric):
             zeros_x = torch.zeros(B, H, n_extra, dtype=torch.float64, device=maps.device)
             self.acc = {"layer": layer, "T": T, "alpha": zeros, "slot": zeros_x,
                         "alpha_star": zeros.clone(), "slot_star": zeros_x.clone()}
-        a = maps.double()
+        # Sink* renormalises by whole rows; without it only the extra keys' and tokens 1..K's columns are summed
+        a = maps.double() if self.star else maps[..., :n_extra + K].double()
         for m, name in ((a, ""),) + (((renormalise(a), "_star"),) if self.star else ()):
             self.acc["alpha" + name] += seen_column_sums(m, rows, n_extra, K)
             self.acc["slot" + name] += m[..., :n_extra].sum(2)

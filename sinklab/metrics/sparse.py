@@ -86,6 +86,7 @@ class SparseSinkMetric(Metric):
     def __init__(self, ctx: Context):
         super().__init__(ctx)
         self.layout = None  # the model's layout of the current length and device (the forward's)
+        self.masks: dict[tuple, dict[str, torch.Tensor]] = {}  # (layer, T, device, chunk, rows) -> `chunk_masks`
         self.acc: Optional[dict[str, Any]] = None  # the current layer's sums over the chunks of its rows
         self.layers: dict[str, list] = {name: [] for name in ("alpha_vis", "visible", "select", "uniform")}
         self.batches: dict[str, list] = {name: [] for name in self.layers}
@@ -100,6 +101,20 @@ class SparseSinkMetric(Metric):
         seen = model.blocks[layer].attn.own(self.layout).mask(rows + model.cfg.n_sink_tokens)
         return seen[..., self.ctx.n_extra:]  # the bias slot and sink tokens' columns dropped
 
+    def chunk_masks(self, layer: int, T: int, K: int, rows: torch.Tensor, chunk: int) -> dict[str, torch.Tensor]:
+        """What the layer's mask says of the query rows `rows`, the `chunk`-th chunk of the layer's rows: the same
+        for every batch of a measurement, so built once per (layer, length, chunk), not per batch: seen (R, T) or
+        (H, R, T), the mask; counted (R, K) or (H, R, K), the queries of alpha_k that see key k; sees1 (R,) or
+        (H, R), the queries that see token 1; n_seen (R,) or (H, R), the real keys each query can see (at least 1),
+        in float64. The key holds no row value, so that finding it reads nothing back from a GPU."""
+        key = (layer, T, rows.device, chunk, len(rows))
+        if key not in self.masks:
+            seen = self.layer_mask(layer, T, rows)  # (R, T) or (H, R, T)
+            later = rows[:, None] >= torch.arange(K, device=rows.device)[None, :]  # (R, K): alpha_k counts i >= k
+            self.masks[key] = {"seen": seen, "counted": seen[..., :K] & later, "sees1": seen[..., 0],
+                               "n_seen": seen.sum(-1).clamp_min(1).double()}
+        return self.masks[key]
+
     def update_maps(self, layer: int, rows: torch.Tensor, maps: torch.Tensor) -> None:
         n_extra, T = self.ctx.n_extra, maps.shape[-1] - self.ctx.n_extra
         K = min(self.ctx.k, T)
@@ -108,16 +123,16 @@ class SparseSinkMetric(Metric):
             self._close_layer()
             zeros = lambda *shape: torch.zeros(*shape, dtype=torch.float64, device=maps.device)  # noqa: E731
             self.acc = {"layer": layer, "T": T, "alpha": zeros(B, H, K), "seen": zeros(H, K), "select": zeros(B, H),
-                        "uniform": zeros(B, H), "queries": zeros(H)}
-        seen = self.layer_mask(layer, T, rows)  # (R, T) or (H, R, T)
-        a = maps[..., n_extra:].double()  # (B, H, R, T): the real keys
-        later = rows[:, None] >= torch.arange(K, device=rows.device)[None, :]  # (R, K): alpha_k counts i >= k
-        counted = seen[..., :K] & later  # (R, K) or (H, R, K): the queries of alpha_k that see key k
-        self.acc["alpha"] += (a[..., :K] * counted).sum(2)
+                        "uniform": zeros(B, H), "queries": zeros(H), "chunks": 0}
+        m = self.chunk_masks(layer, T, K, rows, self.acc["chunks"])
+        self.acc["chunks"] += 1
+        counted, sees1 = m["counted"], m["sees1"]
+        # only alpha's K key columns are summed in float64; the support (a weight != 0) is the same in the maps' dtype
+        a = maps[..., n_extra:]  # (B, H, R, T): the real keys
+        self.acc["alpha"] += (a[..., :K].double() * counted).sum(2)
         self.acc["seen"] += counted.sum(-2)
-        kept = (a != 0) & seen  # (B, H, R, T): the selection, the map's support on what the query can see
-        sees1 = seen[..., 0]  # (R,) or (H, R): the queries that can see token 1
-        share = kept.sum(-1).double() / seen.sum(-1).clamp_min(1).double()  # (B, H, R): m_i / n_i, in float64
+        kept = (a != 0).logical_and_(m["seen"])  # (B, H, R, T): the selection, the map's support on what it can see
+        share = kept.sum(-1, dtype=torch.int32).double() / m["n_seen"]  # (B, H, R): m_i / n_i, in float64
         self.acc["select"] += (kept[..., 0] & sees1).sum(-1)
         self.acc["uniform"] += (share * sees1).sum(-1)
         self.acc["queries"] += sees1.sum(-1)

@@ -7,7 +7,8 @@ from sinklab.metrics.base import bounds
 from sinklab.metrics import (Context, activation_stats, attention_maps, attention_scores, first_token_attention,
                              flatten_activation_stats, summarise)
 from sinklab.metrics.activations import attention_output_stats
-from sinklab.metrics.outliers import Outliers, kurtosis, norm_weight_minima, residual_sink_summary, weight_min
+from sinklab.metrics.outliers import (Outliers, kurtosis, lower_median, norm_weight_minima, residual_sink_summary,
+                                      weight_min)
 from sinklab.metrics.residual_sinks import ResidualSinks
 from tests.helpers import small_model, token_ids
 
@@ -27,6 +28,23 @@ def test_kurtosis_by_hand_and_of_known_distributions():
     normal[1, 7, 3] = 200.0  # one outlier in sequence 2 only: each sequence has its own kurtosis
     k = kurtosis(normal)
     assert k[0].item() == pytest.approx(3.0, abs=0.1) and k[1].item() > 100
+
+
+def test_lower_median_gives_torch_medians_values():
+    """numpy's partition on the CPU: the same value as torch.median for odd and even n (the lower middle), float32
+    and float64, strided rows, ties, infinities and -0.0, and NaN for a row that holds a NaN (torch.median's)."""
+    g = torch.Generator().manual_seed(0)
+    cases = [torch.randn(50, 8192, generator=g).abs(), torch.randn(3, 7, generator=g),
+             torch.randn(4, 6, generator=g).double(), torch.randn(2, 3, 5, generator=g),
+             torch.randn(4, 10, generator=g)[:, ::2], torch.randn(5, 1, generator=g), torch.randn(9, generator=g),
+             torch.tensor([[1.0, float("nan"), 0.0], [float("inf"), 2.0, -float("inf")], [0.0, -0.0, 0.0],
+                           [3.0, 3.0, 1.0]])]
+    for x in cases:
+        got, want = lower_median(x), x.median(-1).values
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(7.0), want.nan_to_num(7.0)), x
+    assert lower_median(torch.tensor([4.0, 1.0, 3.0, 2.0])).item() == 2.0  # even n: the lower of 2 and 3
+    assert lower_median(torch.tensor([[1.0, float("nan"), 2.0]])).isnan().all()  # numpy alone would give 2.0
 
 
 def test_outlier_stats_of_a_planted_attention_output():
