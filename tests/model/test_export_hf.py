@@ -39,9 +39,13 @@ def test_gqa_export_has_the_same_logits(tmp_path, capsys):
     model = random_model(n_kv_head=2, rope_base=500.0, norm_eps=1e-6)
     ckpt = save_ckpt(model, tmp_path / "m.ckpt")
     out = tmp_path / "hf"
+    bars_on = transformers.utils.logging.is_progress_bar_enabled()
     rc, printed, err = run_cli("sinklab", "export-hf", str(ckpt), str(out), "--no-tokenizer", capsys=capsys)
     assert rc == 0, err
     assert "check: max |logit difference|" in printed and "tokenizer: skipped" in printed
+    # its lines only: no transformers progress bar of its writes or its check's load, and the bars as they were after
+    assert "Writing model shards" not in err and "Loading weights" not in err, err
+    assert transformers.utils.logging.is_progress_bar_enabled() == bars_on
     assert (out / "config.json").is_file() and (out / "model.safetensors").is_file()
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"] and "auto_map" not in config
@@ -66,6 +70,7 @@ def test_what_llama_cannot_represent_is_remote_code(tmp_path, capsys):
     assert rc == 0, err
     assert "SinklabForCausalLM as remote code" in out and "model.pos=alibi (LLaMA needs rope)" in out
     assert "trust_remote_code=True" in out and "check: max |logit difference| vs the sinklab model = 0 " in out
+    assert "Writing model shards" not in err and "Loading weights" not in err, err
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert config["auto_map"] == {"AutoConfig": "configuration_sinklab.SinklabConfig",
                                   "AutoModelForCausalLM": "modeling_sinklab.SinklabForCausalLM"}
