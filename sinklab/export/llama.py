@@ -27,11 +27,9 @@ The tokenizer is exported too when one is found (--tokenizer, tokenizer.json in 
 """
 from __future__ import annotations
 
-import contextlib
 import re
-import warnings
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Optional
 
 import torch
 
@@ -189,7 +187,7 @@ def export(ckpt_path: str, out_dir: str, dtype: str = "float32", check: bool = T
     bad = unrepresentable(cfg)  # not LLaMA: remote code (sinklab.export.remote)
     plugins = remote.plugin_modules(cfg) if bad else {}  # refuses a component nothing could import, before writing
 
-    from sinklab.targets.transformers_lm import dtype_kwargs, require_transformers
+    from sinklab.targets.transformers_lm import dtype_kwargs, quiet, require_transformers
 
     transformers = require_transformers()
     state = {}
@@ -200,14 +198,14 @@ def export(ckpt_path: str, out_dir: str, dtype: str = "float32", check: bool = T
     hf_state = None if bad else {k: v.to(torch_dtype) for k, v in llama_state_dict(state, cfg.n_layer).items()}
 
     tok, where = (find_tokenizer(ckpt_file, tokenizer) if with_tokenizer or tokenizer else (None, "--no-tokenizer"))
-    with no_progress_bars(transformers):  # between the lines below, no transformers bars
+    with quiet(transformers):  # its own lines only: no bar of the writes or of the check's load in between
         out.mkdir(parents=True, exist_ok=True)
         eos_id = save_tokenizer(tok, out, transformers) if tok is not None else None
         if bad:
             remote.write(state, cfg, out, torch_dtype, eos_id, plugins, bad)
             log(f"wrote {out} (SinklabForCausalLM as remote code, {cfg.n_layer} layers, {dtype}): LLaMA cannot "
-                f"represent {'; '.join(bad)}; load it with AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True), "
-                f"which needs sinklab {__version__}"
+                f"represent {'; '.join(bad)}; load it with AutoModelForCausalLM.from_pretrained(DIR, "
+                f"trust_remote_code=True), which needs sinklab {__version__}"
                 + "".join(f" and {p or m + ' on PYTHONPATH'}" for m, p in plugins.items()))
         else:
             hf_cfg = llama_config(cfg, transformers, torch_dtype, eos_id)
@@ -228,26 +226,6 @@ def export(ckpt_path: str, out_dir: str, dtype: str = "float32", check: bool = T
                                    f"> {TOLERANCE:g}")
         return {"out_dir": str(out), "architecture": "SinklabForCausalLM" if bad else "LlamaForCausalLM",
                 "max_abs_diff": diff, "tokenizer": where if tok is not None else None}
-
-
-@contextlib.contextmanager
-def no_progress_bars(transformers) -> Iterator[None]:
-    """transformers' and huggingface_hub's progress bars off inside: an export's own writes and the load of its check
-    print no "Writing model shards" / "Loading weights" bars between its lines. Afterwards each is on or off as it
-    was (HF_HUB_DISABLE_PROGRESS_BARS=1 keeps the hub's off, as before)."""
-    from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
-
-    hf_logging = transformers.utils.logging
-    transformers_on, hub_on = hf_logging.is_progress_bar_enabled(), not are_progress_bars_disabled()
-    hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # the hub's warning that its environment variable keeps the bars off
-            if transformers_on:
-                hf_logging.enable_progress_bar()
-            (enable_progress_bars if hub_on else disable_progress_bars)()
 
 
 @torch.no_grad()

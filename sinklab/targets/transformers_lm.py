@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import warnings
 from pathlib import Path
 from typing import Iterator, Optional, Sequence, Union
 
@@ -51,10 +52,9 @@ def load_hf_model(name_or_dir: Union[str, Path], device: Union[str, torch.device
     """A causal LM -> the model in eval mode on `device` in `dtype` (a torch dtype or a `--dtype` name) with the
     eager attention kernel (maps available). `name_or_dir`: a local dir written by save_pretrained, or a hub id at
     `revision` (`sinklab.targets.hub_models.resolve_model`: huggingface_hub's cache, read offline with HF_HUB_OFFLINE=1).
-    Remote code runs only for a sinklab export whose code files are this sinklab's own (`sinklab.targets.hub_models.trusted`)."""
-    from sinklab.targets.hub_models import pick_dtype, resolve_model
-
-    from sinklab.targets.hub_models import trusted
+    Remote code runs only for a sinklab export whose code files are this sinklab's own
+    (`sinklab.targets.hub_models.trusted`)."""
+    from sinklab.targets.hub_models import pick_dtype, resolve_model, trusted
 
     transformers = require_transformers()
     path = resolve_model(name_or_dir, revision)
@@ -74,9 +74,7 @@ def load_hf_model(name_or_dir: Union[str, Path], device: Union[str, torch.device
 
 def load_hf_tokenizer(name_or_dir: Union[str, Path], revision: Optional[str] = None):
     """The tokenizer saved beside the model (`load_hf_model`'s dir or snapshot), or a one-line UserError."""
-    from sinklab.targets.hub_models import resolve_model
-
-    from sinklab.targets.hub_models import trusted
+    from sinklab.targets.hub_models import resolve_model, trusted
 
     transformers = require_transformers()
     path = resolve_model(name_or_dir, revision)
@@ -94,17 +92,25 @@ def load_hf_tokenizer(name_or_dir: Union[str, Path], revision: Optional[str] = N
 
 @contextlib.contextmanager
 def quiet(transformers):
-    """transformers' progress bars and warnings off (stderr is for what matters: errors are one line)."""
+    """transformers' (and so huggingface_hub's) progress bars and warnings off (stderr is for what matters: errors
+    are one line); afterwards each as it was (HF_HUB_DISABLE_PROGRESS_BARS=1 keeps the hub's off, without its
+    warning)."""
+    from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
+
     hf_logging = transformers.utils.logging
-    bars, verbosity = hf_logging.is_progress_bar_enabled(), hf_logging.get_verbosity()
-    hf_logging.disable_progress_bar()
+    bars, hub_bars = hf_logging.is_progress_bar_enabled(), not are_progress_bars_disabled()
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.disable_progress_bar()  # the hub's too
     hf_logging.set_verbosity_error()
     try:
         yield
     finally:
         hf_logging.set_verbosity(verbosity)
-        if bars:
-            hf_logging.enable_progress_bar()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the hub's "the environment variable keeps the bars off"
+            if bars:
+                hf_logging.enable_progress_bar()  # the hub's too
+            (enable_progress_bars if hub_bars else disable_progress_bars)()
 
 
 def text_config(model: nn.Module):
