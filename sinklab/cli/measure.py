@@ -57,9 +57,9 @@ What is measured and how: `sinklab.analysis.measurement`. User errors are one li
         (sinklab.metrics.heads),
     induction {seq_len, repeat, num_seqs, seed, induction, prev_token, by_layer, by_head, by_type}: induction and
         previous-token scores on repeated random tokens, by_type for sinklab models (sinklab.metrics.induction),
-    sparse {eps, k, sink_vis, alpha_vis, visible, select1, select1_uniform, select1_ratio, by_layer, by_head}: the
-        sink metric on the keys each query can see and the selection of token 1, for sinklab models with a window
-        or a sparse operation only (sinklab.metrics.sparse),
+    sparse {eps, k, sink_vis, alpha_vis, alpha1_vis_uniform, visible, select1, select1_uniform, select1_ratio,
+        by_layer, by_head}: the sink metric on the keys each query can see (and a uniform head's alpha_1 there) and
+        the selection of token 1, for sinklab models with a window or a sparse operation only (sinklab.metrics.sparse),
     and the part of any other registered metric (`sinklab.metrics.METRICS`) under its json_key.
 Non-finite values (a norm ratio with T = 1) are null.
 """

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
@@ -197,18 +198,32 @@ def save_heatmap(alpha1: torch.Tensor, out_dir: Path, step: int, logged: dict[st
     the sink metric logged at this step (`logged`: sink/sink1, sink/layer<i>/sink1), per sequence then averaged as
     the closing lines print them, not a threshold of this mean map; layers numbered from 0 as in the log keys. The
     title and the row labels are also the PNG's Title and Description text."""
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    a = alpha1.float().cpu().numpy()
+    per_layer = layer_sink1(logged)
+    rows = [f"{i}: {per_layer[i]:.1f}%" if i in per_layer else str(i) for i in range(a.shape[0])]
+    title = f"alpha_1 at step {step} (Sink_1 = {logged[SINK1]:.2f}%)"
+    fig = heatmap_figure(a, rows, title)
+    fig.subplots_adjust(**heatmap_margins(*a.shape))
+    path = out_dir / f"alpha1_step{step:07d}.png"
+    fig.savefig(path, dpi=110, metadata={"Title": title, "Description": "rows: layer: Sink_1 of its heads: "
+                                                                        + ", ".join(rows)})
+    plt.close(fig)
+    return path
+
+
+def heatmap_figure(a: np.ndarray, rows: Sequence[str], title: str) -> Any:
+    """The heatmap's figure: the (L, H) map with its values, the row labels, the title and a colour bar."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    out_dir.mkdir(parents=True, exist_ok=True)
-    a = alpha1.float().cpu().numpy()
     L_, H = a.shape
-    per_layer = layer_sink1(logged)
-    rows = [f"{i}: {per_layer[i]:.1f}%" if i in per_layer else str(i) for i in range(L_)]
-    title = f"alpha_1 at step {step} (Sink_1 = {logged[SINK1]:.2f}%)"
-    fig, ax = plt.subplots(figsize=(1.6 + 0.5 * H, 1.0 + 0.4 * L_))
+    # at least 4.2 x 2.2 in: room for the title and the row axis label of a model with one layer or few heads
+    fig, ax = plt.subplots(figsize=(max(4.2, 1.6 + 0.5 * H), max(2.2, 1.0 + 0.4 * L_)))
     im = ax.imshow(a, vmin=0, vmax=1, cmap="viridis", aspect="auto")
     for (i, j), v in np.ndenumerate(a):
         ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=7, color="white" if v < 0.6 else "black")
@@ -218,12 +233,21 @@ def save_heatmap(alpha1: torch.Tensor, out_dir: Path, step: int, logged: dict[st
     ax.set_yticks(range(L_), rows)
     ax.set_title(title, fontsize=9)
     fig.colorbar(im, ax=ax, label="alpha_1")
+    return fig
+
+
+@functools.lru_cache(maxsize=16)
+def heatmap_margins(L_: int, H: int) -> dict[str, float]:
+    """The subplot margins `tight_layout` gives the heatmap of an (L, H) map with its widest labels (every layer at
+    100.0%, a seven-digit step), computed once per shape: a tight layout is a second draw of the figure, about half
+    of the heatmap's cost, and its result depends on the labels' sizes only, which these bound."""
+    import matplotlib.pyplot as plt
+
+    fig = heatmap_figure(np.zeros((L_, H)), [f"{L_ - 1}: 100.0%"] * L_, "alpha_1 at step 9999999 (Sink_1 = 100.00%)")
     fig.tight_layout()
-    path = out_dir / f"alpha1_step{step:07d}.png"
-    fig.savefig(path, dpi=110, metadata={"Title": title, "Description": "rows: layer: Sink_1 of its heads: "
-                                                                        + ", ".join(rows)})
+    margins = {k: getattr(fig.subplotpars, k) for k in ("left", "right", "bottom", "top", "wspace", "hspace")}
     plt.close(fig)
-    return path
+    return margins
 
 
 class StepProgressBar(TQDMProgressBar):

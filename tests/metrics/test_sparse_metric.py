@@ -19,12 +19,13 @@ T = 24
 
 def brute_force(model, tokens, k):
     """Every (sequence, layer, head) by the definitions, query by query, from whole maps and the layers' masks:
-    alpha_vis, visible (N, L, H, k) and select, uniform (N, L, H)."""
+    alpha_vis, visible (N, L, H, k) and alpha_uniform, select, uniform (N, L, H)."""
     S, n_extra = model.cfg.n_sink_tokens, model.cfg.n_slots + model.cfg.n_sink_tokens
     layout = model.layout(tokens.shape[1], tokens.device)
     N, L, H = tokens.shape[0], model.cfg.n_layer, model.cfg.n_head
     out = {name: torch.zeros(N, L, H, *shape, dtype=torch.float64)
-           for name, shape in (("alpha_vis", (k,)), ("visible", (k,)), ("select", ()), ("uniform", ()))}
+           for name, shape in (("alpha_vis", (k,)), ("visible", (k,)), ("alpha_uniform", ()), ("select", ()),
+                               ("uniform", ()))}
     for layer, maps in enumerate(attention_maps(model, tokens)):
         seen = model.blocks[layer].attn.own(layout).mask(layout.rows())  # (S + T, n_keys) or (H, S + T, n_keys)
         seen = seen.expand(H, *seen.shape[-2:])[:, S:, n_extra:]  # (H, T, T): real queries, real keys
@@ -36,6 +37,7 @@ def brute_force(model, tokens, k):
                     out["visible"][n, layer, h, j] = len(sees) / (T - j)
                     out["alpha_vis"][n, layer, h, j] = sum(a[n, h, i, j] for i in sees) / len(sees) if sees else 0.0
                 queries = [i for i in range(T) if seen[h, i, 0]]
+                out["alpha_uniform"][n, layer, h] = sum(1 / int(seen[h, i].sum()) for i in queries) / len(queries)
                 kept = [[j for j in range(T) if seen[h, i, j] and a[n, h, i, j] != 0] for i in range(T)]
                 out["select"][n, layer, h] = sum(0 in kept[i] for i in queries) / len(queries)
                 out["uniform"][n, layer, h] = sum(len(kept[i]) / int(seen[h, i].sum()) for i in queries) / len(queries)
@@ -114,6 +116,20 @@ def test_a_window_only_model_keeps_every_visible_key():
     assert torch.equal(res["select"], res["uniform"]) and (res["select"] == 1).all()
     logged = metric.log(res)
     assert logged["sparse/select1_ratio"] == 1.0 and logged["sparse/layer1/select1_ratio"] == 1.0
+
+
+@pytest.mark.parametrize("w", [1, 4, 16, T])
+def test_a_uniform_heads_alpha_1_on_a_window_is_the_harmonic_mean(w):
+    """alpha_1^uniform of a window of w: queries 1..w see token 1 and i keys each, so (1 + 1/2 + ... + 1/w) / w
+    (H_w / w; 1 at w = 1, H_T / T for a window as wide as the sequence), per layer and head, whatever the weights;
+    logged, per layer and in measure --json."""
+    metric, res, _ = measured(small_model(window=w), token_ids(B=2, T=T, seed=6))
+    harmonic = sum(1 / i for i in range(1, w + 1)) / w
+    torch.testing.assert_close(res["alpha_uniform"], torch.full_like(res["alpha_uniform"], harmonic))
+    logged = metric.log(res)
+    assert logged["sparse/alpha1_vis_uniform"] == pytest.approx(harmonic)
+    assert logged["sparse/layer0/alpha1_vis_uniform"] == pytest.approx(harmonic)
+    assert metric.json(res)["alpha1_vis_uniform"] == pytest.approx(harmonic)
 
 
 def test_a_window_wider_than_the_sequence_gives_the_sink_metrics_alpha_exactly():

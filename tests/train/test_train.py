@@ -456,3 +456,34 @@ def test_aux_losses_dsa_kl_is_logged_falls_in_the_warmup_and_sparse_attention_st
     trainer.save_checkpoint(tmp_path / "last.ckpt")
     loaded = sinklab.load_model(tmp_path / "last.ckpt").blocks[0].attn.op
     assert (loaded.step, loaded.dense) == (9, False)
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (3, 8), (6, 16), (12, 32)])
+def test_the_heatmaps_margins_keep_every_label_on_the_canvas(shape, tmp_path):
+    """The heatmap's margins are computed once per shape (`heatmap_margins`, a tight layout of the widest labels)
+    instead of a tight layout per drawing: with the widest labels a run can log (every layer 100.0%, a seven-digit
+    step), every text of the figure (title, axis labels, tick labels, values, the colour bar's) lies on the canvas,
+    and the PNG is written with its Title."""
+    import matplotlib.pyplot as plt
+    from PIL import Image
+
+    from sinklab.train.callbacks import heatmap_figure, heatmap_margins, save_heatmap
+
+    L_, H = shape
+    rows = [f"{L_ - 1}: 100.0%"] * L_
+    fig = heatmap_figure(np.ones(shape), rows, "alpha_1 at step 9999999 (Sink_1 = 100.00%)")
+    fig.subplots_adjust(**heatmap_margins(L_, H))
+    fig.canvas.draw()  # places the axis labels and the ticks
+    renderer = fig.canvas.get_renderer()
+    canvas = fig.bbox
+    texts = [t for ax in fig.axes for t in ax.findobj(plt.Text) if t.get_visible() and t.get_text()]
+    texts += [t for ax in fig.axes for t in ax.get_xticklabels() + ax.get_yticklabels() if t.get_text()]
+    assert len(texts) >= L_ * H + L_ + 4  # the values, the row labels, the title, two axis labels, the bar's label
+    for t in texts:
+        box = t.get_window_extent(renderer)
+        assert canvas.x0 - 1 <= box.x0 and box.x1 <= canvas.x1 + 1 and canvas.y0 - 1 <= box.y0 \
+            and box.y1 <= canvas.y1 + 1, (t.get_text(), box, canvas)
+    plt.close(fig)
+    logged = {"sink/sink1": 100.0, **{f"sink/layer{i}/sink1": 100.0 for i in range(L_)}}
+    path = save_heatmap(torch.ones(shape), tmp_path, 9999999, logged)
+    assert Image.open(path).text["Title"] == "alpha_1 at step 9999999 (Sink_1 = 100.00%)"
