@@ -153,9 +153,9 @@ class SparseSinkMetric(Metric):
             return
         acc = self.acc
         K, T, B = acc["alpha"].shape[-1], acc["T"], acc["alpha"].shape[0]
-        queries = acc["queries"].clamp_min(1)  # (H,): no query sees token 1 -> both shares 0
+        queries = acc["queries"].clamp_min(1)  # (H,): no query sees token 1 -> its shares and alpha_1^uniform 0
         self.layers["alpha_vis"].append(acc["alpha"] / acc["seen"].clamp_min(1))  # (B, H, K)
-        self.layers["alpha_uniform"].append((acc["uniform1"] / acc["seen"][:, 0].clamp_min(1)).expand(B, -1))  # (B, H)
+        self.layers["alpha_uniform"].append((acc["uniform1"] / queries).expand(B, -1))  # (B, H)
         denom = (T - torch.arange(K, device=acc["seen"].device)).double()
         self.layers["visible"].append((acc["seen"] / denom).expand(B, -1, -1))  # (H, K) -> (B, H, K)
         self.layers["select"].append(acc["select"] / queries)  # (B, H)
