@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
+import itertools
 import json
 import math
 import sys
@@ -175,7 +176,9 @@ def add_sweep_args(parser: argparse.ArgumentParser, evaluation: str) -> None:
     every finished job of a sweep instead of one TARGET (`run_sweep`)."""
     parser.add_argument("--sweep", metavar="SWEEP_DIR", default=None,
                         help=f"instead of TARGET: every job dir of this sweep with checkpoints/last.ckpt, each "
-                             f"result (what --json prints) into JOB/{evaluation}.json, then SWEEP_DIR/{evaluation}.csv"
+                             f"result (what --json prints) into JOB/{evaluation}.json (a rerun adds its settings to the "
+                             f"job's earlier result of the same checkpoint and data, else keeps that one as "
+                             f"JOB/{evaluation}.K.json), then SWEEP_DIR/{evaluation}.csv"
                              " with one row per job (job, its overrides, the result's columns), which `sinklab "
                              "report` reads")
     parser.add_argument("--jobs", nargs="+", metavar="N", default=None,
@@ -184,9 +187,39 @@ def add_sweep_args(parser: argparse.ArgumentParser, evaluation: str) -> None:
     parser.set_defaults(evaluation=evaluation)
 
 
+def checkpoint_stamp(job: Path) -> dict:
+    """What tells one checkpoint of a job from another (a retrained job): checkpoints/last.ckpt's size and time."""
+    stat = (job / "checkpoints" / "last.ckpt").stat()
+    return {"bytes": stat.st_size, "modified_ns": stat.st_mtime_ns}
+
+
+def keep_earlier(evaluation, path: Path, res: dict) -> dict:
+    """The result to write at `path` (JOB/NAME.json) so that nothing written before is lost: `res` merged into an
+    earlier result of the same checkpoint and data (`Evaluation.merge`), or `res` with the earlier file moved to
+    JOB/NAME.K.json (K = 1, 2, ...: the first free), each said in one line on stderr."""
+    if not path.is_file():
+        return res
+    try:
+        earlier = json.loads(path.read_text())
+    except ValueError:
+        earlier = None
+    merged = evaluation.merge(earlier, res) if isinstance(earlier, dict) else None
+    if merged is not None:
+        part = next(iter(evaluation.settings))
+        kept = len(merged[part]) - len(res[part])
+        print(f"== {path}: merged with the earlier result ({kept} setting{'s' if kept != 1 else ''} of it kept)",
+              file=sys.stderr)
+        return merged
+    apart = next(p for p in (path.with_suffix(f".{k}.json") for k in itertools.count(1)) if not p.exists())
+    path.rename(apart)
+    print(f"== {path}: the earlier result (another checkpoint, data or options) kept as {apart.name}", file=sys.stderr)
+    return res
+
+
 def run_sweep(prog: str, args, run: Callable[[Any], dict]) -> str:
     """`--sweep SWEEP_DIR`: run(args) with TARGET = each finished job dir of the sweep (or of --jobs), in this
-    process, each result written as JOB/NAME.json (what --json prints), then SWEEP_DIR/NAME.csv from every job's
+    process, each result written as JOB/NAME.json (what --json prints, with the checkpoint's stamp; merged into an
+    earlier result of the job, or that one kept apart: `keep_earlier`), then SWEEP_DIR/NAME.csv from every job's
     NAME.json (`sinklab.evals.registry.write_table`). A job dir without checkpoints/last.ckpt is skipped with a line
     on stderr. Returns the line saying what was written."""
     from sinklab.evals.registry import EVALUATIONS, finished_jobs, write_table
@@ -205,7 +238,9 @@ def run_sweep(prog: str, args, run: Callable[[Any], dict]) -> str:
             res = run(argparse.Namespace(**{**vars(args), "target": str(job), "json": True}))
         except UserError as err:
             raise UserError(f"job {job}: {err}") from None
-        atomic_write(job / f"{evaluation.name}.json", json.dumps(finite(res), allow_nan=False) + "\n")
+        path = job / f"{evaluation.name}.json"
+        res = keep_earlier(evaluation, path, {**finite(res), "checkpoint": checkpoint_stamp(job)})
+        atomic_write(path, json.dumps(res, allow_nan=False) + "\n")
     path, rows = write_table(evaluation, sweep)
     return f"wrote {path} ({rows} job{'s' if rows != 1 else ''})"
 

@@ -11,8 +11,9 @@ declares
 - `bounds`: the physical range of each numeric column of that row, regexes over the column name (`x4_y60_ppl`, not
   `streaming/x4_y60_ppl`). They cover every numeric column it writes (a difference that may have either sign: ANY),
   so that a claim naming a column that does not exist is refused (`column_bounds`).
-`sinklab eval NAME --sweep SWEEP_DIR` runs it on every finished job of a sweep into JOB/NAME.json and writes
-SWEEP_DIR/NAME.csv (`write_table`): `job`, the job's overrides, then `row(result)`. `sinklab report` reads that CSV
+`sinklab eval NAME --sweep SWEEP_DIR` runs it on every finished job of a sweep into JOB/NAME.json (a rerun merges
+into an earlier result of the same checkpoint and data, `settings` / `same` / `merge`, or keeps the earlier one as
+JOB/NAME.K.json) and writes SWEEP_DIR/NAME.csv (`write_table`): `job`, the job's overrides, then `row(result)`. `sinklab report` reads that CSV
 of every registered evaluation as the columns ``NAME/<column>`` (quant/w4a4_gap), values outside their bounds left
 out. Importing `sinklab.evals` registers sinklab's; an evaluation in a researcher's own package registers when its
 module is imported (a plugin, `sinklab.plugins`).
@@ -40,11 +41,36 @@ class Evaluation:
     command: ClassVar[str] = ""
     summary: ClassVar[str] = ""
     bounds: ClassVar[Bounds] = ()
+    #: the result's parts with one entry per setting, each with the key that names an entry (a list of dicts); a
+    #: rerun on a job merges into the job's earlier result by these (`merge`); none: an earlier result is kept apart
+    settings: ClassVar[dict[str, str]] = {}
+    #: the result's keys that say what was measured (the model's text, samples, sizes): two results merge only when
+    #: they agree on every one of them (and on the checkpoint: `run_sweep`'s "checkpoint" key)
+    same: ClassVar[tuple[str, ...]] = ()
 
     @staticmethod
     def row(result: dict) -> dict[str, Any]:
         """The result (the JSON of `command`'s run) as one row of the sweep CSV, {column: value}."""
         raise NotImplementedError
+
+    @classmethod
+    def merge(cls, old: dict, new: dict) -> Optional[dict]:
+        """One result with the settings of both (an earlier `old` and a rerun `new` of one job): `new`, its settings
+        replacing `old`'s of the same name, `old`'s others kept (in old's order, new's added after), the notes of
+        both. None where they cannot be merged: the evaluation declares no `settings`, or the two differ in a key of
+        `same` or in "checkpoint" (another model, other samples or text)."""
+        if not cls.settings or any(old.get(k) != new.get(k) for k in (*cls.same, "checkpoint")):
+            return None
+        out = dict(new)
+        for part, key in cls.settings.items():
+            before, now = old.get(part), new.get(part)
+            if not isinstance(before, list) or not isinstance(now, list):
+                return None
+            fresh = {s[key]: s for s in now}
+            out[part] = [fresh.pop(s[key], s) for s in before] + list(fresh.values())
+        if isinstance(old.get("notes"), list) and isinstance(new.get("notes"), list):
+            out["notes"] = list(dict.fromkeys([*old["notes"], *new["notes"]]))
+        return out
 
     @classmethod
     def column_bounds(cls, column: str) -> Optional[tuple[float, float]]:

@@ -256,6 +256,8 @@ class Retrieval(Evaluation):
     bounds = ((rf"^{_LABEL}_(acc|first_kept|key_kept)$", UNIT), (rf"^{_LABEL}_loss$", NON_NEGATIVE),
               (r"^chance$", UNIT), (r"^(n_samples|sink_heads|(sink|other)_heads_retrieval)$", NON_NEGATIVE),
               (r"^heads_rho$", (-1.0, 1.0)))
+    settings = {"settings": "label"}
+    same = ("source", "task", "grid", "length", "context", "n_samples", "seed")
 
     @staticmethod
     def row(result: dict) -> dict:

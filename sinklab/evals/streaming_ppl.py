@@ -102,6 +102,8 @@ class StreamingPerplexity(Evaluation):
     command = "sinklab.cli.streaming"
     summary = "perplexity over a long text with a KV cache of x first + y recent tokens"
     bounds = ((rf"^{_SETTING}_ppl$", PERPLEXITY), (rf"^({_SETTING}_(keys|bpb)|n_tokens)$", NON_NEGATIVE))
+    settings = {"settings": "name"}
+    same = ("source", "data", "text", "n_tokens", "context", "bucket")
 
     @staticmethod
     def row(result: dict) -> dict:

@@ -200,3 +200,56 @@ def test_a_registered_evaluation_reaches_the_report_within_its_bounds(capsys, tm
     with pytest.raises(UserError, match="share/ratio"):
         parse_claims({"baseline": {"optim.weight_decay": 0.1}, "claims": [
             {"id": "s", "setting": {"optim.weight_decay": 0.2}, "metric": "share/ratio", "direction": "higher"}]})
+
+
+def test_a_rerun_merges_into_the_jobs_earlier_result_or_keeps_it_apart(capsys, sweep):
+    """Nothing a sweep evaluation wrote is lost when it runs again on the job: a rerun on the same checkpoint and text
+    adds its settings to the job's JSON (replacing those of the same name, keeping the others, and the CSV has
+    both); with other data, or after the checkpoint changed, the earlier JSON is kept as streaming.K.json."""
+    import os
+
+    job = sweep / "0"
+
+    def streaming(first: str, n_tokens: str = "200") -> tuple[str, dict]:
+        rc, out, err = run_cli("sinklab", "eval", "streaming", "--sweep", str(sweep), "--jobs", "0", "--n-tokens",
+                               n_tokens, "--first", first, "--recent", "8", "--baselines", "none")
+        assert rc == 0, err
+        return err, json.loads((job / "streaming.json").read_text())
+
+    _, first = streaming("0")
+    err, both = streaming("1")
+    assert "streaming.json: merged with the earlier result (1 setting of it kept)" in err, err
+    assert [s["name"] for s in both["settings"]] == ["x=0 y=8", "x=1 y=8"]
+    assert both["settings"][0] == first["settings"][0] and both["checkpoint"] == first["checkpoint"]
+    (row,) = pd.read_csv(sweep / "streaming.csv").to_dict("records")
+    assert row["x0_y8_ppl"] == pytest.approx(first["settings"][0]["ppl"])
+    assert row["x1_y8_ppl"] == pytest.approx(both["settings"][1]["ppl"])
+    err, again = streaming("1")  # the same setting again: replaced, not doubled
+    assert [s["name"] for s in again["settings"]] == ["x=0 y=8", "x=1 y=8"] and "(1 setting of it kept)" in err
+    before = (job / "streaming.json").read_text()
+    err, other = streaming("1", n_tokens="150")  # another text: not merged, the earlier file kept apart
+    assert "streaming.json: the earlier result (another checkpoint, data or options) kept as streaming.1.json" in err
+    assert [s["name"] for s in other["settings"]] == ["x=1 y=8"] and other["n_tokens"] == 150
+    assert (job / "streaming.1.json").read_text() == before
+    ckpt = job / "checkpoints" / "last.ckpt"
+    os.utime(ckpt, ns=(ckpt.stat().st_atime_ns, ckpt.stat().st_mtime_ns + 10**9))  # a retrained job's checkpoint
+    err, retrained = streaming("0", n_tokens="150")
+    assert "kept as streaming.2.json" in err and [s["name"] for s in retrained["settings"]] == ["x=0 y=8"]
+    assert json.loads((job / "streaming.2.json").read_text()) == other
+    assert sorted(p.name for p in job.glob("streaming*.json")) == ["streaming.1.json", "streaming.2.json",
+                                                                    "streaming.json"]
+
+
+def test_merge_is_by_setting_name_and_only_of_the_same_measurement():
+    retrieval = EVALUATIONS.get("retrieval")
+    base = {"source": "sinklab", "task": {"task": "passkey"}, "grid": {"knob": "depth", "values": [0.5]},
+            "length": 65, "context": 64, "n_samples": 4, "seed": 0, "checkpoint": {"bytes": 1}, "notes": ["a"]}
+    old = {**base, "settings": [{"label": "prefill_dense", "accuracy": 1.0}, {"label": "x", "accuracy": 0.5}]}
+    new = {**base, "notes": ["b"], "settings": [{"label": "x", "accuracy": 0.25}, {"label": "y", "accuracy": 0.0}]}
+    merged = retrieval.merge(old, new)
+    assert [(s["label"], s["accuracy"]) for s in merged["settings"]] == [("prefill_dense", 1.0), ("x", 0.25),
+                                                                         ("y", 0.0)]
+    assert merged["notes"] == ["a", "b"] and old["settings"][1]["accuracy"] == 0.5  # the inputs are not changed
+    for key, value in (("n_samples", 8), ("seed", 1), ("checkpoint", {"bytes": 2}), ("grid", None)):
+        assert retrieval.merge(old, {**new, key: value}) is None, key
+    assert EVALUATIONS.get("quant").merge(old, old) is None  # declares no settings: its earlier result is kept apart
