@@ -471,7 +471,7 @@ for argv in json.loads(sys.argv[1]):
 # size); the optim and trainer keys are numbers the same training step reads. The other presets train with the other
 # slow tests (this test, and every job of every preset below).
 TRAINED = ("batch_size", "data_amount", "fixed_token_position", "gate_positions", "learning_rate", "random_tokens",
-           "retrieval")
+           "retrieval", "retrieval_128")
 
 
 def _leaves(d: dict, prefix: str = "") -> dict:
