@@ -29,6 +29,7 @@ _MISSING = object()
 SCHEMA: dict[str, tuple[Check, bool]] = {
     "seed": (integer(0), True),
     "ckpt_path": (string(optional=True), False),
+    "init_from": (string(optional=True), False),
     "peak_flops": (either(choice("auto"), number(gt=0, optional=True)), False),
     "compile_backend": (string(), False),
     # loggers
@@ -38,8 +39,8 @@ SCHEMA: dict[str, tuple[Check, bool]] = {
     "logger.wandb.group": (string(optional=True), False),
 }
 # the top level of conf/train.yaml: its keys and config groups (`+foo=1` would otherwise pass unread); hydra is Hydra's
-ROOT_KEYS = ("callbacks", "ckpt_path", "compile_backend", "data", "experiment", "hydra", "local", "logger", "model",
-             "optim", "paths", "peak_flops", "scale", "seed", "tags", "task_name", "trainer")
+ROOT_KEYS = ("callbacks", "ckpt_path", "compile_backend", "data", "experiment", "hydra", "init_from", "local", "logger",
+             "model", "optim", "paths", "peak_flops", "scale", "seed", "tags", "task_name", "trainer")
 
 
 def _select(cfg: DictConfig, key: str) -> Any:

@@ -110,6 +110,55 @@ def check_same_model(ckpt: dict, model: dict, path: Union[str, Path]) -> None:
                         f"or start a new run (ckpt_path=null, or a new paths.output_dir)")
 
 
+VOCAB_WEIGHTS = ("tok_emb.weight", "lm_head.weight")  # the weights with a row per vocabulary id
+
+
+def warm_start_checkpoint(path: Union[str, Path], model: dict) -> dict:
+    """`init_from=PATH` (a .ckpt or a run dir): its checkpoint, read before any data or model is built, refused in one
+    line when it is not a sinklab checkpoint or its model differs from `model` (this run's config) in anything but
+    the vocabulary (which may grow: `copy_weights`) and the execution keys."""
+    try:
+        ckpt = read_checkpoint(path, mmap=True)
+        saved = model_config(ckpt, path).to_dict()
+    except UserError as err:
+        raise UserError(f"init_from={path}: {err}") from None
+    model = ModelConfig.from_dict(dict(model)).to_dict()
+    diff = [k for k in sorted(set(saved) | set(model))
+            if k not in (*EXECUTION_KEYS, "vocab_size") and saved.get(k) != model.get(k)]
+    if diff:
+        shown = ", ".join(f"model.{k}={saved.get(k)!r} there, {model.get(k)!r} here" for k in diff[:4])
+        raise UserError(f"init_from={path}: its model differs from this run's ({shown}); a warm start copies the "
+                        f"weights into the same architecture (only the vocabulary may grow)")
+    return ckpt
+
+
+def copy_weights(model: Transformer, ckpt: dict, path: Union[str, Path]) -> list[str]:
+    """A warm start: every weight of the checkpoint's model copied into `model` (built from the same config); the
+    vocabulary weights (VOCAB_WEIGHTS) of a larger vocabulary here (a data module that adds ids, e.g. the retrieval
+    markers) get the checkpoint's rows for its ids and keep their fresh initialisation for the new ones. Returns the
+    names of the weights that grew. A vocabulary smaller here is refused in one line."""
+    saved = {k[len("model."):].replace("_orig_mod.", ""): v for k, v in ckpt["state_dict"].items()
+             if k.startswith("model.")}
+    own = model.state_dict()
+    if set(saved) != set(own):
+        odd = sorted(set(saved) ^ set(own))
+        raise UserError(f"init_from={path}: its weights do not match this model's (e.g. {', '.join(odd[:3])})")
+    grown = []
+    with torch.no_grad():
+        for name, value in saved.items():
+            target = own[name]
+            if value.shape == target.shape:
+                target.copy_(value)
+            elif name in VOCAB_WEIGHTS and value.shape[1:] == target.shape[1:] and value.shape[0] < target.shape[0]:
+                target[:value.shape[0]].copy_(value)
+                grown.append(name)
+            else:
+                raise UserError(f"init_from={path}: {name} has shape {tuple(value.shape)} there, "
+                                f"{tuple(target.shape)} here (a vocabulary of {value.shape[0]} ids there); a warm start "
+                                "needs the same tokenizer, with ids only added here")
+    return grown
+
+
 def model_config(ckpt: dict, path: Union[str, Path]) -> ModelConfig:
     """A checkpoint's model config, built from the components registered by sinklab and by the plugins the user
     named (entry points, SINKLAB_PLUGINS, plugins=: `sinklab.plugins`). The plugin modules the checkpoint lists are

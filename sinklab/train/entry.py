@@ -31,7 +31,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     import lightning as L
     import torch
 
-    from sinklab.runs.checkpoints import check_same_model, read_training_checkpoint
+    from sinklab.runs.checkpoints import (check_same_model, copy_weights, read_training_checkpoint,
+                                          warm_start_checkpoint)
     from sinklab.train.checkpoint_io import AtomicCheckpointIO
     from sinklab.train.fault import Preempted, continue_metrics, resolve_ckpt_path, slurm_plugins
     from sinklab.plugins import load_plugins
@@ -49,6 +50,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     ckpt = resolve_ckpt_path(cfg.get("ckpt_path"), out)
     resume = read_training_checkpoint(ckpt) if ckpt else None  # a truncated or foreign file: one clear line
     resume_step = int(resume["global_step"]) if resume else None
+    init_from = cfg.get("init_from")  # a warm start: weights only, before a resume it does not apply
+    warm = warm_start_checkpoint(init_from, model_cfg.to_dict()) if init_from and resume is None else None
     L.seed_everything(cfg.seed, workers=True)
     setup_wandb_mode(cfg)
 
@@ -66,6 +69,13 @@ def train(cfg: DictConfig) -> dict[str, Any]:
                    max_steps=cfg.trainer.max_steps, peak_flops=cfg.get("peak_flops"),
                    compile_backend=cfg.get("compile_backend") or "inductor")
     log.info("model: %.2fM non-embedding parameters; data: %s", module.net.num_params() / 1e6, dm.describe())
+    if warm is not None:
+        grown = copy_weights(module.net, warm, init_from)
+        log.info("init_from=%s: weights of step %s copied%s; the optimizer and the schedule start fresh", init_from,
+                 warm.get("global_step"), f" ({', '.join(grown)}: the new ids' rows initialised)" if grown else "")
+        del warm
+    elif init_from:
+        log.info("init_from=%s ignored: the run resumes from %s", init_from, ckpt)
 
     callbacks = [instantiate_user(c) for c in (cfg.get("callbacks") or {}).values() if c is not None]
     if not cfg.trainer.get("enable_progress_bar", True):  # Lightning refuses a bar it was told not to show

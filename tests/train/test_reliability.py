@@ -85,8 +85,8 @@ BAD_OVERRIDES = [
     ("trainer.val_check_interval=0.5", "trainer.val_check_interval=0.5 is not allowed; allowed: an integer >= 1"),
     ("+trainer.max_stepz=3", "trainer.max_stepz is not an option of trainer (did you mean trainer.max_steps?)"),
     ("+seeds=1", "seeds is not an option (did you mean seed?); allowed: callbacks, ckpt_path, compile_backend, data, "
-                 "experiment, hydra, local, logger, model, optim, paths, peak_flops, scale, seed, tags, task_name, "
-                 "trainer"),
+                 "experiment, hydra, init_from, local, logger, model, optim, paths, peak_flops, scale, seed, tags, "
+                 "task_name, trainer"),
     ("trainer.bogus=1", "trainer.bogus is not an option of trainer; allowed: accelerator, "),
     ("trainer.max_steps=abc", "trainer.max_steps='abc' is not allowed; allowed: an integer >= 1 (the train loader is "
                               "endless, so training is bounded by steps)"),
@@ -108,6 +108,7 @@ BAD_OVERRIDES = [
     ("ckpt_path=last", "ckpt_path=last: no checkpoint at "),
     ("ckpt_path=/nonexistent/x.ckpt", "ckpt_path=/nonexistent/x.ckpt: no such file; allowed: null, last, auto or "
                                       "a .ckpt path"),
+    ("init_from=/nonexistent/x.ckpt", "init_from=/nonexistent/x.ckpt: checkpoint /nonexistent/x.ckpt does not exist"),
 ]
 
 

@@ -487,3 +487,30 @@ def test_the_heatmaps_margins_keep_every_label_on_the_canvas(shape, tmp_path):
     logged = {"sink/sink1": 100.0, **{f"sink/layer{i}/sink1": 100.0 for i in range(L_)}}
     path = save_heatmap(torch.ones(shape), tmp_path, 9999999, logged)
     assert Image.open(path).text["Title"] == "alpha_1 at step 9999999 (Sink_1 = 100.00%)"
+
+
+def test_init_from_is_a_warm_start_of_the_runs_weights_with_a_grown_vocabulary(run, tmp_path):
+    """init_from=RUN starts a new run from RUN's weights: here with data.retrieval's two marker ids added (the
+    vocabulary grows, the new rows start fresh), at rate 0 so the blocks are the same text. Its loss at step 0 is
+    RUN's last, not a fresh model's; the step count starts at 0; a resume of it (ckpt_path=last) ignores init_from;
+    another architecture is refused in one line before any data is read."""
+    out, _ = run
+    grown = ("data.retrieval.task=passkey", "data.retrieval.rate=0.0")
+    steps = ("trainer.max_steps=2", "trainer.log_every_n_steps=1", "trainer.val_check_interval=2")
+    warm = train(tmp_path / "warm", f"init_from={out}", *grown, *steps)
+    fresh = train(tmp_path / "fresh", *grown, *steps)
+    last = column(out / "metrics.csv", "train/loss")[-1][1]
+    (step0, warm0), *_ = column(warm.dir / "metrics.csv", "train/loss")
+    (_, fresh0), *_ = column(fresh.dir / "metrics.csv", "train/loss")
+    assert step0 == 0 and abs(warm0 - last) < 0.5 and fresh0 - warm0 > 1.0, (warm0, last, fresh0)
+    log = (warm.dir / "train.log").read_text()
+    assert f"init_from={out}: weights of step 60 copied (tok_emb.weight" in log, log
+    saved = torch.load(out / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)["state_dict"]
+    now = torch.load(warm.dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)["state_dict"]
+    assert now["model.tok_emb.weight"].shape[0] > saved["model.tok_emb.weight"].shape[0]
+    resumed = train(warm.dir, f"init_from={out}", *grown, "trainer.max_steps=3", "trainer.log_every_n_steps=1",
+                    "ckpt_path=last")
+    assert "ignored: the run resumes from" in (resumed.dir / "train.log").read_text()
+    bad = train(tmp_path / "bad", f"init_from={out}", "model.n_layer=3", check=False)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1, bad.stderr
+    assert f"init_from={out}: its model differs from this run's (model.n_layer=2 there, 3 here)" in bad.stderr
