@@ -176,8 +176,8 @@ def add_sweep_args(parser: argparse.ArgumentParser, evaluation: str) -> None:
     every finished job of a sweep instead of one TARGET (`run_sweep`)."""
     parser.add_argument("--sweep", metavar="SWEEP_DIR", default=None,
                         help=f"instead of TARGET: every job dir of this sweep with checkpoints/last.ckpt, each "
-                             f"result (what --json prints) into JOB/{evaluation}.json (a rerun adds its settings to the "
-                             f"job's earlier result of the same checkpoint and data, else keeps that one as "
+                             f"result (what --json prints) into JOB/{evaluation}.json (a rerun adds its settings to "
+                             f"the job's earlier result of the same checkpoint and data, else keeps that one as "
                              f"JOB/{evaluation}.K.json), then SWEEP_DIR/{evaluation}.csv"
                              " with one row per job (job, its overrides, the result's columns), which `sinklab "
                              "report` reads")

@@ -242,8 +242,8 @@ def run(args) -> dict:
         bar.close()
     res = {"target": meta.target, "source": meta.source, "task": task.describe(), "chance": task.chance(),
            "grid": {"knob": knob, "values": values}, "length": length, "context": meta.context,
-           "n_samples": args.samples, "seed": args.seed, "notes": target.stream_notes(), "settings": results, "heads": heads,
-           "heads_rank_correlation": rank_correlation(heads), **rv.heads_by_sink(heads)}
+           "n_samples": args.samples, "seed": args.seed, "notes": target.stream_notes(), "settings": results,
+           "heads": heads, "heads_rank_correlation": rank_correlation(heads), **rv.heads_by_sink(heads)}
     if args.plot:
         res["plot"] = str(plot(res, args.plot))
     res["seconds"] = round(time.perf_counter() - t0, 3)

@@ -154,8 +154,8 @@ def copy_weights(model: Transformer, ckpt: dict, path: Union[str, Path]) -> list
                 grown.append(name)
             else:
                 raise UserError(f"init_from={path}: {name} has shape {tuple(value.shape)} there, "
-                                f"{tuple(target.shape)} here (a vocabulary of {value.shape[0]} ids there); a warm start "
-                                "needs the same tokenizer, with ids only added here")
+                                f"{tuple(target.shape)} here (a vocabulary of {value.shape[0]} ids there); a warm "
+                                "start needs the same tokenizer, with ids only added here")
     return grown
 
 
