@@ -99,13 +99,19 @@ def read_training_checkpoint(path: Union[str, Path]) -> dict:
     return ckpt
 
 
+def model_differences(saved: dict, model: dict, also: tuple[str, ...] = ()) -> str:
+    """The keys (up to 4) in which a checkpoint's model config `saved` differs from a run's `model`, shown as
+    "model.k=<there> there, <here> here"; '' when none. EXECUTION_KEYS and the keys `also` are not compared."""
+    model = ModelConfig.from_dict(dict(model)).to_dict()
+    diff = [k for k in sorted(set(saved) | set(model))
+            if k not in (*EXECUTION_KEYS, *also) and saved.get(k) != model.get(k)]
+    return ", ".join(f"model.{k}={saved.get(k)!r} there, {model.get(k)!r} here" for k in diff[:4])
+
+
 def check_same_model(ckpt: dict, model: dict, path: Union[str, Path]) -> None:
     """Refuse resuming a checkpoint with another architecture than the config's (one line naming the keys)."""
-    saved = model_config(ckpt, path).to_dict()
-    model = ModelConfig.from_dict(dict(model)).to_dict()
-    diff = [k for k in sorted(set(saved) | set(model)) if k not in EXECUTION_KEYS and saved.get(k) != model.get(k)]
-    if diff:
-        shown = ", ".join(f"model.{k}={saved.get(k)!r} there, {model.get(k)!r} here" for k in diff[:4])
+    shown = model_differences(model_config(ckpt, path).to_dict(), model)
+    if shown:
         raise UserError(f"{path} was trained with another model ({shown}); resume with the same model config, "
                         f"or start a new run (ckpt_path=null, or a new paths.output_dir)")
 
@@ -122,11 +128,8 @@ def warm_start_checkpoint(path: Union[str, Path], model: dict) -> dict:
         saved = model_config(ckpt, path).to_dict()
     except UserError as err:
         raise UserError(f"init_from={path}: {err}") from None
-    model = ModelConfig.from_dict(dict(model)).to_dict()
-    diff = [k for k in sorted(set(saved) | set(model))
-            if k not in (*EXECUTION_KEYS, "vocab_size") and saved.get(k) != model.get(k)]
-    if diff:
-        shown = ", ".join(f"model.{k}={saved.get(k)!r} there, {model.get(k)!r} here" for k in diff[:4])
+    shown = model_differences(saved, model, also=("vocab_size",))
+    if shown:
         raise UserError(f"init_from={path}: its model differs from this run's ({shown}); a warm start copies the "
                         f"weights into the same architecture (only the vocabulary may grow)")
     return ckpt
