@@ -49,8 +49,11 @@ def _plain(v):
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """The command line; 0 on success, 1 (and one line on stderr) for bad input."""
     ap = argparse.ArgumentParser(prog="sinklab report", description="Tables and plots for a Hydra multirun sweep.")
-    ap.add_argument("sweep_dir", type=Path, help="the multirun dir (holds multirun.yaml and 0/, 1/, ...)")
-    ap.add_argument("--out", type=Path, default=None, help="output dir (default: SWEEP_DIR/report)")
+    ap.add_argument("sweep_dir", type=Path, nargs="+", metavar="SWEEP_DIR",
+                    help="the multirun dir (holds multirun.yaml and 0/, 1/, ...); several dirs of one preset (seeds "
+                         "added by a later sweep) are reported as one sweep, into --out")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="output dir (default: SWEEP_DIR/report; required with several SWEEP_DIRs)")
     ap.add_argument("--paper-tables", type=Path, default=None, help="paper_tables.yaml (default: the packaged one)")
     ap.add_argument("--stale-minutes", type=float, default=STALE_MINUTES,
                     help="a job whose files have not changed for this long is not running any more (default 10)")

@@ -61,7 +61,7 @@ def check_baseline(sweep: Sweep, baseline: dict) -> None:
         given = f"--baseline {key}={word(value)}"
         if key not in keys:
             what = ("pairs the jobs (seeds are averaged over, not compared)" if key in sweep.swept else
-                    f"is not a swept key of {sweep.dir}")
+                    f"is not a swept key of {sweep.where}")
             raise UserError(f"{given}: {key} {what}; allowed: "
                             + (", ".join(keys) or "none: the sweep varies only the seed"))
         values = swept_values(sweep, key)

@@ -10,7 +10,7 @@ from sinklab.config.claims import parse_claims
 from sinklab.config.store import CONF_DIR
 from sinklab.errors import UserError
 from sinklab.report.baseline import check_baseline, choose_baseline
-from sinklab.report.jobs import STALE_MINUTES, load_sweep, select
+from sinklab.report.jobs import STALE_MINUTES, Sweep, load_sweeps, select
 from sinklab.report.paper import load_paper_tables
 from sinklab.report.plots import make_plots
 from sinklab.report.stats import CONFIDENCE, setting_differences
@@ -46,10 +46,25 @@ def claims_spec(cfg, claims_from: Optional[str] = None) -> tuple[str, dict]:
         {k: select(preset, f"experiment.{k}") for k in spec}
 
 
+def sweep_claims(sweep: Sweep, claims_from: Optional[str] = None) -> tuple[str, dict]:
+    """`claims_spec` of a sweep; of a combined one (`load_sweeps`), the claims every dir states alike (claims are
+    stated before the runs: dirs that state different ones are one line, unless `claims_from` names which)."""
+    source, spec = claims_spec(sweep.cfg, claims_from)
+    if claims_from is None and len(sweep.dirs) > 1:
+        for d in sweep.dirs[1:]:
+            other = claims_spec(load_sweeps([d]).cfg)[1]
+            if OmegaConf.to_container(OmegaConf.create(other)) != OmegaConf.to_container(OmegaConf.create(spec)):
+                raise UserError(f"SWEEP_DIRs {sweep.dirs[0]} and {d} state different claims or baselines "
+                                "(experiment.claims / experiment.baseline); allowed: sweeps that state the same, or "
+                                "--claims PRESET to judge one preset's on all")
+    return source, spec
+
+
 def build_report(sweep_dir, out_dir=None, *, paper_tables: Optional[Path] = None, now: Optional[float] = None,
                  stale_minutes: float = STALE_MINUTES, metrics: Sequence[str] = (),
                  baseline: Optional[dict] = None, claims_from: Optional[str] = None) -> dict:
-    """Read every job of a sweep and write report.md, report.csv, and, when a setting has several seeds,
+    """Read every job of a sweep (``sweep_dir``; a list of dirs: one preset's sweeps as one, `load_sweeps`, with
+    ``out_dir`` required) and write report.md, report.csv, and, when a setting has several seeds,
     report_aggregate.csv (the seed statistics) and report_differences.csv (each setting's difference from the
     baseline setting, paired by seed: ``baseline``, checked against the sweep, else the preset's experiment.baseline,
     else the swept keys' defaults, `sinklab.report.baseline`); with the preset's claims, report_claims.csv (their
@@ -63,12 +78,15 @@ def build_report(sweep_dir, out_dir=None, *, paper_tables: Optional[Path] = None
     (how it was chosen) and "baseline_note" (that and how to choose another; both None without one), "swept",
     "rule"}; missing values are None.
     """
-    sweep_dir = Path(sweep_dir)
-    out_dir = Path(out_dir) if out_dir is not None else sweep_dir / "report"
-    sweep = load_sweep(sweep_dir, now=now, stale_minutes=stale_minutes)
+    dirs = [Path(d) for d in sweep_dir] if isinstance(sweep_dir, (list, tuple)) else [Path(sweep_dir)]
+    if out_dir is None and len(dirs) > 1:
+        raise UserError(f"{len(dirs)} SWEEP_DIRs need --out, the dir of their combined report (each sweep's own "
+                        "report stays in SWEEP_DIR/report)")
+    out_dir = Path(out_dir) if out_dir is not None else dirs[0] / "report"
+    sweep = load_sweeps(dirs, now=now, stale_minutes=stale_minutes)
     if baseline:
         check_baseline(sweep, baseline)
-    source, spec = claims_spec(sweep.cfg, claims_from)
+    source, spec = sweep_claims(sweep, claims_from)
     preset_baseline, claims = parse_claims(spec)
     tables = load_paper_tables(paper_tables)
     try:

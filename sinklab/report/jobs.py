@@ -238,6 +238,15 @@ class Sweep:
     jobs: list[Job]
     swept: list[str]  # swept keys, in Hydra's sweep order
     cfg: Any  # sweep-level config (multirun.yaml, else the first job's)
+    dirs: list[Path] = field(default_factory=list)  # the sweep dirs read (several: `load_sweeps`); [dir] by default
+
+    def __post_init__(self):
+        self.dirs = self.dirs or [self.dir]
+
+    @property
+    def where(self) -> str:
+        """The sweep dir, or the dirs of a combined sweep, as a command names them."""
+        return " ".join(str(d) for d in self.dirs)
 
 
 def _multirun_overrides(mr: Any) -> list[str]:
@@ -303,6 +312,45 @@ def load_sweep(sweep_dir: Path, now: Optional[float] = None, stale_minutes: floa
     read_evaluations(sweep_dir, jobs)
     fill_derived(jobs)
     return Sweep(sweep_dir, jobs, swept, cfg)
+
+
+def load_sweeps(sweep_dirs: Sequence[Path], now: Optional[float] = None,
+                stale_minutes: float = STALE_MINUTES) -> Sweep:
+    """Several sweep dirs of one preset read as one sweep: seeds or settings added by a later sweep (`sinklab-train -m
+    experiment=X seed=0,1` today, `seed=2,3,4` tomorrow). Each dir is read as by `load_sweep`, its evaluations
+    included; a job is named ``<dir name>/<job>`` (the dir's path where two names repeat); a key is swept when the
+    jobs' values of it differ (a seed each sweep fixed on its command line is swept here). The sweep-level config is
+    the first dir's. Dirs of different presets (experiment.name), or one dir named twice, are one line."""
+    dirs = [Path(d) for d in sweep_dirs]
+    if len(dirs) == 1:
+        return load_sweep(dirs[0], now=now, stale_minutes=stale_minutes)
+    now = time.time() if now is None else now
+    seen: dict[Path, Path] = {}
+    for d in dirs:
+        if d.resolve() in seen:
+            raise UserError(f"SWEEP_DIR {d} is named twice (as {seen[d.resolve()]} and {d}); allowed: each sweep "
+                            "dir once")
+        seen[d.resolve()] = d
+    sweeps = [load_sweep(d, now=now, stale_minutes=stale_minutes) for d in dirs]
+    presets = {str(d): select(s.cfg, "experiment.name") for d, s in zip(dirs, sweeps)}
+    if len(set(presets.values())) > 1:
+        raise UserError("SWEEP_DIRs of different presets cannot be reported as one: "
+                        + ", ".join(f"{d} ({name or 'no experiment.name'})" for d, name in presets.items())
+                        + "; allowed: sweeps of one preset")
+    names = [d.name for d in dirs]
+    prefixes = names if len(set(names)) == len(names) else [str(d) for d in dirs]
+    jobs: list[Job] = []
+    for prefix, sweep in zip(prefixes, sweeps):
+        for job in sweep.jobs:
+            job.name = f"{prefix}/{job.name}"
+            jobs.append(job)
+    swept = list(dict.fromkeys(k for s in sweeps for k in s.swept))
+    # a key set on one sweep's command line and not on another's is swept only where the composed values differ
+    for job in jobs:
+        swept += [k for k in job.override_text
+                  if k not in swept and len({repr(j.value(k)) for j in jobs}) > 1]
+    fill_derived(jobs)
+    return Sweep(dirs[0], jobs, swept, sweeps[0].cfg, dirs)
 
 
 def fixed_overrides(sweep: Sweep) -> list[str]:

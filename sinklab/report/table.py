@@ -51,7 +51,7 @@ def job_table(sweep: Sweep, tables: dict, extra: Sequence[str] = ()) -> tuple[pd
     if unknown and any(j.status == Status.COMPLETED for j in sweep.jobs):
         near = difflib.get_close_matches(unknown[0], sorted(logged), n=3)
         raise UserError(f"metric {unknown[0]!r} (--metrics / experiment.report_metrics) was logged by no job of "
-                        f"{sweep.dir}; " + (f"did you mean {', '.join(near)}?" if near else
+                        f"{sweep.where}; " + (f"did you mean {', '.join(near)}?" if near else
                                              f"logged: {', '.join(sorted(logged)[:12])}, ..."))
     metrics = metric_columns(logged, extra)
     records = []
@@ -211,13 +211,14 @@ def write_markdown(path: Path, sweep: Sweep, jobs: pd.DataFrame, metrics: list[C
     statistics, the paired differences from the baseline (``baseline_note``: which, why, and how to choose another),
     the claims' verdicts, plots."""
     exp = experiment_info(sweep.cfg)
-    lines = [f"# Sweep report: {exp['name'] or sweep.dir.name}", "", f"- Sweep dir: `{sweep.dir}`",
+    dirs = "Sweep dirs" if len(sweep.dirs) > 1 else "Sweep dir"
+    lines = [f"# Sweep report: {exp['name'] or sweep.dir.name}", "", f"- {dirs}: `{sweep.where}`",
              f"- Experiment: `{exp['name'] or '-'}`", *_paper_table_line(exp, tables)]
-    regen = f"sinklab report {sweep.dir} --out {out_dir}"
+    regen = f"sinklab report {sweep.where} --out {out_dir}"
     lines += [f"- Swept: {', '.join(f'`{k}`' for k in sweep.swept) or 'nothing (single setting)'}",
               f"- Jobs: {len(jobs)} ({status_counts(jobs['status'])})",
               f"- Generated: {datetime.now().strftime('%Y-%m-%d %H:%M:%S')}",
-              f"- Regenerate: `{regen}` (or `python -m sinklab report {sweep.dir} --out {out_dir}`)",
+              f"- Regenerate: `{regen}` (or `python -m sinklab report {sweep.where} --out {out_dir}`)",
               "", "Final values are the last logged ones; Sink_k in %, losses in nats.", "", "## Jobs", ""]
     labels = {m.col: m.label for m in metrics} | PAPER_LABELS
     lines.append(_markdown(_cells(jobs.drop(columns="dir")), labels))

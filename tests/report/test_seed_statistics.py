@@ -228,12 +228,18 @@ def test_a_malformed_preset_claim_is_refused_when_the_config_is_validated():
 
 @pytest.mark.slow
 @pytest.mark.ci
-def test_the_readme_report_commands(built, capsys):
-    """The README's `sinklab report` lines, on the synthetic sweep: the file list with the verdicts, and --json."""
+def test_the_readme_report_commands(built, tmp_path, monkeypatch, capsys):
+    """The README's `sinklab report` lines, on the synthetic sweep: the file list with the verdicts, and --json; the
+    line with two sweep dirs on the sweep split by seed into two."""
     sweep, _ = built
     lines = readme_cli_lines("sinklab report ", {"logs/train/multiruns/2026-11-22_10-00-00": sweep,
                                                  "logs/train/multiruns/<time>": sweep})
     assert any("--json" in line for line in lines)
+    first, later = split_by_seed(make_seed_sweep(tmp_path / "src"), tmp_path)
+    two = [args for args in lines if "logs/train/multiruns/2026-11-24_08-00-00" in args]
+    assert len(two) == 1
+    two[0][1:3] = [str(first), str(later)]
+    monkeypatch.chdir(tmp_path)
     for args in lines:
         rc, out, err = run_cli("sinklab", *args, capsys=capsys)
         assert rc == 0, args
@@ -241,6 +247,8 @@ def test_the_readme_report_commands(built, capsys):
             assert {c["claim"]: c["verdict"] for c in json.loads(out)["claims"]} == EXPECTED
         else:
             assert "claim g1_removes_sink: reproduced\n" in out and "report_claims.csv" in out
+    assert report_csv(tmp_path / "reports" / "no_bos" / "report_claims.csv")["verdict"].tolist() == \
+        list(EXPECTED.values())
 
 
 @pytest.mark.slow
@@ -385,3 +393,69 @@ def test_a_baseline_the_sweep_did_not_run_is_one_line_before_any_work(tmp_path, 
     assert rc == 1 and err == f"sinklab report: error: {message.format(sweep=sweep)}\n"
     assert not (tmp_path / "out").exists()
 
+
+
+# ------------------------------------------------------------------------------- several sweeps of one preset
+def split_by_seed(sweep, root, parts=((0, 1), (2, 3, 4))):
+    """The seed sweep as several sweeps would have left it (`seed=0,1` today, `seed=2,3,4` tomorrow): each job dir,
+    with its number, in the dir of its seed's part, and each part's rows of streaming.csv beside them."""
+    from omegaconf import OmegaConf
+
+    streaming = pd.read_csv(sweep / "streaming.csv", dtype={"job": str})
+    dirs = []
+    for i, seeds in enumerate(parts):
+        d = root / f"part{i}"
+        d.mkdir(parents=True)
+        for job in sweep.iterdir():
+            if job.is_dir() and OmegaConf.load(job / ".hydra" / "config.yaml").seed in seeds:
+                job.rename(d / job.name)
+        streaming[streaming.seed.isin(seeds)].to_csv(d / "streaming.csv", index=False)
+        dirs.append(d)
+    return dirs
+
+
+def test_several_sweeps_of_one_preset_are_reported_as_one(built, tmp_path, capsys):
+    """Seeds 0-1 in one sweep dir, 2-4 in another: the combined report pairs the seeds across them and gives every
+    verdict, interval and evaluation column the single sweep gives."""
+    _, whole = built
+    parts = split_by_seed(make_seed_sweep(tmp_path / "src"), tmp_path)
+    rc, out, err = run_cli("sinklab", "report", *map(str, parts), "--out", str(tmp_path / "out"), "--json",
+                           capsys=capsys)
+    assert rc == 0, err
+    res = json.loads(out)
+    assert {c["claim"]: c["verdict"] for c in res["claims"]} == EXPECTED
+    for a, b in zip(res["claims"], whole["claims"]):
+        assert (a["pairs"], a["claimed_sign"]) == (b["pairs"], b["claimed_sign"])
+        assert a["diff_mean"] == pytest.approx(b["diff_mean"])
+    assert res["swept"] == ["model/gate", "seed"] and len(res["rows"]) == len(whole["rows"])
+    jobs = {r["job"]: r for r in res["rows"]}
+    assert {j.split("/")[0] for j in jobs} == {"part0", "part1"}
+    assert all(r["seed"] in ((0, 1) if j.startswith("part0/") else (2, 3, 4)) for j, r in jobs.items())
+    x0 = next(c for c in res["claims"] if c["claim"] == "x0_penalty")  # each dir's own streaming.csv
+    assert sorted(p["seed"] for p in x0["pair_values"]) == list(SEEDS)
+    md = (tmp_path / "out" / "report.md").read_text()
+    assert f"- Sweep dirs: `{parts[0]} {parts[1]}`" in md and f"sinklab report {parts[0]} {parts[1]} --out" in md
+
+
+def test_several_sweeps_bad_input_is_one_line(tmp_path, capsys):
+    a, b = split_by_seed(make_seed_sweep(tmp_path / "src"), tmp_path)
+    cases = [([a, b], "2 SWEEP_DIRs need --out, the dir of their combined report"),
+             ([a, b, a, "--out", tmp_path / "o"], f"SWEEP_DIR {a} is named twice"),
+             ([a, tmp_path / "nowhere", "--out", tmp_path / "o"], f"SWEEP_DIR {tmp_path / 'nowhere'} is not a "
+                                                                  "directory")]
+    other = make_seed_sweep(tmp_path / "other", claims=None)  # gate_positions, not gates
+    cases.append(([a, other, "--out", tmp_path / "o"], f"SWEEP_DIRs of different presets cannot be reported as one: "
+                                                       f"{a} (gates), {other} (gate_positions)"))
+    for job in b.iterdir():  # the same preset with another claim stated in the later sweep
+        if job.is_dir():
+            cfg = yaml.safe_load((job / ".hydra" / "config.yaml").read_text())
+            cfg["experiment"]["claims"] = CLAIMS[:1]
+            (job / ".hydra" / "config.yaml").write_text(yaml.safe_dump(cfg))
+    cases.append(([a, b, "--out", tmp_path / "o"], f"SWEEP_DIRs {a} and {b} state different claims or baselines"))
+    for args, message in cases:
+        rc, out, err = run_cli("sinklab", "report", *map(str, args), capsys=capsys)
+        assert rc == 1, args
+        assert_one_line_error(err, message, starts="sinklab report: error: ")
+    assert not (tmp_path / "o").exists()
+    res = report.build_report([a, b], tmp_path / "o", claims_from="gate_positions")  # --claims says which: no conflict
+    assert {c["claim"] for c in res["claims"]} >= {"g1_removes_sink", "g1_lower_loss"}
