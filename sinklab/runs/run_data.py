@@ -46,6 +46,57 @@ def load_run_config(run_dir: Path):
     return cfg
 
 
+def is_sweep_dir(path: Path) -> bool:
+    """Whether `path` is a multirun dir: no run of its own (no .hydra/, no checkpoints/), job dirs below it."""
+    p = Path(path)
+    return p.is_dir() and not is_run_dir(p) and not (p / "checkpoints").exists() and bool(sweep_jobs(p))
+
+
+def sweep_jobs(sweep_dir: Path) -> list[Path]:
+    """The job dirs of a multirun dir (0/, 1/, ... or named subdirs holding a run config), by job number."""
+    jobs = [p for p in Path(sweep_dir).iterdir() if p.is_dir() and is_run_dir(p)]
+    return sorted(jobs, key=lambda p: (0, int(p.name), "") if p.name.isdigit() else (1, 0, p.name))
+
+
+def _override_texts(job_dir: Path) -> dict[str, str]:
+    """KEY -> the override as written, of a job's .hydra/overrides.yaml (none when it is missing or unreadable)."""
+    import yaml
+
+    try:
+        lines = yaml.safe_load((Path(job_dir) / ".hydra" / "overrides.yaml").read_text()) or []
+    except (OSError, yaml.YAMLError):
+        return {}
+    return {str(o).partition("=")[0].lstrip("+~"): str(o) for o in lines if isinstance(o, str) and "=" in o}
+
+
+def matching_job(sweep_dir: Path, cfg, flag: str = "init_from") -> tuple[Path, dict]:
+    """The job of a multirun dir with this run's settings (`cfg`): the keys its jobs were run with different values
+    of (the sweep's own), and the seed, equal in both composed configs; and those settings. A warm start's second
+    stage finds its first stage's model this way (`init_from=SWEEP_DIR`). One line when no job or several match."""
+    from omegaconf import OmegaConf
+
+    def value(c, key):
+        return OmegaConf.to_container(v, resolve=True) if OmegaConf.is_config(v := OmegaConf.select(c, key)) else v
+
+    jobs = sweep_jobs(sweep_dir)
+    texts = {job: _override_texts(job) for job in jobs}
+    swept = [k for k in dict.fromkeys(k for t in texts.values() for k in t)
+             if len({t.get(k) for t in texts.values()}) > 1 and k.split(".")[0].split("/")[0] != "hydra"]
+    keys = ["seed", *(k for k in swept if k != "seed")]
+    want = {k: value(cfg, k) for k in keys}
+    have = {job: {k: value(load_run_config(job), k) for k in keys} for job in jobs}
+    found = [job for job in jobs if have[job] == want]
+    if len(found) == 1:
+        return found[0], want
+    shown = ", ".join(f"{k}={v}" for k, v in want.items())
+    if not found:
+        jobs_shown = "; ".join(f"{job.name}: " + ", ".join(f"{k}={v}" for k, v in have[job].items()) for job in jobs)
+        raise UserError(f"{flag}={sweep_dir}: no job of that sweep has this run's {shown} (its jobs: {jobs_shown}); "
+                        "allowed: a sweep that ran these settings, a run dir or a .ckpt")
+    raise UserError(f"{flag}={sweep_dir}: {len(found)} jobs have this run's {shown} "
+                    f"({', '.join(j.name for j in found)}); name one: {flag}={found[0]}")
+
+
 def run_dir_of(ckpt: Path) -> Optional[Path]:
     """The training run dir (holding .hydra/config.yaml) of a checkpoint, if there is one: RUN/checkpoints/last.ckpt
     and RUN/checkpoints/kept/*.ckpt belong to RUN."""

@@ -33,6 +33,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
 
     from sinklab.runs.checkpoints import (check_same_model, copy_weights, read_training_checkpoint,
                                           warm_start_checkpoint)
+    from sinklab.runs.run_data import is_sweep_dir, matching_job
     from sinklab.train.checkpoint_io import AtomicCheckpointIO
     from sinklab.train.fault import Preempted, continue_metrics, resolve_ckpt_path, slurm_plugins
     from sinklab.plugins import load_plugins
@@ -51,6 +52,9 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     resume = read_training_checkpoint(ckpt) if ckpt else None  # a truncated or foreign file: one clear line
     resume_step = int(resume["global_step"]) if resume else None
     init_from = cfg.get("init_from")  # a warm start: weights only, before a resume it does not apply
+    if init_from and resume is None and is_sweep_dir(init_from):  # the first stage's job with this job's settings
+        init_from, settings = matching_job(init_from, cfg)
+        log.info("init_from: %s, the job with %s", init_from, ", ".join(f"{k}={v}" for k, v in settings.items()))
     warm = warm_start_checkpoint(init_from, model_cfg.to_dict()) if init_from and resume is None else None
     L.seed_everything(cfg.seed, workers=True)
     setup_wandb_mode(cfg)

@@ -28,6 +28,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import yaml
@@ -117,6 +118,11 @@ def fast_job(name: str) -> list[str]:
     default = sections(composed("scale=cpu"))
     jobs = preset_jobs(name, "cpu")
     return next((j for j in jobs if sections(job_config(name, "cpu", j)) != default), jobs[0])
+
+
+def first_stage(name: str) -> Optional[str]:
+    """The preset whose models a second-stage preset starts from (experiment.first_stage), else None."""
+    return OmegaConf.select(composed(f"experiment={name}"), "experiment.first_stage")
 
 
 def restrict(job: list[str]) -> str:
@@ -250,6 +256,10 @@ def test_preset_sweep_composes_validates_and_covers_the_paper_table(name, scale)
     seen_configs, matched, tables_used = [], {}, set()
     for job in jobs:
         cfg = job_config(name, scale, job)
+        if OmegaConf.select(cfg, "experiment.first_stage"):  # a second stage starts from its first stage's sweep
+            with pytest.raises(UserError, match="^init_from is missing: experiment="):
+                validate_config(cfg)
+            cfg = OmegaConf.merge(cfg, {"init_from": "logs/train/multiruns/first_stage"})
         validate_config(cfg)  # what sinklab-train checks before any data is loaded
         d = cfg.data
         BlockControls.from_config(OmegaConf.to_object(d))  # DataConfig: its rules hold (controls vs block_size)
@@ -287,7 +297,7 @@ def test_preset_sweep_composes_validates_and_covers_the_paper_table(name, scale)
 # the presets of other papers' claims state them (issue 28)
 WITH_CLAIMS = {"gate_positions", "outliers_quant", "residual_sinks", "sink_uses", "value_gates", "diff_attention",
                "muon", "qk_norm", "layer_patterns", "sparse_attention", "head_positions", "head_geometry", "retrieval",
-               "retrieval_128"}
+               "retrieval_128", "retrieval_warm"}
 
 
 @pytest.mark.parametrize("name", PRESETS)
@@ -504,12 +514,14 @@ def fast_sweeps(request, tmp_path_factory):
     dir, the job's overrides)}."""
     selected = {item.callspec.params["name"] for item in request.session.items
                 if getattr(item, "originalname", None) == "test_preset_trains_one_step_and_reports_the_papers_numbers"}
+    selected |= {first_stage(n) for n in selected if first_stage(n)}
     root = tmp_path_factory.mktemp("sweeps")
     runs, out = [], {}
-    for name in sorted(selected):
+    for name in sorted(selected, key=lambda n: (first_stage(n) is not None, n)):  # first stages first
         job = fast_job(name)
         sweep_dir = root / name
-        runs.append(["-m", f"experiment={name}", restrict(job), f"hydra.sweep.dir={sweep_dir}", *FAST])
+        warm = [f"init_from={out[first_stage(name)][0]}"] if first_stage(name) else []
+        runs.append(["-m", f"experiment={name}", restrict(job), f"hydra.sweep.dir={sweep_dir}", *FAST, *warm])
         out[name] = (sweep_dir, job)
     proc = subprocess.run([sys.executable, "-c", DRIVER, json.dumps(runs)], capture_output=True, text=True,
                           timeout=900, env=ENV, cwd=root)
@@ -588,7 +600,14 @@ def test_quant_sweep_gathers_sinklab_quant_of_every_job_into_one_csv(tmp_path, c
 def test_every_job_of_the_preset_trains_one_step(name, tmp_path):
     exe = Path(sys.executable).with_name("sinklab-train")
     cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "sinklab.train.entry"]
-    proc = subprocess.run([*cmd, "-m", f"experiment={name}", f"hydra.sweep.dir={tmp_path}", *FAST],
+    warm = []
+    if first_stage(name):  # a second stage: its first stage's whole sweep first, each job starts from its match
+        first = tmp_path.parent / f"{tmp_path.name}_first"
+        proc = subprocess.run([*cmd, "-m", f"experiment={first_stage(name)}", f"hydra.sweep.dir={first}", *FAST],
+                              capture_output=True, text=True, timeout=1800, env=ENV, cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        warm = [f"init_from={first}"]
+    proc = subprocess.run([*cmd, "-m", f"experiment={name}", f"hydra.sweep.dir={tmp_path}", *FAST, *warm],
                           capture_output=True, text=True, timeout=1800, env=ENV, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     jobs = preset_jobs(name, "cpu")

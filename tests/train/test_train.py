@@ -489,6 +489,49 @@ def test_the_heatmaps_margins_keep_every_label_on_the_canvas(shape, tmp_path):
     assert Image.open(path).text["Title"] == "alpha_1 at step 9999999 (Sink_1 = 100.00%)"
 
 
+# a preset's sweep at one step a job (tiny3 at T = 64)
+PRESET_FAST = ["optim.warmup_steps=0", "trainer.val_check_interval=2", "trainer.limit_val_batches=1",
+               "trainer.log_every_n_steps=1", "callbacks.sink.every_n_steps=2",
+               "callbacks.checkpoint.every_n_train_steps=2", "data.batch_size=2", "data.probe_num_seqs=8",
+               "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false", "peak_flops=null"]
+
+
+@pytest.mark.slow  # two preset sweeps of 2-4 one-step jobs (~40 s)
+@pytest.mark.ci
+def test_a_second_stage_starts_each_job_from_its_first_stage_job(tmp_path):
+    """experiment=retrieval_warm init_from=SWEEP_DIR (a retrieval_base sweep): each job starts from the job of that
+    sweep with its design and seed, here job 3 (gate, seed 1) of 4: after one step at a tiny lr its weights are that
+    job's, far from the same design's other seed. Without init_from, or with a seed the first stage did not run, the
+    run is refused in one line before any data is read."""
+    first, second = tmp_path / "first", tmp_path / "second"
+    stage1, stage2, missing, other_seed = run_cli_in_one_process("sinklab-train", [
+        ["-m", "experiment=retrieval_base", "experiment.variant=softmax,gate", "seed=0,1", f"hydra.sweep.dir={first}",
+         *PRESET_FAST, "trainer.max_steps=2"],
+        ["-m", "experiment=retrieval_warm", "experiment.variant=gate", "seed=1", f"init_from={first}",
+         f"hydra.sweep.dir={second}", *PRESET_FAST, "trainer.max_steps=1", "optim.lr=1e-7"],
+        ["experiment=retrieval_warm", f"paths.output_dir={tmp_path / 'none'}"],
+        ["experiment=retrieval_warm", "seed=7", f"init_from={first}", f"paths.output_dir={tmp_path / 'seven'}"]],
+        env={"PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"})
+    assert stage1.returncode == 0 and stage2.returncode == 0, (stage1.stderr[-2000:], stage2.stderr[-2000:])
+    log = (second / "0" / "train.log").read_text()
+    assert f"init_from: {first / '3'}, the job with seed=1, experiment.variant=gate" in log, log
+    assert f"init_from={first / '3'}: weights of step 2 copied" in log
+
+    def weights(job_dir):
+        sd = torch.load(job_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)["state_dict"]
+        return torch.cat([v.flatten() for k, v in sorted(sd.items()) if "emb" not in k and "lm_head" not in k])
+
+    warm = weights(second / "0")
+    assert (warm - weights(first / "3")).norm() < 1e-3 * (warm - weights(first / "2")).norm()
+    assert missing.returncode == 2 and missing.stderr.count("\n") == 1, missing.stderr
+    assert "error: init_from is missing: experiment=retrieval_warm starts from the models of " \
+           "experiment=retrieval_base" in missing.stderr
+    assert other_seed.returncode == 2 and other_seed.stderr.count("\n") == 1, other_seed.stderr
+    assert f"init_from={first}: no job of that sweep has this run's seed=7, experiment.variant=softmax (its jobs: " \
+           "0: seed=0, experiment.variant=softmax; 1: seed=1" in other_seed.stderr
+    assert not (tmp_path / "seven" / "checkpoints").exists()
+
+
 def test_init_from_is_a_warm_start_of_the_runs_weights_with_a_grown_vocabulary(run, tmp_path):
     """init_from=RUN starts a new run from RUN's weights: here with data.retrieval's two marker ids added (the
     vocabulary grows, the new rows start fresh), at rate 0 so the blocks are the same text. Its loss at step 0 is
