@@ -69,22 +69,40 @@ def _override_texts(job_dir: Path) -> dict[str, str]:
     return {str(o).partition("=")[0].lstrip("+~"): str(o) for o in lines if isinstance(o, str) and "=" in o}
 
 
-def matching_job(sweep_dir: Path, cfg, flag: str = "init_from") -> tuple[Path, dict]:
-    """The job of a multirun dir with this run's settings (`cfg`): the keys its jobs were run with different values
-    of (the sweep's own), and the seed, equal in both composed configs; and those settings. A warm start's second
-    stage finds its first stage's model this way (`init_from=SWEEP_DIR`). One line when no job or several match."""
+def _choices(job_dir: Path) -> dict:
+    """A job's config-group choices (.hydra/hydra.yaml's hydra.runtime.choices: model/gate -> elementwise, ...)."""
+    import yaml
+
+    try:
+        saved = yaml.safe_load((Path(job_dir) / ".hydra" / "hydra.yaml").read_text()) or {}
+    except (OSError, yaml.YAMLError):
+        return {}
+    return ((saved.get("hydra") or {}).get("runtime") or {}).get("choices") or {}
+
+
+def matching_job(sweep_dir: Path, cfg, choices: Optional[dict] = None, flag: str = "init_from") -> tuple[Path, dict]:
+    """The job of a multirun dir with this run's settings: the keys its jobs were run with different values of (the
+    sweep's own), and the seed, equal in both; a config key compares the composed values (`cfg`), a config group
+    (model/gate=elementwise) the group choices (`choices`, this run's hydra.runtime.choices). Returns the job dir and
+    those settings. A warm start's second stage finds its first stage's model this way (`init_from=SWEEP_DIR`). One
+    line when no job or several match."""
     from omegaconf import OmegaConf
 
-    def value(c, key):
-        return OmegaConf.to_container(v, resolve=True) if OmegaConf.is_config(v := OmegaConf.select(c, key)) else v
+    choices = dict(choices or {})
+
+    def value(c, key, group_choices):
+        if key in choices:
+            return group_choices.get(key)
+        v = OmegaConf.select(c, key)
+        return OmegaConf.to_container(v, resolve=True) if OmegaConf.is_config(v) else v
 
     jobs = sweep_jobs(sweep_dir)
     texts = {job: _override_texts(job) for job in jobs}
     swept = [k for k in dict.fromkeys(k for t in texts.values() for k in t)
              if len({t.get(k) for t in texts.values()}) > 1 and k.split(".")[0].split("/")[0] != "hydra"]
     keys = ["seed", *(k for k in swept if k != "seed")]
-    want = {k: value(cfg, k) for k in keys}
-    have = {job: {k: value(load_run_config(job), k) for k in keys} for job in jobs}
+    want = {k: value(cfg, k, choices) for k in keys}
+    have = {job: {k: value(load_run_config(job), k, _choices(job)) for k in keys} for job in jobs}
     found = [job for job in jobs if have[job] == want]
     if len(found) == 1:
         return found[0], want

@@ -19,7 +19,7 @@ from sinklab.config import CONF_DIR, check_devices, validate_config
 from sinklab.config.messages import instantiate_user
 from sinklab.errors import UserError
 from sinklab.train.jobs import log_failure, run_job
-from sinklab.train.runtime import output_dir_of
+from sinklab.train.runtime import group_choices, output_dir_of
 from sinklab.train.summary import summary
 from sinklab.train.wandb_setup import check_wandb_installed, set_wandb_names, setup_wandb_mode
 
@@ -53,7 +53,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     resume_step = int(resume["global_step"]) if resume else None
     init_from = cfg.get("init_from")  # a warm start: weights only, before a resume it does not apply
     if init_from and resume is None and is_sweep_dir(init_from):  # the first stage's job with this job's settings
-        init_from, settings = matching_job(init_from, cfg)
+        init_from, settings = matching_job(init_from, cfg, group_choices())
         log.info("init_from: %s, the job with %s", init_from, ", ".join(f"{k}={v}" for k, v in settings.items()))
     warm = warm_start_checkpoint(init_from, model_cfg.to_dict()) if init_from and resume is None else None
     L.seed_everything(cfg.seed, workers=True)

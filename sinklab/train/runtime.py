@@ -1,4 +1,4 @@
-"""Where this job runs in Hydra's terms: its output dir, and whether it is one job of a multirun."""
+"""Where this job runs in Hydra's terms: its output dir, whether it is one job of a multirun, its group choices."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -20,3 +20,10 @@ def is_multirun() -> bool:
     from hydra.types import RunMode
 
     return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+
+
+def group_choices() -> dict:
+    """This job's config-group choices (hydra.runtime.choices: model/gate -> elementwise, ...); {} outside Hydra."""
+    from hydra.core.hydra_config import HydraConfig
+
+    return dict(HydraConfig.get().runtime.choices) if HydraConfig.initialized() else {}

@@ -532,6 +532,45 @@ def test_a_second_stage_starts_each_job_from_its_first_stage_job(tmp_path):
     assert not (tmp_path / "seven" / "checkpoints").exists()
 
 
+def test_a_sweeps_job_is_matched_by_seed_varied_keys_and_group_choices(tmp_path):
+    """`matching_job`, which init_from=SWEEP_DIR uses: a config group the first stage varied (model/gate=...) is
+    matched by the group choice its jobs saved (.hydra/hydra.yaml), a config key by its composed value, the seed
+    always (also where that sweep ran one seed); no match or two are one line each."""
+    import yaml
+    from omegaconf import OmegaConf
+
+    from sinklab.errors import UserError
+    from sinklab.runs.run_data import is_sweep_dir, matching_job
+    from tests.helpers.sweeps import base_config, write_hydra
+
+    sweep = tmp_path / "first"
+    for job, (gate, seed) in enumerate([("none", 0), ("elementwise", 0), ("none", 1), ("elementwise", 1)]):
+        d = sweep / str(job)
+        write_hydra(d, {**base_config(seed=seed), "paths": {"output_dir": "x"}}, [f"model/gate={gate}", f"seed={seed}"])
+        (d / ".hydra" / "hydra.yaml").write_text(yaml.safe_dump({"hydra": {"runtime": {"choices": {
+            "model/gate": gate, "data": "shakespeare"}}}}))
+    assert is_sweep_dir(sweep) and not is_sweep_dir(sweep / "0") and not is_sweep_dir(tmp_path / "nowhere")
+    cfg = OmegaConf.create(base_config(seed=1))
+    job, settings = matching_job(sweep, cfg, {"model/gate": "elementwise", "data": "shakespeare"})
+    assert job == sweep / "3" and settings == {"seed": 1, "model/gate": "elementwise"}
+    with pytest.raises(UserError, match=r"^init_from=.*first: no job of that sweep has this run's seed=1, "
+                                        r"model/gate=headwise \(its jobs: 0: seed=0, model/gate=none; "):
+        matching_job(sweep, cfg, {"model/gate": "headwise"})
+    one_seed = tmp_path / "one_seed"  # a sweep of one seed: the seed is still compared
+    for job in range(2):
+        write_hydra(one_seed / str(job), {**base_config(seed=0, wd=job / 10), "paths": {"output_dir": "x"}},
+                    [f"optim.weight_decay={job / 10}"])
+    with pytest.raises(UserError, match=r"no job of that sweep has this run's seed=1, optim.weight_decay=0.1 "):
+        matching_job(one_seed, OmegaConf.create(base_config(seed=1, wd=0.1)), {})
+    assert matching_job(one_seed, OmegaConf.create(base_config(seed=0, wd=0.1)), {})[0] == one_seed / "1"
+    twice = tmp_path / "twice"  # two jobs of the same settings (a rerun beside the first)
+    for job in ("0", "rerun"):
+        write_hydra(twice / job, base_config(seed=0), ["seed=0"])
+    with pytest.raises(UserError, match=r"^init_from=.*twice: 2 jobs have this run's seed=0 \(0, rerun\); name one: "
+                                        r"init_from=.*twice/0$"):
+        matching_job(twice, OmegaConf.create(base_config(seed=0)), {})
+
+
 def test_init_from_is_a_warm_start_of_the_runs_weights_with_a_grown_vocabulary(run, tmp_path):
     """init_from=RUN starts a new run from RUN's weights: here with data.retrieval's two marker ids added (the
     vocabulary grows, the new rows start fresh), at rate 0 so the blocks are the same text. Its loss at step 0 is
