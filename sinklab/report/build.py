@@ -51,8 +51,8 @@ def sweep_claims(sweep: Sweep, claims_from: Optional[str] = None) -> tuple[str, 
     stated before the runs: dirs that state different ones are one line, unless `claims_from` names which)."""
     source, spec = claims_spec(sweep.cfg, claims_from)
     if claims_from is None and len(sweep.dirs) > 1:
-        for d in sweep.dirs[1:]:
-            other = claims_spec(load_sweeps([d]).cfg)[1]
+        for d, cfg in zip(sweep.dirs[1:], sweep.dir_cfgs[1:]):
+            other = claims_spec(cfg)[1]
             if OmegaConf.to_container(OmegaConf.create(other)) != OmegaConf.to_container(OmegaConf.create(spec)):
                 raise UserError(f"SWEEP_DIRs {sweep.dirs[0]} and {d} state different claims or baselines "
                                 "(experiment.claims / experiment.baseline); allowed: sweeps that state the same, or "

@@ -239,9 +239,11 @@ class Sweep:
     swept: list[str]  # swept keys, in Hydra's sweep order
     cfg: Any  # sweep-level config (multirun.yaml, else the first job's)
     dirs: list[Path] = field(default_factory=list)  # the sweep dirs read (several: `load_sweeps`); [dir] by default
+    dir_cfgs: list[Any] = field(default_factory=list)  # each dir's sweep-level config; [cfg] by default
 
     def __post_init__(self):
         self.dirs = self.dirs or [self.dir]
+        self.dir_cfgs = self.dir_cfgs or [self.cfg]
 
     @property
     def where(self) -> str:
@@ -350,7 +352,7 @@ def load_sweeps(sweep_dirs: Sequence[Path], now: Optional[float] = None,
         swept += [k for k in job.override_text
                   if k not in swept and len({repr(j.value(k)) for j in jobs}) > 1]
     fill_derived(jobs)
-    return Sweep(dirs[0], jobs, swept, sweeps[0].cfg, dirs)
+    return Sweep(dirs[0], jobs, swept, sweeps[0].cfg, dirs, [s.cfg for s in sweeps])
 
 
 def fixed_overrides(sweep: Sweep) -> list[str]:
