@@ -347,10 +347,11 @@ def load_sweeps(sweep_dirs: Sequence[Path], now: Optional[float] = None,
             job.name = f"{prefix}/{job.name}"
             jobs.append(job)
     swept = list(dict.fromkeys(k for s in sweeps for k in s.swept))
-    # a key set on one sweep's command line and not on another's is swept only where the composed values differ
+    # a key set on one sweep's command line and not on another's is swept only where the composed values differ; where
+    # a job starts from or writes to (each sweep's own init_from=SWEEP_DIR, say) is not a setting
     for job in jobs:
-        swept += [k for k in job.override_text
-                  if k not in swept and len({repr(j.value(k)) for j in jobs}) > 1]
+        swept += [k for k in job.override_text if k not in swept and not is_location_key(k)
+                  and len({repr(j.value(k)) for j in jobs}) > 1]
     fill_derived(jobs)
     return Sweep(dirs[0], jobs, swept, sweeps[0].cfg, dirs, [s.cfg for s in sweeps])
 
@@ -413,6 +414,12 @@ def read_evaluations(sweep_dir: Path, jobs: list[Job]) -> None:
         for name, row in zip(raw["job"], values.to_dict("records")):
             if name in by_name:
                 by_name[name].final.update({k: v for k, v in row.items() if not math.isnan(v)})
+
+
+def is_location_key(key: str) -> bool:
+    """Keys that say where a job reads or writes (its first stage's sweep, a checkpoint, its paths), not what it ran:
+    sweeps combined by `load_sweeps` may differ in them without differing in a setting."""
+    return key in ("init_from", "ckpt_path") or key.split(".")[0].split("/")[0] in ("paths", "hydra")
 
 
 def is_seed_key(key: str) -> bool:

@@ -397,8 +397,9 @@ def test_a_baseline_the_sweep_did_not_run_is_one_line_before_any_work(tmp_path, 
 
 # ------------------------------------------------------------------------------- several sweeps of one preset
 def split_by_seed(sweep, root, parts=((0, 1), (2, 3, 4))):
-    """The seed sweep as several sweeps would have left it (`seed=0,1` today, `seed=2,3,4` tomorrow): each job dir,
-    with its number, in the dir of its seed's part, and each part's rows of streaming.csv beside them."""
+    """The seed sweep as several sweeps would have left it (`seed=0,1` today, `seed=2,3,4` tomorrow, each warm-started
+    from its own first stage: init_from differs between the parts, not within one): each job dir, with its number, in
+    the dir of its seed's part, and each part's rows of streaming.csv beside them."""
     from omegaconf import OmegaConf
 
     streaming = pd.read_csv(sweep / "streaming.csv", dtype={"job": str})
@@ -408,6 +409,9 @@ def split_by_seed(sweep, root, parts=((0, 1), (2, 3, 4))):
         d.mkdir(parents=True)
         for job in sweep.iterdir():
             if job.is_dir() and OmegaConf.load(job / ".hydra" / "config.yaml").seed in seeds:
+                overrides = job / ".hydra" / "overrides.yaml"
+                overrides.write_text(yaml.safe_dump([*yaml.safe_load(overrides.read_text()),
+                                                     f"init_from=logs/first_stage_{i}"]))
                 job.rename(d / job.name)
         streaming[streaming.seed.isin(seeds)].to_csv(d / "streaming.csv", index=False)
         dirs.append(d)
