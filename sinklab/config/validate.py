@@ -161,14 +161,16 @@ def _check_experiment(cfg: DictConfig) -> None:
     """A preset's claims (`claims.parse_claims`) are well formed; a preset with labelled variants (experiment.variants,
     picked by experiment.variant, often per scale): the label and the scale must be among its entries."""
     exp = cfg.get("experiment")
-    if isinstance(exp, DictConfig):  # its baseline and claims (what `sinklab report` tests) are well formed
-        parse_claims(_plain(OmegaConf.masked_copy(exp, [k for k in ("baseline", "claims") if k in exp])))
-    first = exp.get("first_stage") if isinstance(exp, DictConfig) else None
+    if not isinstance(exp, DictConfig):
+        return
+    # its baseline and claims (what `sinklab report` tests) are well formed
+    parse_claims(_plain(OmegaConf.masked_copy(exp, [k for k in ("baseline", "claims") if k in exp])))
+    first = exp.get("first_stage")
     if first is not None and not cfg.get("init_from"):  # a second stage: its models start from the first's
         raise UserError(f"init_from is missing: experiment={exp.get('name', '?')} starts from the models of "
                         f"experiment={first}; allowed: init_from=SWEEP_DIR of `sinklab-train -m experiment={first}` "
                         "(each job starts from the job with its settings and seed), or a run dir or .ckpt")
-    variants = exp.get("variants") if isinstance(exp, DictConfig) else None
+    variants = exp.get("variants")
     if not isinstance(variants, DictConfig):
         return
     name, variant = exp.get("name", "?"), exp.get("variant")

@@ -15,8 +15,8 @@ declares
 into an earlier result of the same checkpoint and data, `settings` / `same` / `merge`, or keeps the earlier one as
 JOB/NAME.K.json) and writes SWEEP_DIR/NAME.csv (`write_table`): `job`, the job's overrides, then `row(result)`.
 `sinklab report` reads that CSV of every registered evaluation as the columns ``NAME/<column>`` (quant/w4a4_gap),
-values outside their bounds left out. Importing `sinklab.evals` registers sinklab's; an evaluation in a researcher's own package registers when its
-module is imported (a plugin, `sinklab.plugins`).
+values outside their bounds left out. Importing `sinklab.evals` registers sinklab's; an evaluation in a researcher's
+own package registers when its module is imported (a plugin, `sinklab.plugins`).
 """
 from __future__ import annotations
 

@@ -18,7 +18,6 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 import pandas as pd
-import yaml
 from omegaconf import DictConfig, OmegaConf
 
 from sinklab.errors import UserError
@@ -26,7 +25,7 @@ from sinklab.evals import EVALUATIONS
 from sinklab.metrics import METRICS
 from sinklab.report.columns import ANY, bounds
 from sinklab.runs.status import Status, read_status
-from sinklab.runs.run_data import is_run_dir, load_run_config
+from sinklab.runs.run_data import is_run_dir, job_sort_key, load_run_config, parse_overrides
 
 log = logging.getLogger(__name__)
 STALE_MINUTES = 10.0
@@ -120,36 +119,6 @@ def job_status(job_dir: Path, now: float, stale_s: float) -> tuple[Status, str, 
             numbers(final, status_path).iloc[0].dropna().to_dict())
 
 
-def _parse_overrides(lines: Sequence[str]) -> list[tuple[str, Any, str, bool]]:
-    """[(key, typed value, value as written, is_sweep)] with Hydra's own override grammar. Deletions (~key) are
-    dropped. Falls back to splitting at '=' for a line Hydra cannot parse."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    parser = OverridesParser.create()
-    out = []
-    for line in map(str, lines):
-        try:
-            o = parser.parse_override(line)
-        except Exception:
-            key, _, val = line.partition("=")
-            out.append((key.lstrip("+~"), _coerce(val), val, "," in val))
-            continue
-        if o.is_delete():
-            continue
-        if o.is_sweep_override():
-            out.append((o.key_or_group, None, line.partition("=")[2], True))
-        else:
-            out.append((o.key_or_group, o.value(), o.get_value_element_as_str(), False))
-    return out
-
-
-def _coerce(s: str) -> Any:
-    try:
-        return yaml.safe_load(s)
-    except yaml.YAMLError:
-        return s
-
-
 def _load_yaml(path: Path) -> Any:
     """A YAML file as an OmegaConf object; None when it is missing or unreadable."""
     try:
@@ -207,12 +176,8 @@ def _is_job_dir(p: Path) -> bool:
     return p.is_dir() and any((p / n).exists() for n in JOB_FILES)
 
 
-def _job_sort_key(name: str) -> tuple:
-    return (0, int(name), "") if name.isdigit() else (1, 0, name)
-
-
 def _new_job(name: str, path: Optional[Path], override_lines: Sequence[str], cfg: Any = None) -> Job:
-    parsed = _parse_overrides(override_lines)
+    parsed = parse_overrides(override_lines)
     return Job(name, path, {k: v for k, v, _, _ in parsed}, {k: t for k, _, t, _ in parsed}, cfg)
 
 
@@ -298,11 +263,11 @@ def load_sweep(sweep_dir: Path, now: Optional[float] = None, stale_minutes: floa
     jobs = [load_job(p, now, 60.0 * stale_minutes) for p in dirs]
 
     mr_lines = _multirun_overrides(mr) if mr is not None else []
-    swept = list(dict.fromkeys(key for key, _, _, is_sweep in _parse_overrides(mr_lines) if is_sweep))
+    swept = list(dict.fromkeys(key for key, _, _, is_sweep in parse_overrides(mr_lines) if is_sweep))
     have = {j.name for j in jobs}
     jobs += [_new_job(str(i), None, lines) for i, lines in enumerate(_expected_jobs(mr, mr_lines) or [])
              if str(i) not in have]
-    jobs.sort(key=lambda j: _job_sort_key(j.name))
+    jobs.sort(key=lambda j: job_sort_key(j.name))
     # keys whose override differs between jobs are swept too (other sweepers, or no multirun.yaml)
     for job in jobs:
         swept += [k for k in job.override_text

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from itertools import islice
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -52,21 +52,57 @@ def is_sweep_dir(path: Path) -> bool:
     return p.is_dir() and not is_run_dir(p) and not (p / "checkpoints").exists() and bool(sweep_jobs(p))
 
 
+def job_sort_key(name: str) -> tuple:
+    """A sweep's job dirs in job-number order (0, 1, ..., 10), named ones after them by name."""
+    return (0, int(name), "") if name.isdigit() else (1, 0, name)
+
+
 def sweep_jobs(sweep_dir: Path) -> list[Path]:
     """The job dirs of a multirun dir (0/, 1/, ... or named subdirs holding a run config), by job number."""
-    jobs = [p for p in Path(sweep_dir).iterdir() if p.is_dir() and is_run_dir(p)]
-    return sorted(jobs, key=lambda p: (0, int(p.name), "") if p.name.isdigit() else (1, 0, p.name))
+    return sorted((p for p in Path(sweep_dir).iterdir() if p.is_dir() and is_run_dir(p)),
+                  key=lambda p: job_sort_key(p.name))
+
+
+def parse_overrides(lines: Sequence[str]) -> list[tuple[str, Any, str, bool]]:
+    """[(key, typed value, value as written, is_sweep)] of override lines (a job's .hydra/overrides.yaml, a
+    multirun's command line) with Hydra's own override grammar. Deletions (~key) are dropped. Falls back to splitting
+    at '=' for a line Hydra cannot parse."""
+    import yaml
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    def coerce(text: str) -> Any:
+        try:
+            return yaml.safe_load(text)
+        except yaml.YAMLError:
+            return text
+
+    parser = OverridesParser.create()
+    out = []
+    for line in map(str, lines):
+        try:
+            o = parser.parse_override(line)
+        except Exception:
+            key, _, val = line.partition("=")
+            out.append((key.lstrip("+~"), coerce(val), val, "," in val))
+            continue
+        if o.is_delete():
+            continue
+        if o.is_sweep_override():
+            out.append((o.key_or_group, None, line.partition("=")[2], True))
+        else:
+            out.append((o.key_or_group, o.value(), o.get_value_element_as_str(), False))
+    return out
 
 
 def _override_texts(job_dir: Path) -> dict[str, str]:
-    """KEY -> the override as written, of a job's .hydra/overrides.yaml (none when it is missing or unreadable)."""
+    """KEY -> the value as written, of a job's .hydra/overrides.yaml (none when it is missing or unreadable)."""
     import yaml
 
     try:
         lines = yaml.safe_load((Path(job_dir) / ".hydra" / "overrides.yaml").read_text()) or []
     except (OSError, yaml.YAMLError):
         return {}
-    return {str(o).partition("=")[0].lstrip("+~"): str(o) for o in lines if isinstance(o, str) and "=" in o}
+    return {key: text for key, _, text, _ in parse_overrides(lines if isinstance(lines, list) else [])}
 
 
 def _choices(job_dir: Path) -> dict:

@@ -52,10 +52,12 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     resume = read_training_checkpoint(ckpt) if ckpt else None  # a truncated or foreign file: one clear line
     resume_step = int(resume["global_step"]) if resume else None
     init_from = cfg.get("init_from")  # a warm start: weights only, before a resume it does not apply
-    if init_from and resume is None and is_sweep_dir(init_from):  # the first stage's job with this job's settings
-        init_from, settings = matching_job(init_from, cfg, group_choices())
-        log.info("init_from: %s, the job with %s", init_from, ", ".join(f"{k}={v}" for k, v in settings.items()))
-    warm = warm_start_checkpoint(init_from, model_cfg.to_dict()) if init_from and resume is None else None
+    warm = None
+    if init_from and resume is None:
+        if is_sweep_dir(init_from):  # the first stage's job with this job's settings
+            init_from, settings = matching_job(init_from, cfg, group_choices())
+            log.info("init_from: %s, the job with %s", init_from, ", ".join(f"{k}={v}" for k, v in settings.items()))
+        warm = warm_start_checkpoint(init_from, model_cfg.to_dict())
     L.seed_everything(cfg.seed, workers=True)
     setup_wandb_mode(cfg)
 
