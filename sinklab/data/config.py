@@ -13,13 +13,15 @@ the key. A field's own rule is declared with it (`rule(default, check)`); `__pos
 rules between fields, whenever a schema object is built: by `sinklab.config.validate_config` (before any data is
 read) and by the data module's constructor. Each refusal is one `UserError` line naming the key.
 
-Construction: each schema carries its `_target_`, so `hydra.utils.instantiate(cfg.data, _recursive_=False)` calls
-the data module with the fields as keyword arguments. The data modules take `**settings` and turn them into their
+Construction: each schema carries its `_target_`, and `build_data_module(cfg.data)` calls that data module with the
+fields as keyword arguments, for sinklab's own targets only (a run dir's saved config must not choose the code that
+runs, so nothing here calls Hydra's `instantiate`). The data modules take `**settings` and turn them into their
 schema with `from_settings` (defaults are not repeated there), then read the typed object (`dm.config`).
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
@@ -235,6 +237,27 @@ class SyntheticDataConfig(Schema):
 
 
 SCHEMAS = {"lm_schema": DataConfig, "synthetic_schema": SyntheticDataConfig}
+
+
+def data_module_class(node: Any, where: str = "data") -> type:
+    """The data module class a `data` node (the training config, or a run dir's saved config) names by its
+    `_target_`, which must be one of sinklab's own (a schema's `_target_`): a file never chooses the code that runs.
+    Any other `_target_` is one UserError naming `where` and the allowed targets, before anything is imported
+    (Hydra's `instantiate` would import and call whatever the node names)."""
+    allowed = [schema._target_ for schema in SCHEMAS.values()]
+    target = node.get("_target_") if isinstance(node, (Mapping, DictConfig)) else None
+    if target not in allowed:
+        raise UserError(f"{where}: data._target_={show(target)} is not one of sinklab's data modules; allowed: "
+                        f"{', '.join(allowed)}")
+    module, _, name = target.rpartition(".")
+    return getattr(importlib.import_module(module), name)
+
+
+def build_data_module(node: Any, where: str = "data"):
+    """`data_module_class(node)` called with the node's other keys (what `instantiate(node, _recursive_=False)`
+    did, for sinklab's own data modules only)."""
+    cls = data_module_class(node, where)
+    return cls(**{str(key): value for key, value in node.items() if key != "_target_"})
 
 
 def load_preset(path: str | os.PathLike) -> DictConfig:

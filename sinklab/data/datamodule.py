@@ -1,8 +1,9 @@
 """LMDataModule: corpus -> tokenizer -> token store -> training / validation blocks and the probe set.
 
-Built by Hydra from conf/data/*.yaml (`_target_: sinklab.data.LMDataModule`). Typical use:
+Built from conf/data/*.yaml (`_target_: sinklab.data.LMDataModule`) by `sinklab.data.config.build_data_module`.
+Typical use:
 
-    dm = hydra.utils.instantiate(cfg.data)
+    dm = build_data_module(cfg.data)
     dm.prepare()                          # fetch corpus, train/load tokenizer, build caches (idempotent)
     model = build_model(vocab_size=dm.vocab_size)   # padded size, includes a dedicated fixed token
     trainer.fit(model, datamodule=dm)     # Trainer(use_distributed_sampler=False, max_steps=...)
@@ -62,7 +63,7 @@ def _after_prepare(name: str, doc: str) -> property:
 class LMDataModule(StepLoader, L.LightningDataModule):
     """Corpus -> tokenizer -> token store -> blocks. The settings are the fields of DataConfig (sinklab/data/
     config.py, where their defaults and rules live), as keyword arguments: `LMDataModule(corpus="local",
-    files=[...])`, or from Hydra `instantiate(cfg.data, _recursive_=False)`. They are checked here, before any
+    files=[...])`, or from a config node with `build_data_module(cfg.data)`. They are checked here, before any
     data is read, and kept as `dm.config` (and as Lightning hyperparameters)."""
 
     def __init__(self, **settings: Any):

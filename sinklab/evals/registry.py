@@ -134,15 +134,6 @@ def finished_jobs(sweep_dir: Path, only: Optional[Sequence[str]] = None) -> tupl
     return done, [p for p in jobs if p not in done]
 
 
-def overrides(job: Path) -> dict[str, str]:
-    """A job's command-line overrides (.hydra/overrides.yaml), key -> value as written ({} without the file)."""
-    import yaml
-
-    path = job / ".hydra" / "overrides.yaml"
-    lines = yaml.safe_load(path.read_text()) if path.is_file() else None
-    return dict(o.split("=", 1) for o in lines or [] if "=" in o)
-
-
 def write_table(evaluation: type[Evaluation], sweep_dir: Path) -> tuple[Path, int]:
     """SWEEP_DIR/NAME.csv from every job's JOB/NAME.json, one row per job in job order: `job` (the key of the job
     column of `sinklab report`'s report.csv), the job's overrides, then `evaluation.row(result)`. Returns (the CSV,
@@ -150,6 +141,7 @@ def write_table(evaluation: type[Evaluation], sweep_dir: Path) -> tuple[Path, in
     import pandas as pd
 
     from sinklab.io import atomic_write
+    from sinklab.runs.run_data import override_texts
 
     name, rows = evaluation.name, []
     for job in job_dirs(sweep_dir):
@@ -161,7 +153,7 @@ def write_table(evaluation: type[Evaluation], sweep_dir: Path) -> tuple[Path, in
         except (ValueError, KeyError, TypeError) as err:  # not JSON, or not this evaluation's result
             raise UserError(f"{path} is not a result of `sinklab eval {name}` ({type(err).__name__}: {err}); "
                             f"delete it or rerun `sinklab eval {name} --sweep {sweep_dir} --jobs {job.name}`") from None
-        rows.append({"job": job.name, **overrides(job), **row})
+        rows.append({"job": job.name, **override_texts(job), **row})
     if not rows:
         raise UserError(f"no job of {sweep_dir} has a {name}.json (no finished job with a checkpoint)")
     out = sweep_dir / f"{name}.csv"

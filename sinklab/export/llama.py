@@ -36,7 +36,7 @@ import torch
 from sinklab import __version__
 from sinklab.errors import UserError
 from sinklab.model import ModelConfig, Transformer
-from sinklab.runs.run_data import load_run_config, run_dir_of
+from sinklab.runs.run_data import RUN_CONFIG, load_run_config, run_dir_of
 
 TOLERANCE = 1e-4
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -137,10 +137,11 @@ def find_tokenizer(ckpt: Path, explicit: Optional[str]):
         tok, where = from_path(Path(name))
         if tok is not None:
             return tok, where
-    try:  # the data module knows where its (trained, cached) tokenizer lives
-        from hydra.utils import instantiate
+    from sinklab.data.config import build_data_module, data_module_class
 
-        dm = instantiate(OmegaConf.create(data), _recursive_=False)
+    data_module_class(data, f"{run_dir / RUN_CONFIG}")  # sinklab's own data module, whatever the file names
+    try:  # the data module knows where its (trained, cached) tokenizer lives
+        dm = build_data_module(data)
         dm.prepare()
         tok = getattr(dm, "tokenizer", None)
         if tok is not None and hasattr(tok, "to_str"):

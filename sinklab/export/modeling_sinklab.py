@@ -9,9 +9,10 @@ loads it, offline too. The design: this file runs sinklab's own model, built fro
 (`ModelConfig.from_dict`, as a checkpoint builds it), so every component (gates, sink logits and tokens, K / V
 biases, QK-norm, differential / sigmoid / kernel attention, layer patterns, any position, sparse operations, per-head
 norms) computes exactly what it computed in training, and a new component needs no new export code. It therefore
-imports sinklab (`pip install sinklab==<config.sinklab_version>`: one line says so when it is missing) and, for a
-model with a plugin's component, the plugin modules named in `config.sinklab_plugins` (their packages installed;
-trust_remote_code is the user's consent to run them). The weights are the checkpoint's, `model.` + sinklab's names.
+imports sinklab (`pip install sinklab==<config.sinklab_version>`: one line says so when it is missing). A model with a
+plugin's component needs that plugin loaded by the user (its package's entry point, or SINKLAB_PLUGINS):
+`config.sinklab_plugins` names the modules, and a missing one is one ImportError saying how to load it, but a module
+is never imported because a file names it. The weights are the checkpoint's, `model.` + sinklab's names.
 
 - `forward` takes input_ids (no padding: sinklab's models have no padding mask) and returns CausalLMOutputWithPast.
 - Generation goes through transformers' cache API: `SinklabCache` is a `transformers.Cache` over sinklab's own dense
@@ -43,8 +44,10 @@ CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ 
 
 
 def sinklab_model(config: SinklabConfig) -> torch.nn.Module:
-    """sinklab's Transformer built from config.sinklab_model, after the plugin modules it names are imported; one-line
-    ImportErrors for a missing sinklab or plugin package."""
+    """sinklab's Transformer built from config.sinklab_model. The plugin modules config.json names
+    (`sinklab_plugins`) are never imported because a file names them: they must be among the plugins the user loads
+    (an installed package's entry point, or SINKLAB_PLUGINS), else one ImportError says how to load them. One-line
+    ImportErrors for a missing sinklab too."""
     try:
         importlib.import_module("sinklab")
     except ImportError:
@@ -52,15 +55,15 @@ def sinklab_model(config: SinklabConfig) -> torch.nn.Module:
                           f"sinklab=={config.sinklab_version}") from None
     from sinklab.errors import UserError
     from sinklab.model import ModelConfig, Transformer
-    from sinklab.plugins import load_plugins
+    from sinklab.plugins import ENV, load_plugins
 
-    for module, package in config.sinklab_plugins.items():
-        try:
-            load_plugins([module], where="config.json sinklab_plugins")
-        except UserError:
-            source = f"pip install {package}" if package else "put it on PYTHONPATH"
-            raise ImportError(f"this model has a component of plugin module {module!r}, which cannot be imported: "
-                              f"{source}") from None
+    loaded = load_plugins()  # the user's own: entry points and SINKLAB_PLUGINS
+    missing = {module: package for module, package in config.sinklab_plugins.items() if module not in loaded}
+    if missing:
+        packages = ", ".join(dict.fromkeys(package for package in missing.values() if package))
+        raise ImportError(f"this model uses plugin module(s) {', '.join(map(repr, missing))}, which sinklab does not "
+                          "import because a file names them: " + (f"pip install {packages} (its entry point loads "
+                          "them) or " if packages else "") + f"set {ENV}={','.join(missing)}")
     try:
         cfg = ModelConfig.from_dict(config.sinklab_model)
     except UserError as err:

@@ -12,7 +12,8 @@ LLaMA export writes it, and a README.md saying how to load it:
 The modeling file runs sinklab's own model (its docstring says why), so loading needs `pip install sinklab` (the
 version is in config.json) and, for a plugin's component, that plugin's package: the modules the model's components
 come from are named in config.json (`sinklab_plugins`, module -> the installed distribution that provides it) and
-imported by the modeling file. A component whose module cannot be imported by name (defined in a script or a
+must be loaded by the user (the package's entry point, or SINKLAB_PLUGINS): the modeling file checks them but never
+imports a module because a file names it. A component whose module cannot be imported by name (defined in a script or a
 notebook: `__main__`) is refused in one line, since nothing could import it where the export is loaded.
 """
 from __future__ import annotations

@@ -119,10 +119,30 @@ def check_same_model(ckpt: dict, model: dict, path: Union[str, Path]) -> None:
 VOCAB_WEIGHTS = ("tok_emb.weight", "lm_head.weight")  # the weights with a row per vocabulary id
 
 
-def warm_start_checkpoint(path: Union[str, Path], model: dict) -> dict:
+# the data keys that choose a run's vocabulary: its tokenizer (a file, a hub id, or `bpe`, trained on the corpus's
+# training split, so then also the keys that choose that text)
+TOKENIZER_KEYS = ("tokenizer", "eos_token", "prepared_dir")
+BPE_KEYS = ("vocab_size", "corpus", "files", "archive", "hub_path", "hub_name", "hub_split", "text_field",
+            "group_field", "val_fraction", "encoding_errors")
+
+
+def vocabulary_differences(saved: object, data: object) -> str:
+    """The data keys choosing the vocabulary that differ between a checkpoint's data settings (Lightning's
+    `datamodule_hyper_parameters`) and this run's (`data`), as 'data.KEY=A there, B here'; '' when they agree or
+    either side has no tokenizer (the synthetic tasks, an older checkpoint): the weights' shapes are checked then."""
+    if not isinstance(saved, dict) or not isinstance(data, dict) or "tokenizer" not in saved or \
+            "tokenizer" not in data:
+        return ""
+    keys = TOKENIZER_KEYS + (BPE_KEYS if data["tokenizer"] == "bpe" and not data.get("prepared_dir") else ())
+    return ", ".join(f"data.{k}={saved.get(k)!r} there, {data.get(k)!r} here" for k in keys
+                     if saved.get(k) != data.get(k))
+
+
+def warm_start_checkpoint(path: Union[str, Path], model: dict, data: object = None) -> dict:
     """`init_from=PATH` (a .ckpt or a run dir): its checkpoint, read before any data or model is built, refused in one
-    line when it is not a sinklab checkpoint or its model differs from `model` (this run's config) in anything but
-    the vocabulary (which may grow: `copy_weights`) and the execution keys."""
+    line when it is not a sinklab checkpoint, its model differs from `model` (this run's config) in anything but
+    the vocabulary (which may grow: `copy_weights`) and the execution keys, or its vocabulary comes from another
+    tokenizer than this run's data settings `data` choose (`vocabulary_differences`)."""
     try:
         ckpt = read_checkpoint(path, mmap=True)
         saved = model_config(ckpt, path).to_dict()
@@ -132,6 +152,10 @@ def warm_start_checkpoint(path: Union[str, Path], model: dict) -> dict:
     if shown:
         raise UserError(f"init_from={path}: its model differs from this run's ({shown}); a warm start copies the "
                         f"weights into the same architecture (only the vocabulary may grow)")
+    shown = vocabulary_differences(ckpt.get("datamodule_hyper_parameters"), data)
+    if shown:
+        raise UserError(f"init_from={path}: its vocabulary comes from another tokenizer ({shown}); a warm start "
+                        "needs the same tokenizer, with ids only added here")
     return ckpt
 
 

@@ -94,7 +94,7 @@ def parse_overrides(lines: Sequence[str]) -> list[tuple[str, Any, str, bool]]:
     return out
 
 
-def _override_texts(job_dir: Path) -> dict[str, str]:
+def override_texts(job_dir: Path) -> dict[str, str]:
     """KEY -> the value as written, of a job's .hydra/overrides.yaml (none when it is missing or unreadable)."""
     import yaml
 
@@ -133,7 +133,7 @@ def matching_job(sweep_dir: Path, cfg, choices: Optional[dict] = None, flag: str
         return OmegaConf.to_container(v, resolve=True) if OmegaConf.is_config(v) else v
 
     jobs = sweep_jobs(sweep_dir)
-    texts = {job: _override_texts(job) for job in jobs}
+    texts = {job: override_texts(job) for job in jobs}
     swept = [k for k in dict.fromkeys(k for t in texts.values() for k in t)
              if len({t.get(k) for t in texts.values()}) > 1 and k.split(".")[0].split("/")[0] != "hydra"]
     keys = ["seed", *(k for k in swept if k != "seed")]
@@ -173,7 +173,8 @@ def checkpoint_and_run_dir(target: str) -> tuple[Path, Optional[Path]]:
 
 
 def read_run_data(run_dir: Path, overrides: dict, read: Callable, flag: str, what: str, hint: str):
-    """read(dm) of the run's data module, instantiate(cfg.data) with data.* `overrides`, prepared. Every failure is
+    """read(dm) of the run's data module (`build_data_module`: sinklab's own, whatever the file names) with data.*
+    `overrides`, prepared. Every failure is
     one UserError starting with `flag` and ending with `hint` (what to pass instead)."""
     from omegaconf import OmegaConf
 
@@ -181,17 +182,19 @@ def read_run_data(run_dir: Path, overrides: dict, read: Callable, flag: str, wha
     if "data" not in cfg or cfg.data is None:
         raise UserError(f"{flag}: {run_dir / RUN_CONFIG} has no data section; {hint}")
     try:
-        from sinklab.data import LMDataModule  # noqa: F401
+        from sinklab.data.config import build_data_module
     except ImportError as err:
         raise UserError(f"{flag}: the data module is not available ({err}); {hint}") from None
-    from hydra.utils import instantiate
 
     data = cfg.data
     for key, value in overrides.items():
         if value is not None:
             OmegaConf.update(data, key, value, force_add=True)
     try:
-        dm = instantiate(data, _recursive_=False)
+        dm = build_data_module(data, f"{flag}: {run_dir / RUN_CONFIG}")
+    except UserError as err:
+        raise UserError(f"{err}; {hint}") from None
+    try:
         dm.prepare()
         return read(dm)
     except Exception as err:
@@ -200,7 +203,7 @@ def read_run_data(run_dir: Path, overrides: dict, read: Callable, flag: str, wha
 
 
 def probe_tokens(run_dir: Path, num_seqs: Optional[int], seq_len: Optional[int]) -> torch.Tensor:
-    """The run's probe set through its data config: instantiate(cfg.data).prepare().probe_tokens().
+    """The run's probe set through its data config: build_data_module(cfg.data).prepare().probe_tokens().
 
     --num-seqs / --seq-len set the data module's own probe size (data.probe_num_seqs / data.probe_seq_len), so a
     different size is still the data module's probe set (evenly spaced held-out windows), not a slice of it."""

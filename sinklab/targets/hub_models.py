@@ -239,24 +239,48 @@ def pick_dtype(name: Union[str, "torch.dtype"], device) -> "torch.dtype":  # noq
     return getattr(torch, name)
 
 
-# the files an export's auto_map names (sinklab/export/: configuration and modeling of `SinklabForCausalLM`)
+# the files an export's auto_map names (sinklab/export/: configuration and modeling of `SinklabForCausalLM`), and
+# the auto_map itself: exactly these two classes
 REMOTE_CODE = ("configuration_sinklab.py", "modeling_sinklab.py")
+AUTO_MAP = {"AutoConfig": "configuration_sinklab.SinklabConfig",
+            "AutoModelForCausalLM": "modeling_sinklab.SinklabForCausalLM"}
+# files besides config.json where transformers also follows an `auto_map` (tokenizer, processors)
+OTHER_AUTO_MAPS = ("tokenizer_config.json", "processor_config.json", "preprocessor_config.json",
+                   "feature_extractor_config.json", "image_processor_config.json", "video_preprocessor_config.json")
 
 
 def trusted(path: Path, where: str) -> bool:
     """Whether transformers may run the remote code of the model dir `path`: only an export of this sinklab, whose
     configuration_sinklab.py and modeling_sinklab.py are byte for byte the installed sinklab's own (so the code that
-    runs is code already installed here). An export whose files differ (another sinklab version, or edited) is
-    refused in one line; any other model is not trusted (transformers refuses remote code it was not allowed)."""
+    runs is code already installed here), whose config.json's `auto_map` is exactly sinklab's two classes, with no
+    other Python file in the dir and no `auto_map` in its tokenizer or processor files (transformers would import
+    what those name). An export that fails any of these is refused in one line saying what differs and what to do;
+    any other model is not trusted (transformers refuses remote code it was not allowed)."""
     try:
         config = json.loads((path / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return False
     if not isinstance(config, dict) or config.get("model_type") != "sinklab" or "auto_map" not in config:
         return False
+    fix = ("export the run again with this sinklab (sinklab export-hf), or load it yourself with "
+           "trust_remote_code=True if you trust its author")
+    if config["auto_map"] != AUTO_MAP:
+        raise UserError(f"{where}: config.json's auto_map {json.dumps(config['auto_map'])} is not sinklab's "
+                        f"{json.dumps(AUTO_MAP)}; {fix}")
+    others = sorted(str(p.relative_to(path)) for p in path.rglob("*.py") if p.name not in REMOTE_CODE or
+                    p.parent != path)
+    if others:
+        raise UserError(f"{where}: holds Python files besides sinklab's {' and '.join(REMOTE_CODE)} "
+                        f"({', '.join(others[:5])}); {fix}")
+    for name in OTHER_AUTO_MAPS:
+        try:
+            other = json.loads((path / name).read_text(encoding="utf-8")) if (path / name).is_file() else {}
+        except (OSError, ValueError):
+            other = {}
+        if isinstance(other, dict) and "auto_map" in other:
+            raise UserError(f"{where}: {name} has an auto_map, which would run code of its own; {fix}")
     here = Path(__file__).parents[1] / "export"  # the installed sinklab's own files (not imported here)
     if all((path / name).is_file() and (path / name).read_bytes() == (here / name).read_bytes() for name in REMOTE_CODE):
         return True
     raise UserError(f"{where}: its remote code ({', '.join(REMOTE_CODE)}) is not this sinklab's {__version__} (the "
-                    f"export was written by sinklab {config.get('sinklab_version')}); export the run again with this "
-                    f"sinklab (sinklab export-hf), or load it yourself with trust_remote_code=True")
+                    f"export was written by sinklab {config.get('sinklab_version')}); {fix}")

@@ -19,6 +19,7 @@ from sinklab.config import CONF_DIR, check_devices, validate_config
 from sinklab.config.messages import instantiate_user
 from sinklab.errors import UserError
 from sinklab.train.jobs import log_failure, run_job
+from sinklab.train.record import RunRecord
 from sinklab.train.runtime import group_choices, output_dir_of
 from sinklab.train.summary import summary
 from sinklab.train.wandb_setup import check_wandb_installed, set_wandb_names, setup_wandb_mode
@@ -26,13 +27,16 @@ from sinklab.train.wandb_setup import check_wandb_installed, set_wandb_names, se
 log = logging.getLogger("sinklab")
 
 
-def train(cfg: DictConfig) -> dict[str, Any]:
-    """Train one model from a composed config; returns the final metrics."""
+def train(cfg: DictConfig, record: Optional[RunRecord] = None) -> dict[str, Any]:
+    """Train one model from a composed config; returns the final metrics. Every check that can refuse the command
+    runs before `record.accept()` writes the run's record (.hydra/) and before anything else is written into the run
+    dir, so a refused command leaves an existing run as it was."""
     import lightning as L
     import torch
 
     from sinklab.runs.checkpoints import (check_same_model, copy_weights, read_training_checkpoint,
                                           warm_start_checkpoint)
+    from sinklab.data.config import build_data_module
     from sinklab.runs.run_data import is_sweep_dir, matching_job
     from sinklab.train.checkpoint_io import AtomicCheckpointIO
     from sinklab.train.fault import Preempted, continue_metrics, resolve_ckpt_path, slurm_plugins
@@ -57,11 +61,12 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         if is_sweep_dir(init_from):  # the first stage's job with this job's settings
             init_from, settings = matching_job(init_from, cfg, group_choices())
             log.info("init_from: %s, the job with %s", init_from, ", ".join(f"{k}={v}" for k, v in settings.items()))
-        warm = warm_start_checkpoint(init_from, model_cfg.to_dict())
+        data = OmegaConf.to_container(cfg.data, resolve=True)
+        warm = warm_start_checkpoint(init_from, model_cfg.to_dict(), data)  # before any data is read
     L.seed_everything(cfg.seed, workers=True)
     setup_wandb_mode(cfg)
 
-    dm = instantiate_user(cfg.data, _recursive_=False)
+    dm = build_data_module(cfg.data)
     dm.prepare()
     if hasattr(dm, "val_bytes_per_token"):  # val/bpb's bytes, decoded once: a tokenizer not decoding to UTF-8 is
         dm.val_bytes_per_token(None, model_cfg.prefix_len)  # refused here, before the model is built
@@ -88,15 +93,18 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         callbacks = [c for c in callbacks if not isinstance(c, L.pytorch.callbacks.ProgressBar)]
     set_wandb_names(cfg)
     loggers = [instantiate_user(c) for c in (cfg.get("logger") or {}).values() if c is not None]
-    continue_metrics(loggers, resume_step)  # metrics.csv: the rows before the checkpoint's step go on
-    run_config = OmegaConf.to_container(cfg, resolve=True)  # swept keys, data, seed: all visible in wandb
-    for lg in loggers:
-        lg.log_hyperparams({k: v for k, v in run_config.items() if k not in ("logger", "callbacks", "hydra")})
     tcfg = OmegaConf.to_container(cfg.trainer, resolve=True)
     if tcfg.get("precision") == "auto":
         tcfg["precision"] = "bf16-mixed" if torch.cuda.is_available() else "32-true"
     plugins = slurm_plugins(tcfg.pop("plugins", None) or []) + [AtomicCheckpointIO()]  # no Lightning requeue
     trainer: L.Trainer = instantiate_user(tcfg, callbacks=callbacks, logger=loggers, plugins=plugins)
+
+    if record is not None:
+        record.accept()  # accepted: the run's record, then its metrics, checkpoints and status
+    continue_metrics(loggers, resume_step)  # metrics.csv: the rows before the checkpoint's step go on
+    run_config = OmegaConf.to_container(cfg, resolve=True)  # swept keys, data, seed: all visible in wandb
+    for lg in loggers:
+        lg.log_hyperparams({k: v for k, v in run_config.items() if k not in ("logger", "callbacks", "hydra")})
 
     try:
         trainer.fit(module, datamodule=dm, ckpt_path=ckpt, weights_only=True)

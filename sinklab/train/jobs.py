@@ -18,21 +18,25 @@ from omegaconf import DictConfig
 from sinklab.errors import UserError, describe, one_line
 from sinklab.keys import RUN_FAILED, VAL_LOSS
 from sinklab.runs.status import Status, write_status
+from sinklab.train.record import RunRecord
 from sinklab.train.runtime import is_multirun, output_dir_of
 from sinklab.train.wandb_setup import finish_wandb
 
 log = logging.getLogger("sinklab")
 
 
-def run_job(cfg: DictConfig, train: Callable[[DictConfig], dict[str, float]]) -> Optional[float]:
-    """Run `train(cfg)` as one job (see the module docstring); returns its final val/loss for Hydra."""
+def run_job(cfg: DictConfig, train: Callable[[DictConfig, RunRecord], dict[str, float]]) -> Optional[float]:
+    """Run `train(cfg, record)` as one job (see the module docstring); returns its final val/loss for Hydra. `train`
+    writes the run's record (`RunRecord.accept`) when training is about to start; a job refused before then leaves a
+    dir that held a run as it was."""
     from sinklab.train.fault import Preempted, exit_preempted, ignore_late_time_limit_signal
     from sinklab.train.module import TrainingDiverged
 
+    record = RunRecord(cfg)
     exit_code = 1  # for wandb: failed unless training completes (or is pre-empted)
     try:
         try:
-            final = train(cfg)
+            final = train(cfg, record)
         except Exception as err:
             converted = worker_error(err)
             if converted is err:
@@ -44,7 +48,8 @@ def run_job(cfg: DictConfig, train: Callable[[DictConfig], dict[str, float]]) ->
     except UserError as err:
         print(f"error: {one_line(err)}", file=sys.stderr)
         if is_multirun():
-            mark_status(cfg, Status.FAILED, err)
+            if record.written or record.refused():
+                mark_status(cfg, Status.FAILED, err)
             return None
         sys.exit(2)
     except TrainingDiverged as err:
@@ -59,7 +64,8 @@ def run_job(cfg: DictConfig, train: Callable[[DictConfig], dict[str, float]]) ->
         finish_wandb()  # before the requeue handler, which may end the process
         exit_preempted(err)
     except Exception as err:
-        mark_status(cfg, Status.FAILED, err)
+        if record.written or record.refused():  # a bug before training started: a run that was there stays as it was
+            mark_status(cfg, Status.FAILED, err)
         if is_multirun():  # the other jobs of the sweep go on; the report shows this one as failed
             log.exception("job failed: %s", err)
             return None

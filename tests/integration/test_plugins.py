@@ -427,8 +427,9 @@ print(type(hf.model.blocks[0].attn.op).__name__, float((ours - theirs).abs().max
 @pytest.mark.ci
 def test_a_plugins_component_is_exported_where_its_package_is_importable(user_package, tmp_path):
     """sinklab export-hf of the user's op: config.json names its module and distribution (labext==0.1), and a
-    process where the package is importable (not named as a plugin) loads the export with trust_remote_code and
-    gets the checkpoint's logits; where it is not importable, one line says which package to install. An op defined
+    process where the package is installed (its entry point loads it) loads the export with trust_remote_code and
+    gets the checkpoint's logits; where it is not, one line says which package to install or which module to name
+    in SINKLAB_PLUGINS (the modeling file never imports a module because config.json names it). An op defined
     in a script (`__main__`) is refused in one line: nothing could import it where the export is loaded."""
     from tests.helpers import REPO
 
@@ -452,5 +453,6 @@ def test_a_plugins_component_is_exported_where_its_package_is_importable(user_pa
     (loaded, lo_err), (refused, re_err) = (p.communicate(timeout=300) for p in loads)
     assert loads[0].returncode == 0 and loaded.split()[0] == "ScaledSigmoid", lo_err[-3000:]
     assert float(loaded.split()[1]) <= 1e-5
-    assert refused.strip() == ("ImportError: this model has a component of plugin module 'labext.ops', which cannot "
-                               "be imported: pip install labext==0.1"), re_err[-3000:]
+    assert refused.strip() == ("ImportError: this model uses plugin module(s) 'labext.ops', which sinklab does not "
+                               "import because a file names them: pip install labext==0.1 (its entry point loads "
+                               "them) or set SINKLAB_PLUGINS=labext.ops"), re_err[-3000:]

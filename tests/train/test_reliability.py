@@ -123,6 +123,43 @@ def test_bad_override_is_one_clear_line_and_exit_2(override, expected, tmp_path,
     assert not (tmp_path / "metrics.csv").exists() and not (tmp_path / "checkpoints").exists()  # nothing ran
 
 
+def file_bytes(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+# refused with paths.output_dir at a finished run, one of each kind: the config's own check, a missing file, a data
+# setting, a resume and a warm start into another architecture (`ci`: every bad override above)
+REFUSED_AT_A_RUN = ["model.window=1000", "ckpt_path=/nonexistent/x.ckpt", "data=local", "trainer=gpu"]
+
+
+@pytest.mark.parametrize("every", [False, pytest.param(True, marks=[pytest.mark.slow, pytest.mark.ci])],
+                         ids=["some", "every"])
+def test_a_refused_command_leaves_an_existing_run_as_it_was(every, reference, corpus, tmp_path, capsys):
+    """Bad overrides, and a resume or a warm start into another architecture, with paths.output_dir at a finished
+    run: each is refused in one line, and every file of the run is byte for byte as it was (its record, .hydra/, is
+    written by sinklab-train once a run is accepted, not by Hydra when the command starts)."""
+    import shutil
+
+    run = Path(shutil.copytree(reference, tmp_path / "run"))
+    before = file_bytes(run)
+    assert ".hydra/config.yaml" in before and ".hydra/overrides.yaml" in before and "status.json" in before
+    refused = [[o] for o, _ in BAD_OVERRIDES if (every or o in REFUSED_AT_A_RUN) and
+               not (o == "trainer=gpu" and torch.cuda.is_available())]
+    refused += [[*small(corpus), "ckpt_path=last", "model.n_layer=3"],
+                [*small(corpus), f"init_from={reference}", "model.n_layer=3"],
+                [*small(corpus), f"init_from={reference}", "data.vocab_size=400"]]
+    for overrides in refused:
+        code, out, err = run_cli("sinklab-train", f"paths.output_dir={run}", *overrides, capsys=capsys)
+        assert code == 2, (overrides, out, err[-2000:])
+        line = assert_one_line_error(err, starts="error: ", logs=True)
+        if "data.vocab_size=400" in overrides:  # refused from the settings, before the data is read
+            assert "its vocabulary comes from another tokenizer (data.vocab_size=" in line and "400 here" in line
+            assert "model:" not in err and "tokenizer" not in err.replace(line, "")
+        after = file_bytes(run)
+        changed = sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k))
+        assert not changed, f"{overrides}: changed {changed}"
+
+
 @pytest.mark.slow
 @pytest.mark.ci
 def test_console_script_reports_hydra_errors_in_one_line(tmp_path):
