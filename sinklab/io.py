@@ -42,6 +42,32 @@ def atomic_write_json(path: Union[str, os.PathLike], obj: Any, indent: int = 2) 
     return atomic_write(path, json.dumps(obj, indent=indent, sort_keys=True) + "\n")
 
 
+def check_output_file(flag: str, path: Union[str, os.PathLike], suffixes: tuple[str, ...] = ()) -> Path:
+    """An output file a command will write (`--out`, `--plot`, `--csv`, ...), checked before any compute: a file name
+    with one of `suffixes` (when given), not a directory, under a directory that exists or can be made (no file in
+    the way) and where a file can be written (tried: a file made there and removed). One UserError line naming the
+    flag and the path that is in the way."""
+    from sinklab.errors import UserError
+
+    path = Path(path)
+    if suffixes and path.suffix.lower() not in suffixes:
+        raise UserError(f"{flag} {path}: allowed: a {' or '.join(suffixes)} file name")
+    if path.is_dir():
+        raise UserError(f"{flag} {path}: is a directory; pass a file name")
+    parent = path.absolute().parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise UserError(f"{flag} {path}: cannot write it: {parent} is a file, not a directory")
+    try:  # a file made and removed where the output (or the first dir it needs) will go: the real test, root or not
+        fd, probe = tempfile.mkstemp(dir=parent, prefix=".sinklab-probe-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as err:
+        raise UserError(f"{flag} {path}: cannot write it: {parent} is not writable ({err.strerror or err})") from None
+    return path
+
+
 def stale_temporaries(path: Union[str, os.PathLike]) -> list[Path]:
     """Temporary files that an interrupted `atomic_write(path, ...)` left beside `path`."""
     path = Path(path)

@@ -219,11 +219,17 @@ def page_data(atlas: Atlas) -> dict:
             "metrics": atlas.metrics, "levels": LEVELS, "model": atlas.model, "frames": frames}
 
 
+# characters of the inline JSON written as escapes, so that no string of the data (a token's text, a run's path) can
+# end or open a script element or an HTML comment (`</script>`, `<!--`), or end a line of the script (U+2028/U+2029)
+SCRIPT_SAFE = str.maketrans({"<": "\\u003c", ">": "\\u003e", "&": "\\u0026", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def render(atlas: Atlas) -> str:
-    """The page: the template (sinklab/analysis/atlas.html) with the data inline. `</` inside the JSON is written
-    `<\\/` so that no token's text can close the script element."""
+    """The page: the template (sinklab/analysis/atlas.html) with the data inline as JSON whose `<`, `>`, `&`,
+    U+2028 and U+2029 are written as \\u escapes (`SCRIPT_SAFE`): still the same JSON, and safe in a script
+    element whatever the strings hold."""
     template = resources.files("sinklab.analysis").joinpath("atlas.html").read_text(encoding="utf-8")
-    data = json.dumps(page_data(atlas), separators=(",", ":"), allow_nan=False).replace("</", "<\\/")
+    data = json.dumps(page_data(atlas), separators=(",", ":"), allow_nan=False).translate(SCRIPT_SAFE)
     return template.replace(DATA_MARK, data, 1)
 
 
@@ -238,7 +244,7 @@ def read_page_data(html: str) -> dict:
     """The data a written page holds (the JSON of its `atlas-data` script), for tests and tools."""
     start = html.index('<script id="atlas-data" type="application/json">')
     start = html.index(">", start) + 1
-    return json.loads(html[start:html.index("</script>", start)].replace("<\\/", "</"))
+    return json.loads(html[start:html.index("</script>", start)])
 
 
 # ----------------------------------------------------------------------------------------------------- checkpoints

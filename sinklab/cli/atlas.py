@@ -26,6 +26,7 @@ from sinklab.analysis.probe_inputs import INPUTS, InputSpec, positive
 from sinklab.cli.base import (OneLineParser, add_device_json_args, add_target_args, check_files, check_one_target,
                               command_main, pick_device, target_spec)
 from sinklab.errors import UserError
+from sinklab.io import check_output_file
 from sinklab.targets import TargetSpec
 
 PROG = "sinklab atlas"
@@ -62,8 +63,7 @@ def check_args(args) -> None:
     check_one_target(args)
     for flag, value in (("--seq-len", args.seq_len), ("--num-seqs", args.num_seqs), ("--batch-size", args.batch_size)):
         positive(flag, value)
-    if args.out.suffix.lower() not in (".html", ".htm") or args.out.is_dir():
-        raise UserError(f"--out {args.out}: allowed: an .html file name")
+    check_output_file("--out", args.out, (".html", ".htm"))
     if args.text and (args.hf_model is None or args.input not in (None, "natural")):
         raise UserError("--text goes with --hf-model (natural text through the model's tokenizer)")
     if args.last and args.hf_model is not None:
@@ -94,7 +94,10 @@ def run(args) -> dict:
 
     atlas = at.build_atlas(title, specs, inputs, args.metric, batch_size=args.batch_size, note=note,
                            on_frame=on_frame)
-    path = at.write_atlas(atlas, args.out)
+    try:
+        path = at.write_atlas(atlas, args.out)
+    except OSError as err:  # checked before measuring; what changed since (a full disk, a dir removed)
+        raise UserError(f"--out {args.out}: cannot write it ({err.strerror or err})") from None
     frame = atlas.frames[0]
     return {"out": str(path), "bytes": path.stat().st_size, "metric": atlas.metric, "metrics": atlas.metrics,
             "n_layer": int(frame.map.shape[0]), "n_head": int(frame.map.shape[1]), "input": atlas.input,

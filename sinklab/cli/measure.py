@@ -78,6 +78,7 @@ from sinklab.analysis.probe_inputs import (DEFAULT_NUM_SEQS, DEFAULT_SEQ_LEN, IN
 from sinklab.cli.base import (OneLineParser, add_device_json_args, add_target_args, check_files, check_one_target,
                               command_main, pick_device)
 from sinklab.errors import UserError
+from sinklab.io import check_output_file
 from sinklab.targets import TargetSpec, load_target
 
 PROG = "sinklab measure"
@@ -165,8 +166,8 @@ def run(args) -> dict:
         positive(flag, value)
     check_thresholds(args.eps, args.k)
     for flag, path, suffix in (("--csv", args.csv, ".csv"), ("--markdown", args.markdown, ".md")):
-        if path is not None and Path(path).suffix.lower() != suffix:
-            raise UserError(f"{flag} {path}: allowed: a {suffix} file name")
+        if path is not None:
+            check_output_file(flag, path, (suffix,))
     if args.text and (args.hf_model is None or "natural" not in (args.input or [])):
         raise UserError("--text goes with --hf-model and --input natural (the text the model's tokenizer reads)")
     names = list(dict.fromkeys(args.hf_model)) if args.hf_model is not None else [args.target]

@@ -40,6 +40,7 @@ from typing import Optional, Sequence
 from sinklab.cli.base import (OneLineParser, add_device_json_args, add_sweep_args, add_target_args, check_one_target,
                               command_main, data_run_dir, knob_number, name_list, pick_device, target_spec)
 from sinklab.errors import UserError
+from sinklab.io import check_output_file
 
 PROG = "sinklab eval retrieval"
 DEFAULT_POLICIES = ("streaming", "window", "h2o", "snapkv")
@@ -205,8 +206,8 @@ def run(args) -> dict:
     for name, value in (("--samples", args.samples), ("--length", args.length)):
         if value is not None and value < 1:
             raise UserError(f"{name} {value}: allowed: a positive integer")
-    if args.plot is not None and Path(args.plot).suffix.lower() != ".png":
-        raise UserError(f"--plot {args.plot}: allowed: a .png file name")
+    if args.plot is not None:
+        check_output_file("--plot", args.plot, (".png",))
     device = pick_device(args.device)
     t0 = time.perf_counter()
     target = load_target(target_spec(args, device))

@@ -39,6 +39,7 @@ import torch
 from sinklab.cli.base import (OneLineParser, add_device_json_args, add_sweep_args, add_target_args, check_data_args,
                               check_one_target, command_main, data_run_dir, name_list, pick_device, target_spec)
 from sinklab.errors import UserError
+from sinklab.io import check_output_file
 from sinklab.evals import streaming_ppl as pp
 from sinklab.model.lm_loss import bits_per_byte, bytes_per_token, perplexity
 from sinklab.targets import Target, load_target
@@ -179,8 +180,8 @@ def run(args) -> dict:
     check_one_target(args)
     for name, value in (("--n-tokens", args.n_tokens), ("--bucket", args.bucket), ("--batch-size", args.batch_size)):
         positive(name, value)
-    if args.plot is not None and Path(args.plot).suffix.lower() != ".png":
-        raise UserError(f"--plot {args.plot}: allowed: a .png file name")
+    if args.plot is not None:
+        check_output_file("--plot", args.plot, (".png",))
     if args.n_tokens is not None and args.n_tokens < 2:
         raise UserError(f"--n-tokens {args.n_tokens}: allowed: >= 2 (a token and the next one to predict)")
     check_data_args(args)

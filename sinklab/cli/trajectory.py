@@ -33,6 +33,7 @@ from typing import Optional, Sequence
 
 from sinklab.cli.base import OneLineParser, add_device_json_args, check_files, command_main, pick_device
 from sinklab.errors import UserError
+from sinklab.io import check_output_file
 from sinklab.targets.hub_models import DTYPES, pick_dtype, recorded_progress
 from sinklab.analysis.probe_inputs import INPUTS, InputSpec, check_thresholds, positive
 
@@ -123,8 +124,7 @@ def check_args(args) -> None:
         positive(flag, value)
     check_thresholds(args.eps, args.k)
     for path, flag in ((args.csv, "--csv"), (args.plot, "--plot")):
-        if path.is_dir():
-            raise UserError(f"{flag} {path}: is a directory; pass a file name")
+        check_output_file(flag, path)
 
 
 def run(args) -> dict:

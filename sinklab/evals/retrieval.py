@@ -249,13 +249,14 @@ _LABEL = r"(prefill|decoding)_[a-z0-9]+(_b\d+)?"
 class Retrieval(Evaluation):
     """`sinklab eval retrieval`; in a sweep's retrieval.csv, per setting (e.g. prefill_h2o_b16): <setting>_acc (the
     mean exact-match accuracy over the grid), <setting>_first_kept and <setting>_key_kept (the share of kept sets
-    holding token 1 / the key), then chance and n_samples."""
+    holding token 1 / the key), then chance, n_samples and eval_seed (the samples' seed, `--seed`: jobs evaluated at
+    different seeds are told apart in one CSV)."""
 
     command = "sinklab.cli.retrieval"
     summary = "exact-match retrieval of a planted key under KV-cache eviction policies and budgets"
     bounds = ((rf"^{_LABEL}_(acc|first_kept|key_kept)$", UNIT), (rf"^{_LABEL}_loss$", NON_NEGATIVE),
               (r"^chance$", UNIT), (r"^(n_samples|sink_heads|(sink|other)_heads_retrieval)$", NON_NEGATIVE),
-              (r"^heads_rho$", (-1.0, 1.0)))
+              (r"^heads_rho$", (-1.0, 1.0)), (r"^eval_seed$", NON_NEGATIVE))
     settings = {"settings": "label"}
     same = ("source", "task", "grid", "length", "context", "n_samples", "seed")
 
@@ -268,4 +269,4 @@ class Retrieval(Evaluation):
         return {**row, "sink_heads": result["sink_heads"], "sink_heads_retrieval": result["sink_heads_retrieval"],
                 "other_heads_retrieval": result["other_heads_retrieval"],
                 "heads_rho": result["heads_rank_correlation"], "chance": result["chance"],
-                "n_samples": result["n_samples"]}
+                "n_samples": result["n_samples"], "eval_seed": result.get("seed")}

@@ -121,18 +121,21 @@ def test_a_transformers_model_is_one_frame_labelled_by_its_tokenizer(capsys, tmp
 
 
 def test_the_data_cannot_close_its_script_and_packing_keeps_signed_maps():
-    """A token whose text is `</script>` stays inside the JSON; maps with negative weights (differential attention)
+    """A token whose text is `</script>` or `<!--<script>` stays inside the JSON (no `<`, `>`, `&`, U+2028 or
+    U+2029 in it: escaped); maps with negative weights (differential attention)
     are stored on [min, max] and read back within the rounding."""
     rng = np.random.default_rng(0)
     a = rng.normal(size=(1, 2, 3, 3)).astype(np.float32)
     packed, lo, hi = pack_map(a)
     assert lo == pytest.approx(a.min()) and hi == pytest.approx(a.max())
     assert np.abs(unpack_map(packed, lo, hi, a.shape) - a).max() <= (hi - lo) / 510 + 1e-6
-    words = ["</script><b>x", "a\nb", '"q"']
-    page = render(Atlas("t</script>", [Frame("f", a, {"m": [[0.5, None]]})], words, words, "tokens: 1 x 3", "m"))
-    assert page.count("</script>") == 2
+    words = ["</script><b>x", "a\nb", '"q"', "<!--<script>", "&amp;\u2028\u2029"]
+    page = render(Atlas("t</script><!--", [Frame("f", a, {"m": [[0.5, None]]})], words, words, "tokens: 1 x 5", "m"))
+    assert page.count("</script>") == 2 and page.count("<!--") == 1 and page.count("<script") == 2  # the template's
+    inline = page[page.index('"atlas-data"'):].split(">", 1)[1].split("</script>", 1)[0]
+    assert not any(c in inline for c in "<>&\u2028\u2029")
     data = read_page_data(page)
-    assert data["keys"] == words and data["title"] == "t</script>"
+    assert data["keys"] == words and data["title"] == "t</script><!--"
     assert data["frames"][0]["values"] == {"m": [[0.5, None]]}
 
 
@@ -159,7 +162,10 @@ def test_the_readme_lines_run(run, capsys, tmp_path, monkeypatch):
     (["{run}", "--metric", "entropy/nothing"], ["--metric entropy/nothing: not a per-head grid of this model",
                                                 "sink/alpha", "induction/induction"]),
     (["{missing}"], ["TARGET", "no such checkpoint or run dir"]),
-    (["{run}", "--out", "atlas.png"], ["--out atlas.png: allowed: an .html file name"]),
+    (["{run}", "--out", "atlas.png"], ["--out atlas.png: allowed: a .html or .htm file name"]),
+    (["{run}", "--out", "{file}/sub/a.html"], ["--out ", "/sub/a.html: cannot write it: ", "/file is a file, not a "
+                                                                                           "directory"]),
+    (["{run}", "--out", "/proc/atlas.html"], ["--out /proc/atlas.html: cannot write it"]),
     (["{run}", "--hf-model", "x"], ["pass either TARGET", "not both"]),
     (["--hf-model", "x", "--last"], ["--last applies to a run dir"]),
     (["{run}", "--text", "t.txt"], ["--text goes with --hf-model"]),
@@ -168,7 +174,8 @@ def test_the_readme_lines_run(run, capsys, tmp_path, monkeypatch):
 def test_bad_input_is_one_line(run, capsys, tmp_path, monkeypatch, args, fragments):
     run_dir, _ = run
     monkeypatch.chdir(tmp_path)
-    argv = [a.format(run=run_dir, missing=tmp_path / "nothing") for a in args]
+    (tmp_path / "file").write_text("a file, where a directory would be")
+    argv = [a.format(run=run_dir, missing=tmp_path / "nothing", file=tmp_path / "file") for a in args]
     rc, out, err = run_cli("sinklab", "atlas", *argv, capsys=capsys)
     assert rc == 2 and out == ""
     assert_one_line_error(err, *fragments, starts="sinklab atlas: error: ")

@@ -87,3 +87,39 @@ def test_the_atlas_opens_and_answers_clicks_and_the_slider(trained_run, browser,
         assert img.width >= 1000 and len(img.convert("RGB").getcolors(1 << 20) or []) > 100  # drawn, not blank
     page.close()
     assert not problems, problems
+
+
+def test_text_that_could_end_the_script_stays_data(trained_run, browser, tmp_path):
+    """A run whose path, and whose tokens' texts, hold `<!--<script>`, `</script>`, `&`, U+2028 and U+2029: the page
+    still draws every head, its title shows the path as written, and the token texts come back whole (the inline
+    JSON escapes `<`, `>`, `&`, U+2028 and U+2029)."""
+    import shutil
+
+    nasty = "<!--<script>x</script>&\u2028\u2029"
+    run = tmp_path / nasty / "run"
+    shutil.copytree(trained_run, run, ignore=shutil.ignore_patterns("kept", "*.html", "*.png", "wandb"))
+    text = tmp_path / "nasty.txt"
+    text.write_text(f"ROMEO: {nasty} <!-- a comment? --> & </script> more words\n" * 20, encoding="utf-8")
+    page_path = tmp_path / "atlas.html"
+    run_cli("sinklab", "atlas", str(run), "--last", "--text", str(text), "--seq-len", "24", "--num-seqs", "2",
+            "--out", str(page_path), check=True)
+    html = page_path.read_text(encoding="utf-8")
+    start = html.index('<script id="atlas-data"')
+    inline = html[html.index(">", start) + 1:html.index("</script>", start)]
+    assert not any(c in inline for c in "<>&\u2028\u2029")
+    data = read_page_data(html)
+    assert any("<" in k for k in data["keys"]) and any(">" in k for k in data["keys"])
+
+    page = browser.new_page(viewport={"width": 1200, "height": 900})
+    problems: list[str] = []
+    page.on("console", lambda m: problems.append(f"console {m.type}: {m.text}") if m.type in ("error", "warning")
+            else None)
+    page.on("pageerror", lambda err: problems.append(f"page error: {err}"))
+    page.goto(page_path.as_uri())
+    page.wait_for_selector("body[data-ready='1']", timeout=20_000)
+    assert page.locator("td.cell").count() == data["n_layer"] * data["n_head"]
+    assert page.inner_text("#title") == "attention atlas: " + data["title"] and nasty[:12] in data["title"]
+    keys = page.evaluate("DATA.keys")
+    assert keys == data["keys"]
+    page.close()
+    assert not problems, problems

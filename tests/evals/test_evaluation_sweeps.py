@@ -3,6 +3,7 @@ sweep, in this process, into JOB/NAME.json and SWEEP_DIR/NAME.csv; `sinklab repo
 evaluation, a throwaway one registered here too, within the bounds it declares."""
 from __future__ import annotations
 
+import csv
 import importlib
 import json
 import shutil
@@ -253,3 +254,20 @@ def test_merge_is_by_setting_name_and_only_of_the_same_measurement():
     for key, value in (("n_samples", 8), ("seed", 1), ("checkpoint", {"bytes": 2}), ("grid", None)):
         assert retrieval.merge(old, {**new, key: value}) is None, key
     assert EVALUATIONS.get("quant").merge(old, old) is None  # declares no settings: its earlier result is kept apart
+
+
+def test_a_retrieval_csv_tells_jobs_evaluated_at_other_seeds_apart(tmp_path):
+    """Job 0 evaluated again at --seed 1 (its result kept apart: another seed), job 1 at seed 0: the sweep's
+    retrieval.csv has each job's samples' seed in `eval_seed`, beside the training seed the job ran with."""
+    from sinklab.evals.registry import write_table
+
+    setting = {"label": "prefill_dense", "accuracy": 0.5, "loss": 1.0, "first_kept": 1.0, "key_kept": 1.0}
+    for job, seed in (("0", 1), ("1", 0)):
+        (tmp_path / job / ".hydra").mkdir(parents=True)
+        (tmp_path / job / ".hydra" / "overrides.yaml").write_text(f"- seed={job}\n")
+        (tmp_path / job / "retrieval.json").write_text(json.dumps(
+            {"seed": seed, "settings": [setting], "sink_heads": 0, "sink_heads_retrieval": None,
+             "other_heads_retrieval": None, "heads_rank_correlation": None, "chance": 0.1, "n_samples": 4}))
+    out, n = write_table(EVALUATIONS.get("retrieval"), tmp_path)
+    rows = list(csv.DictReader(out.open()))
+    assert n == 2 and [(r["job"], r["seed"], r["eval_seed"]) for r in rows] == [("0", "0", "1"), ("1", "1", "0")]

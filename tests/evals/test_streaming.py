@@ -215,11 +215,14 @@ def test_readme_streaming_commands_run(capsys, streaming_run):
     (["--n-tokens", "1"], "--n-tokens 1: allowed: >= 2"),
     (["--data", "NOT_A_RUN"], "not a run dir (it has no .hydra/config.yaml)"),
     (["--plot", "ppl.pdf"], "--plot ppl.pdf: allowed: a .png file name"),
+    (["--plot", "A_FILE/ppl.png"], "/ppl.png: cannot write it: "),
     (["--first", "63"], "--first 63 leaves 1 recent tokens in the model context 64; allowed: x <= 62"),
 ])
 def test_bad_input_is_one_line_and_exit_2(capsys, trained_run, tmp_path, args, message):
     np.save(tmp_path / "two_d.npy", np.zeros((2, 5), dtype=np.int64))
-    args = [str(tmp_path / "two_d.npy") if a == "TWO_D" else str(tmp_path) if a == "NOT_A_RUN" else a for a in args]
+    (tmp_path / "file").write_text("a file, where a directory would be")
+    args = [str(tmp_path / "two_d.npy") if a == "TWO_D" else str(tmp_path) if a == "NOT_A_RUN" else
+            a.replace("A_FILE", str(tmp_path / "file")) for a in args]
     rc, out, err = run_cli("sinklab", "eval", "streaming", str(trained_run), *args, capsys=capsys)
     assert rc == 2
     assert_one_line_error(err, message)

@@ -138,7 +138,7 @@ def test_unknown_names_and_replacing_an_nsa_map_are_one_line_errors():
         run_with_cache(model, tokens(), ["blocks.0.attn.hook_patern"])
     assert_one_line_error(err, "names_filter 'blocks.0.attn.hook_patern': not a hook name",
                           "blocks.{i}.attn.hook_pattern")
-    nsa = small_model(attn_op="nsa")
+    nsa = small_model(attn_op="nsa", nsa_slc_topn=3)  # the 3 selection blocks of the context of 24
     with pytest.raises(UserError) as err:
         SinklabTarget.of_model(nsa).run_with_hooks(tokens(), [("blocks.0.attn.hook_pattern", lambda a, h: a * 1)])
     assert_one_line_error(err, "model.attn_op=nsa does not attend through its map")

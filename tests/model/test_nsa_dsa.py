@@ -40,7 +40,9 @@ def nsa_model(**knobs):
 
 def test_nsa_eq9_counts_each_compressed_block_by_the_strides_it_shares_with_the_selection_block():
     for l, d, ls in ((8, 4, 8), (32, 16, 64), (8, 4, 4), (4, 4, 8), (8, 2, 4)):
-        op = nsa_model(nsa_cmp_block=l, nsa_cmp_stride=d, nsa_slc_block=ls, nsa_slc_topn=4).blocks[0].attn.op
+        few = {} if 64 // ls >= 4 else dict(nsa_force_initial=False, nsa_force_local=1)  # n <= the blocks there are
+        op = nsa_model(nsa_cmp_block=l, nsa_cmp_stride=d, nsa_slc_block=ls, nsa_slc_topn=min(4, 64 // ls),
+                       **few).blocks[0].attn.op
         nb, n_slc = (64 - l) // d + 1, 64 // ls
         want = torch.tensor([[len(set(range(i * d, i * d + l)) & set(range(j * ls, j * ls + ls))) / d
                               for j in range(n_slc)] for i in range(nb)])
@@ -182,16 +184,18 @@ def test_nsa_refuses_impossible_knobs_in_one_line():
                          ({"nsa_slc_block": 16}, "model.nsa_slc_block=16 must divide the context"),
                          ({"nsa_cmp_block": 5, "nsa_cmp_stride": 5}, "model.nsa_cmp_block=5 must divide the context"),
                          ({"nsa_slc_topn": 2}, "model.nsa_slc_topn=2 is smaller than the 3 forced"),
+                         ({"nsa_slc_topn": 50}, "model.nsa_slc_topn=50 exceeds the 3 selection blocks of the context "
+                                                "(model.block_size=24 / model.nsa_slc_block=8); allowed: 3..3"),
                          ({"nsa_window": 30}, "model.nsa_window=30 exceeds the context"),
                          ({"nsa_force_local": -1}, "model.nsa_force_local=-1 must be an integer >= 0")):
-        with pytest.raises(ConfigError, match="^" + words.replace(".", r"\.").replace("+", r"\+")) as err:
-            ModelConfig(**{**SMALL, "attn_op": "nsa", **knobs})
+        with pytest.raises(ConfigError, match="^" + words.replace(".", r"\.").replace("+", r"\+").replace("(", r"\(").replace(")", r"\)")) as err:
+            ModelConfig(**{**SMALL, "attn_op": "nsa", "nsa_slc_topn": 3, **knobs})  # 3 selection blocks of 8
         assert "\n" not in str(err.value)
     ModelConfig(**{**SMALL, "attn_op": "nsa", "nsa_slc_topn": 2, "nsa_force_initial": False})  # 2 forced: fits
 
 
 def test_nsa_refuses_an_evicting_cache_and_decodes_with_a_dense_one():
-    m = small_model(attn_op="nsa")
+    m = small_model(attn_op="nsa", nsa_slc_topn=3)  # the 3 selection blocks of the context of 24
     idx = token_ids()
     with pytest.raises(UserError, match=r"^model\.attn_op=nsa keeps per-token tensors .* allowed: a dense cache$"):
         m(idx[:, :4], cache=m.new_cache(keep_first=2, recent=8))
@@ -202,7 +206,7 @@ def test_nsa_refuses_an_evicting_cache_and_decodes_with_a_dense_one():
 
 
 def test_nsa_gates_pass_their_hook_point():
-    m = small_model(attn_op="nsa")
+    m = small_model(attn_op="nsa", nsa_slc_topn=3)  # the 3 selection blocks of the context of 24
     seen = []
     m.blocks[1].attn.op.hook_gate.register_forward_hook(lambda _m, _i, out: seen.append(out))
     m(token_ids())

@@ -149,10 +149,15 @@ class NativeSparseAttention(AttentionOp):
                 raise ConfigError(f"model.{key}={getattr(cfg, key)} must divide the context model.block_size={T}; "
                                   f"allowed: {divisors(T)}")
         forced = int(cfg.nsa_force_initial) + local
+        n_slc = -(-(T + cfg.n_sink_tokens) // cfg.nsa_slc_block)  # selection blocks of the context
         if cfg.nsa_slc_topn < forced:
             raise ConfigError(f"model.nsa_slc_topn={cfg.nsa_slc_topn} is smaller than the {forced} forced selection "
                               f"blocks (nsa_force_initial={str(cfg.nsa_force_initial).lower()}, nsa_force_local="
                               f"{local}); allowed: >= {forced}")
+        if cfg.nsa_slc_topn > n_slc:  # more than the context holds: every block selected, i.e. dense selection
+            raise ConfigError(f"model.nsa_slc_topn={cfg.nsa_slc_topn} exceeds the {n_slc} selection blocks of the "
+                              f"context (model.block_size={T} / model.nsa_slc_block={cfg.nsa_slc_block}); allowed: "
+                              f"{max(forced, 1)}..{n_slc}")
         if cfg.nsa_window > T:
             raise ConfigError(f"model.nsa_window={cfg.nsa_window} exceeds the context model.block_size={T}; "
                               f"allowed: 1..{T}")
