@@ -90,36 +90,41 @@ def test_the_atlas_opens_and_answers_clicks_and_the_slider(trained_run, browser,
 
 
 def test_text_that_could_end_the_script_stays_data(trained_run, browser, tmp_path):
-    """A run whose path, and whose tokens' texts, hold `<!--<script>`, `</script>`, `&`, U+2028 and U+2029: the page
-    still draws every head, its title shows the path as written, and the token texts come back whole (the inline
-    JSON escapes `<`, `>`, `&`, U+2028 and U+2029)."""
+    """A run whose path holds `<!--<script>`, `</script>`, `&`, U+2028 and U+2029, and its export read with a text
+    holding them (so its tokens' texts do): each page still draws every head, its title shows the path as written,
+    and the token texts come back whole (the inline JSON escapes `<`, `>`, `&`, U+2028 and U+2029)."""
     import shutil
 
     nasty = "<!--<script>x</script>&\u2028\u2029"
     run = tmp_path / nasty / "run"
     shutil.copytree(trained_run, run, ignore=shutil.ignore_patterns("kept", "*.html", "*.png", "wandb"))
+    run_cli("sinklab", "export-hf", str(run), str(tmp_path / nasty / "hf"), "--no-check", check=True)
     text = tmp_path / "nasty.txt"
     text.write_text(f"ROMEO: {nasty} <!-- a comment? --> & </script> more words\n" * 20, encoding="utf-8")
-    page_path = tmp_path / "atlas.html"
-    run_cli("sinklab", "atlas", str(run), "--last", "--text", str(text), "--seq-len", "24", "--num-seqs", "2",
-            "--out", str(page_path), check=True)
-    html = page_path.read_text(encoding="utf-8")
-    start = html.index('<script id="atlas-data"')
-    inline = html[html.index(">", start) + 1:html.index("</script>", start)]
-    assert not any(c in inline for c in "<>&\u2028\u2029")
-    data = read_page_data(html)
-    assert any("<" in k for k in data["keys"]) and any(">" in k for k in data["keys"])
+    pages = {"run": ["atlas", str(run), "--last", "--num-seqs", "2"],
+             "hf": ["atlas", "--hf-model", str(tmp_path / nasty / "hf"), "--text", str(text), "--seq-len", "24",
+                    "--num-seqs", "2"]}
+    for name, args in pages.items():
+        page_path = tmp_path / f"{name}.html"
+        run_cli("sinklab", *args, "--out", str(page_path), check=True)
+        html = page_path.read_text(encoding="utf-8")
+        start = html.index('<script id="atlas-data"')
+        inline = html[html.index(">", start) + 1:html.index("</script>", start)]
+        assert not any(c in inline for c in "<>&\u2028\u2029"), name
+        data = read_page_data(html)
+        assert nasty in data["title"] or any(nasty in str(f["where"]) for f in data["frames"]), name
+        if name == "hf":
+            assert any("<" in k for k in data["keys"]) and any(">" in k for k in data["keys"])
 
-    page = browser.new_page(viewport={"width": 1200, "height": 900})
-    problems: list[str] = []
-    page.on("console", lambda m: problems.append(f"console {m.type}: {m.text}") if m.type in ("error", "warning")
-            else None)
-    page.on("pageerror", lambda err: problems.append(f"page error: {err}"))
-    page.goto(page_path.as_uri())
-    page.wait_for_selector("body[data-ready='1']", timeout=20_000)
-    assert page.locator("td.cell").count() == data["n_layer"] * data["n_head"]
-    assert page.inner_text("#title") == "attention atlas: " + data["title"] and nasty[:12] in data["title"]
-    keys = page.evaluate("DATA.keys")
-    assert keys == data["keys"]
-    page.close()
-    assert not problems, problems
+        page = browser.new_page(viewport={"width": 1200, "height": 900})
+        problems: list[str] = []
+        page.on("console", lambda m: problems.append(f"console {m.type}: {m.text}") if m.type in ("error", "warning")
+                else None)
+        page.on("pageerror", lambda err: problems.append(f"page error: {err}"))
+        page.goto(page_path.as_uri())
+        page.wait_for_selector("body[data-ready='1']", timeout=20_000)
+        assert page.locator("td.cell").count() == data["n_layer"] * data["n_head"], name
+        assert page.inner_text("#title") == "attention atlas: " + data["title"], name
+        assert page.evaluate("DATA.keys") == data["keys"], name
+        page.close()
+        assert not problems, (name, problems)
