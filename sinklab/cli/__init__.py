@@ -22,6 +22,8 @@ COMMANDS = {
     "sample": ("sinklab.cli.sample", "generate text from a trained model with a KV cache"),
     "report": ("sinklab.cli.report", "tables and plots from a (finished or running) sweep dir"),
     "export-hf": ("sinklab.cli.export_hf", "write a checkpoint as a transformers LlamaForCausalLM directory"),
+    "import-hf": ("sinklab.cli.import_hf", "a transformers LLaMA-family model (dir, hub id or GGUF file) as a sinklab "
+                  "run dir: measure it, evaluate it, continue its pretraining with init_from="),
     "prepare": ("sinklab.cli.prepare", "tokenise a corpus once into sharded memmaps"),
     "components": ("sinklab.cli.components", "every registered architecture component, its knobs and config files"),
     "check-component": ("sinklab.cli.check_component",

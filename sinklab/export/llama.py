@@ -27,7 +27,6 @@ The tokenizer is exported too when one is found (--tokenizer, tokenizer.json in 
 """
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Optional
 
@@ -53,31 +52,30 @@ def unrepresentable(cfg: ModelConfig) -> list[str]:
     return cfg.llama_mismatches()
 
 
-def llama_state_dict(state: dict[str, torch.Tensor], n_layer: int) -> dict[str, torch.Tensor]:
-    """sinklab Transformer state dict -> LlamaForCausalLM state dict; unknown or missing keys are errors."""
-    fixed = {"tok_emb.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
+def LLAMA_NAMES(n_layer: int) -> dict[str, str]:  # noqa: N802  (a table, built per depth)
+    """sinklab's weight names -> LlamaForCausalLM's, for a model of `n_layer` layers (export-hf and import-hf)."""
+    names = {"tok_emb.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
              "lm_head.weight": "lm_head.weight"}
     per_layer = {"norm1.weight": "input_layernorm.weight", "norm2.weight": "post_attention_layernorm.weight",
                  "attn.q_proj.weight": "self_attn.q_proj.weight", "attn.k_proj.weight": "self_attn.k_proj.weight",
                  "attn.v_proj.weight": "self_attn.v_proj.weight", "attn.o_proj.weight": "self_attn.o_proj.weight",
                  "ffn.w1.weight": "mlp.gate_proj.weight", "ffn.w3.weight": "mlp.up_proj.weight",
                  "ffn.w2.weight": "mlp.down_proj.weight"}
-    out, unknown = {}, []
-    pattern = re.compile(r"^blocks\.(\d+)\.(.+)$")
-    for key, value in state.items():
-        m = pattern.match(key)
-        if key in fixed:
-            out[fixed[key]] = value
-        elif m and m.group(2) in per_layer and int(m.group(1)) < n_layer:
-            out[f"model.layers.{m.group(1)}.{per_layer[m.group(2)]}"] = value
-        else:
-            unknown.append(key)
+    for i in range(n_layer):
+        names.update({f"blocks.{i}.{ours}": f"model.layers.{i}.{theirs}" for ours, theirs in per_layer.items()})
+    return names
+
+
+def llama_state_dict(state: dict[str, torch.Tensor], n_layer: int) -> dict[str, torch.Tensor]:
+    """sinklab Transformer state dict -> LlamaForCausalLM state dict; unknown or missing keys are errors."""
+    names = LLAMA_NAMES(n_layer)
+    out = {names[k]: v for k, v in state.items() if k in names}
+    unknown = [k for k in state if k not in names]
     if unknown:
         raise UserError(f"the checkpoint has weights LLaMA cannot hold: {', '.join(sorted(unknown)[:8])}"
                         + (" ..." if len(unknown) > 8 else ""))
-    expected = len(fixed) + len(per_layer) * n_layer
-    if len(out) != expected:
-        raise UserError(f"the checkpoint holds {len(out)} of the {expected} weights of a {n_layer}-layer model")
+    if len(out) != len(names):
+        raise UserError(f"the checkpoint holds {len(out)} of the {len(names)} weights of a {n_layer}-layer model")
     return out
 
 
@@ -91,7 +89,7 @@ def llama_config(cfg: ModelConfig, transformers, dtype: torch.dtype, eos_id: Opt
         vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.d_ff,
         num_hidden_layers=cfg.n_layer, num_attention_heads=cfg.n_head, num_key_value_heads=cfg.kv_heads,
         head_dim=cfg.hd, hidden_act="silu", max_position_embeddings=cfg.block_size, rms_norm_eps=cfg.norm_eps,
-        tie_word_embeddings=False, attention_bias=False, mlp_bias=False, attention_dropout=0.0,
+        tie_word_embeddings=cfg.tie_embeddings, attention_bias=False, mlp_bias=False, attention_dropout=0.0,
         bos_token_id=None, eos_token_id=eos_id, pad_token_id=None, **rope)
     hf_cfg.architectures = ["LlamaForCausalLM"]
     return hf_cfg

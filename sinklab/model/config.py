@@ -53,6 +53,7 @@ class BaseModelConfig:
     sparsity: str = "none"
     head_norm: str = "none"
     norm_eps: float = 1e-5
+    tie_embeddings: bool = False  # the output head shares the token embedding's weight (an imported SmolLM2, ...)
     softmax_scale: float = 1.0  # alpha in op(alpha * q.k / sqrt(d_h))
     n_sink_tokens: int = 0  # learned embeddings prepended to every sequence, never predicted
     residual_clip: Optional[float] = None  # clamp the residual stream to +-c after each block; None = off
@@ -215,6 +216,8 @@ class ModelConfigMethods:
         for key in ("softmax_scale", "norm_eps"):
             if getattr(self, key) <= 0:
                 raise ConfigError(f"model.{key}={getattr(self, key)} must be > 0")
+        if not isinstance(self.tie_embeddings, bool):
+            raise ConfigError(f"model.tie_embeddings={self.tie_embeddings!r} is not allowed; allowed: true or false")
         if self.residual_clip is not None and not self.residual_clip > 0:
             raise ConfigError(f"model.residual_clip={self.residual_clip} must be > 0 or null (off)")
         self.validate_knob_owners()

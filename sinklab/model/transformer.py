@@ -1,5 +1,5 @@
-"""The LLaMA2-style decoder: embeddings, blocks (pre- or post-norm), final norm, untied LM head; the residual stream
-optionally clamped to +-model.residual_clip after each block."""
+"""The LLaMA2-style decoder: embeddings, blocks (pre- or post-norm), final norm, LM head (untied unless
+model.tie_embeddings); the residual stream optionally clamped to +-model.residual_clip after each block."""
 from __future__ import annotations
 
 import dataclasses
@@ -77,6 +77,8 @@ class Transformer(nn.Module):
         self.blocks = nn.ModuleList(block(cfg, layer) for layer in range(cfg.n_layer))
         self.norm = NORMS.selected(cfg).build(cfg) if block.final_norm else nn.Identity()
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:  # one weight, (V, d): rows of the embedding are the output head's rows
+            self.lm_head.weight = self.tok_emb.weight
         # with a layer pattern, model.window is the local layers' (Layout.windowed), the others see every key
         window = cfg.window if cfg.layer_pattern is None else None
         self.mask_mod = compose_mask(cfg.n_sink_tokens, cfg.prefix_len, window)
@@ -178,13 +180,14 @@ class Transformer(nn.Module):
         return x if return_hidden else self.lm_head(x)
 
     def num_params(self, non_embedding: bool = True) -> int:
-        n = sum(p.numel() for p in self.parameters())
+        n = sum(p.numel() for p in self.parameters())  # a tied weight once
         if non_embedding:
-            n -= self.tok_emb.weight.numel() + self.lm_head.weight.numel()
+            n -= self.tok_emb.weight.numel() + (0 if self.cfg.tie_embeddings else self.lm_head.weight.numel())
         return n
 
     def flops_per_token(self, T: int) -> float:
         """Training FLOPs per token (6N + attention), as in the PaLM appendix."""
         c = self.cfg
-        n = sum(p.numel() for p in self.parameters()) - self.tok_emb.weight.numel()
+        n = sum(p.numel() for p in self.parameters())  # the output head's matmul counts, the embedding lookup not
+        n -= 0 if c.tie_embeddings else self.tok_emb.weight.numel()
         return 6 * n + 12 * c.n_layer * c.n_head * c.hd * T
