@@ -266,6 +266,20 @@ def command_main(prog: str, parser: argparse.ArgumentParser, run: Callable[[Any]
     return 0
 
 
+def exit_code(prog: str, call: Callable[[], Any], failures: tuple[type[Exception], ...] = ()) -> int:
+    """`call()` as a command's body: 0; a UserError is one line on stderr and exit code 2; an exception of `failures`
+    (the result is wrong, not the input: export-hf's and import-hf's parity check) one line and exit code 1."""
+    try:
+        call()
+    except UserError as err:
+        print(f"{prog}: error: {err}", file=sys.stderr)
+        return 2
+    except failures as err:
+        print(f"{prog}: error: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def dispatch(prog: str, commands: dict[str, tuple[str, str]], footer: str,
              argv: Optional[Sequence[str]] = None) -> int:
     """Run `prog NAME ARGS...`: NAME's module's main(ARGS) (imported only then); the listing for no NAME or --help,

@@ -7,11 +7,9 @@ others) is one line on stderr and exit code 2; an export whose logits disagree w
 """
 from __future__ import annotations
 
-import sys
 from typing import Optional, Sequence
 
-from sinklab.cli.base import OneLineParser
-from sinklab.errors import UserError
+from sinklab.cli.base import OneLineParser, exit_code
 from sinklab.export.llama import DTYPES, ParityError, export
 from sinklab.export.revisions import export_revisions
 
@@ -36,15 +34,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = ap.parse_args(argv)
     options = dict(dtype=args.dtype, check=not args.no_check, tokenizer=args.tokenizer,
                    with_tokenizer=not args.no_tokenizer)
-    try:
-        if args.revisions:
-            export_revisions(args.ckpt, args.out_dir, **options)
-        else:
-            export(args.ckpt, args.out_dir, **options)
-    except UserError as err:
-        print(f"{PROG}: error: {err}", file=sys.stderr)
-        return 2
-    except ParityError as err:
-        print(f"{PROG}: error: {err}", file=sys.stderr)
-        return 1
-    return 0
+    if args.revisions:
+        return exit_code(PROG, lambda: export_revisions(args.ckpt, args.out_dir, **options), (ParityError,))
+    return exit_code(PROG, lambda: export(args.ckpt, args.out_dir, **options), (ParityError,))

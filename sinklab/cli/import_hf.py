@@ -5,11 +5,9 @@ import whose logits disagree with transformers', exit code 1 and nothing written
 """
 from __future__ import annotations
 
-import sys
 from typing import Optional, Sequence
 
-from sinklab.cli.base import OneLineParser
-from sinklab.errors import UserError
+from sinklab.cli.base import OneLineParser, exit_code
 from sinklab.export.llama import ParityError
 
 PROG = "sinklab import-hf"
@@ -28,12 +26,5 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = ap.parse_args(argv)
     from sinklab.export.hf_import import import_hf
 
-    try:
-        import_hf(args.src, args.out_dir, revision=args.revision, check=not args.no_check)
-    except UserError as err:
-        print(f"{PROG}: error: {err}", file=sys.stderr)
-        return 2
-    except ParityError as err:
-        print(f"{PROG}: error: {err}", file=sys.stderr)
-        return 1
-    return 0
+    return exit_code(PROG, lambda: import_hf(args.src, args.out_dir, revision=args.revision,
+                                             check=not args.no_check), (ParityError,))
