@@ -175,6 +175,7 @@ def build_atlas(title: str, specs: Sequence[tuple[TargetSpec, Optional[int], Opt
             keys = key_labels(ctx.n_extra, ctx.slot_names, texts)
             kind = kind if text is None else f"{kind} ({text})"
             model = model_words(target.meta.model)
+            note = "; ".join(n for n in (note, target.meta.weights_note) if n) or None  # a GGUF's quantization
         frame = measure_frame(target, tokens, checkpoint_label(step, seen, spec.name), eps=eps, k=k,
                               batch_size=batch_size)
         frame.step, frame.tokens, frame.where = step, seen, spec.name if spec.revision is None else spec.revision

@@ -13,6 +13,7 @@ from sinklab.analysis.probe_inputs import InputSpec, choose_tokens
 from sinklab.errors import UserError
 from sinklab.metrics import METRICS
 from sinklab.targets import Target
+from sinklab.targets.interface import model_title
 
 
 # ----------------------------------------------------------------------------------------------------- results
@@ -65,7 +66,7 @@ def format_tables(res: dict) -> str:
     normalised = res.get("row_normalised")
     rows = "" if normalised is None else "; rows sum to 1" if normalised else \
         "; rows do not sum to 1 (Sink* on |A| / sum |A|)"
-    lines = [f"{res['source']} model {res['target']}",
+    lines = [model_title(res),
              f"input {res['input']}: {res['num_seqs']} sequences x {res['seq_len']} tokens{rows}"]
     for metric in METRICS:
         part = metric.part(res)

@@ -46,7 +46,8 @@ def row(res: dict, paper: dict[str, float]) -> dict[str, Any]:
             "massive_ratio": max(massive["ratio"]) if massive.get("ratio") else None,
             "massive_top": max(massive["top"]) if massive.get("top") else None,
             "slot_sink_logit": slot, "seq_len": res["seq_len"], "num_seqs": res["num_seqs"],
-            "dtype": res.get("dtype", "float32"), "seconds": res.get("seconds")}
+            "dtype": res.get("dtype", "float32"), "weights_note": res.get("weights_note"),
+            "seconds": res.get("seconds")}
 
 
 def label(rec: dict) -> str:
@@ -55,7 +56,8 @@ def label(rec: dict) -> str:
 
 def wide(records: list[dict]):
     """The table (a DataFrame): one row per model, per input `Sink_1 <input>`, `paper <input>`, then `alpha_1
-    <input>`, `massive <input>` and, with sink logits, `sink logit <input>` (share of heads, %)."""
+    <input>`, `massive <input>` and, with sink logits, `sink logit <input>` (share of heads, %); `weights` where a
+    model's weights are not its own as trained (a GGUF file's quantization, `TargetMeta.weights_note`)."""
     import pandas as pd
 
     inputs = list(dict.fromkeys(r["input"] for r in records))
@@ -73,6 +75,9 @@ def wide(records: list[dict]):
                            *((("slot_sink_logit", "sink logit"),) if slots else ())):
             for i in inputs:
                 line[f"{title} {i}"] = cells[i][key] if i in cells else None
+        if any(r.get("weights_note") for r in records):
+            line["weights"] = next((r["weights_note"] for r in records if label(r) == name and r.get("weights_note")),
+                                   None)
         out.append(line)
     return pd.DataFrame(out)
 

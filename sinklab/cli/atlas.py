@@ -101,7 +101,7 @@ def run(args) -> dict:
     frame = atlas.frames[0]
     return {"out": str(path), "bytes": path.stat().st_size, "metric": atlas.metric, "metrics": atlas.metrics,
             "n_layer": int(frame.map.shape[0]), "n_head": int(frame.map.shape[1]), "input": atlas.input,
-            "note": note, "seconds": round(sum(c["seconds"] for c in done), 3), "checkpoints": done}
+            "note": atlas.note, "seconds": round(sum(c["seconds"] for c in done), 3), "checkpoints": done}
 
 
 def format_text(res: dict) -> str:

@@ -62,7 +62,7 @@ def add_target_args(parser: argparse.ArgumentParser, uses: str, hf_help: str, ma
     parser.add_argument("target", nargs="?", default=None,
                         help=f"a sinklab .ckpt or a run dir (uses its checkpoints/last.ckpt and {uses})")
     parser.add_argument("--hf-model", metavar="NAME_OR_DIR", nargs="+" if many else None, default=None,
-                        help=hf_help + " (a local dir written by save_pretrained, or a hub id: "
+                        help=hf_help + " (a local dir written by save_pretrained, a GGUF file, or a hub id: "
                                        "huggingface_hub's cache, read offline with HF_HUB_OFFLINE=1)")
     add_hf_args(parser)
 

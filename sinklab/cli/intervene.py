@@ -53,6 +53,7 @@ from sinklab.evals.interventions import INTERVENTIONS, evaluate, find_massive
 from sinklab.analysis.probe_inputs import DEFAULT_NUM_SEQS, load_tokens, positive
 from sinklab.runs.run_data import probe_tokens, read_run_data, val_blocks
 from sinklab.targets import load_target
+from sinklab.targets.interface import model_title
 
 PROG = "sinklab eval intervene"
 
@@ -103,7 +104,7 @@ def run(args) -> dict:
     val, probe = [b.to(device) for b in val], probe.to(device)
     massive = find_massive(target, probe, args.channels)
     rows, count = evaluate(target, val, probe, list(dict.fromkeys(args.interventions)), massive, args.seed)
-    return {"target": meta.target, "source": meta.source, "val_batches": len(val), "val_targets": count,
+    return {**meta.head(), "val_batches": len(val), "val_targets": count,
             "probe": {"num_seqs": int(probe.shape[0]), "seq_len": int(probe.shape[1])}, "massive": massive,
             "rows": rows, "seconds": round(time.perf_counter() - t0, 3)}
 
@@ -112,7 +113,7 @@ def format_table(res: dict) -> str:
     m = res["massive"]
     chans = ", ".join(f"{c} ({v:.2f}, mean {s:+.2f})" for c, v, s in zip(m["channels"], m["values"], m["mean_values"]))
     star = any("sink1_star" in r for r in res["rows"].values())
-    lines = [f"{res['target']}: {res['val_batches']} validation batches, probe set {res['probe']['num_seqs']} x "
+    lines = [f"{model_title(res)}: {res['val_batches']} validation batches, probe set {res['probe']['num_seqs']} x "
              f"{res['probe']['seq_len']}",
              f"massive activations: layer {m['layer']}, token {m['token']}, channels {chans}; top / median "
              f"{m['ratio']:.1f}", "",

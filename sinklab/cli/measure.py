@@ -14,16 +14,18 @@ Shakespeare corpus) through the model's own tokenizer, in consecutive pieces of 
 special tokens its tokenizer puts first (LLaMA's BOS, nothing for GPT-2); random and repeat ids have none.
 
 --hf-model takes a local dir or a hub id (``--revision`` a branch, tag or commit), loaded in ``--dtype`` (auto:
-bfloat16 on CUDA): `sinklab.targets.hub_models`. Several models and/or several inputs make one table in the layout of the paper's
-Table 1, with its numbers beside ours (`sinklab.analysis.model_table`); --csv and --markdown write it; --json prints
-{models, inputs, eps, rows: [{model, revision, input, sink1, paper_sink1, alpha1, first_token_attn, massive_ratio,
-massive_top, slot_sink_logit, seq_len, num_seqs, dtype, seconds}], written, seconds}.
+bfloat16 on CUDA): `sinklab.targets.hub_models`; or a GGUF file, dequantized (`sinklab.targets.gguf`). Several
+models and/or several inputs make one table in the layout of the paper's Table 1, with its numbers beside ours
+(`sinklab.analysis.model_table`); --csv and --markdown write it; --json prints {models, inputs, eps, rows: [{model,
+revision, input, sink1, paper_sink1, alpha1, first_token_attn, massive_ratio, massive_top, slot_sink_logit, seq_len,
+num_seqs, dtype, weights_note, seconds}], written, seconds}.
 
 What is measured and how: `sinklab.analysis.measurement`. User errors are one line on stderr and exit code 2.
 
 --json prints one object (sink values in percent, alpha in [0, 1] for row-normalised ops):
-    target, source ("sinklab" | "hf"), input ("natural" | "random" | "repeat" | "tokens"), tokens_file (with
-    --tokens), seed, seq_len, num_seqs, model {...}, eps [e1, ...], k, row_normalised, seconds,
+    target, source ("sinklab" | "hf"), weights_note (a GGUF's quantization, dequantized; only then), input
+    ("natural" | "random" | "repeat" | "tokens"), tokens_file (with --tokens), seed, seq_len, num_seqs, model {...},
+    eps [e1, ...], k, row_normalised, seconds,
     sink {"1": Sink_1 at e1, ..., "k": ...}, sink_by_eps {"<e>": {"1": ...}} for every eps,
     sink_star, sink_star_by_eps (Sink*: the metric on |A| / sum |A|; always present, equal to sink and
         sink_by_eps for row-normalised ops), alpha_star (only when rows do not sum to one),

@@ -37,6 +37,7 @@ from sinklab.errors import UserError
 from sinklab.analysis.probe_inputs import load_tokens, positive
 from sinklab.runs.run_data import read_run_data, val_blocks
 from sinklab.targets import TargetMeta, load_target
+from sinklab.targets.interface import model_title
 from sinklab.quant.fake import FP32, GRANULARITIES, SCHEMES, evaluate
 
 PROG = "sinklab quant"
@@ -135,7 +136,7 @@ def run(args) -> dict:
     meta = target.meta
     val, calib, kind, per_token = choose_data(args, meta, meta.run_dir)
     val, calib = [b.to(device) for b in val], [b.to(device) for b in calib]
-    res = {"target": meta.target, "source": meta.source, "data": kind, "val_batches": len(val),
+    res = {**meta.head(), "data": kind, "val_batches": len(val),
            "val_seqs": sum(b.shape[0] for b in val), "seq_len": int(val[0].shape[1] - 1),
            "calib_batches": len(calib), "momentum": args.momentum, "weights": args.weights,
            "quantize_head": args.quantize_head, "dtype": meta.dtype or "float32"}
@@ -160,7 +161,7 @@ def format_table(res: dict) -> str:
     dtype = "" if res.get("dtype", "float32") == "float32" else \
         f" in {res['dtype']} (the fp32 row: the unquantized model in {res['dtype']})"
     return "\n".join([
-        f"{res['source']} model {res['target']}{dtype}",
+        model_title(res) + dtype,
         f"validation: {res['val_seqs']} sequences x {res['seq_len']} tokens ({res['val_targets']} targets, "
         f"{res['val_batches']} batches, {'the run' if res['data'] == 'run' else '--tokens'}); calibration: "
         f"{res['calib_batches']} batches, running min-max (momentum {res['momentum']:g})",

@@ -241,7 +241,7 @@ def run(args) -> dict:
             results = rv.evaluate(target, cells, cases, bar.update)
     finally:
         bar.close()
-    res = {"target": meta.target, "source": meta.source, "task": task.describe(), "chance": task.chance(),
+    res = {**meta.head(), "task": task.describe(), "chance": task.chance(),
            "grid": {"knob": knob, "values": values}, "length": length, "context": meta.context,
            "n_samples": args.samples, "seed": args.seed, "notes": target.stream_notes(), "settings": results,
            "heads": heads, "heads_rank_correlation": rank_correlation(heads), **rv.heads_by_sink(heads)}
@@ -315,6 +315,8 @@ def cell(setting: dict, value) -> dict:
 def format_table(res: dict) -> str:
     import pandas as pd
 
+    from sinklab.targets.interface import model_title
+
     knob, values = res["grid"]["knob"], res["grid"]["values"]
     pct = lambda v: "-" if v is None else f"{100 * v:.1f}%"  # noqa: E731
     rows = [{"protocol": s["protocol"] if s["policy"] != "dense" else "-", "policy": s["policy"],
@@ -324,7 +326,7 @@ def format_table(res: dict) -> str:
             for s in res["settings"]]
     task = res["task"]
     knobs = ", ".join(f"{k} {v}" for k, v in task.items() if k not in ("task", "chance", "key_id", "query_id"))
-    lines = [f"{res['source']} model {res['target']}, context {res['context']}",
+    lines = [f"{model_title(res)}, context {res['context']}",
              f"task {task['task']} ({knobs}); {res['n_samples']} samples of {res['length']} tokens per {knob}; "
              f"chance {100 * res['chance']:.4g}%",
              "", pd.DataFrame(rows).to_string(index=False)]

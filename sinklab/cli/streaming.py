@@ -43,6 +43,7 @@ from sinklab.io import check_output_file
 from sinklab.evals import streaming_ppl as pp
 from sinklab.model.lm_loss import bits_per_byte, bytes_per_token, perplexity
 from sinklab.targets import Target, load_target
+from sinklab.targets.interface import model_title
 from sinklab.analysis.probe_inputs import load_tokens, positive
 from sinklab.runs.run_data import read_run_data
 
@@ -197,7 +198,7 @@ def run(args) -> dict:
     tokens, kind, where, per_token = choose_text(args, meta.vocab_size, meta.run_dir)
     target.check_stream()  # refuse what cannot be re-rotated before any work
     tokens = tokens.to(device)
-    res = {"target": meta.target, "source": meta.source, "data": kind, "text": where,
+    res = {**meta.head(), "data": kind, "text": where,
            "n_tokens": int(tokens.shape[0]), "targets": int(tokens.shape[0] - 1), "context": meta.context,
            "bucket": args.bucket, "notes": [], "settings": []}
     res["bucket_ends"] = pp.bucket_ends(res["targets"], args.bucket)
@@ -293,7 +294,7 @@ def format_table(res: dict) -> str:
              f"ppl 1st {res['bucket']}": s["bucket_ppl"][0], f"ppl last {res['bucket']}": s["bucket_ppl"][-1],
              "seconds": s["seconds"]} for s in res["settings"]]
     three = lambda v: f"{v:.3f}"  # noqa: E731
-    lines = [f"{res['source']} model {res['target']}, context {res['context']}",
+    lines = [f"{model_title(res)}, context {res['context']}",
              f"text: {res['text']}; {res['targets']:,} targets, fed one token at a time",
              "", pd.DataFrame(rows).to_string(index=False, float_format=three) if rows else "(no settings)"]
     streaming = [s for s in res["settings"] if s["kind"] == "streaming"]

@@ -1,6 +1,8 @@
 """Where a `--hf-model` comes from: a local directory, or a Hugging Face hub id at a revision, through huggingface_hub.
 
 `resolve_model(name_or_dir, revision)` gives the local directory transformers loads from (`sinklab.targets.transformers_lm.load_hf_model`):
+- a GGUF file (or a directory holding one .gguf and no config.json) is converted once into a transformers directory
+  in the sinklab cache (`sinklab.targets.gguf`);
 - a directory that exists is used as it is (written by `save_pretrained`); with `revision`, it must be a git
   repository holding that branch, tag or commit (`sinklab export-hf RUN OUT --revisions` writes one: a branch
   `step<N>` per kept checkpoint, as Pythia names its hub revisions), whose files at that revision are written once
@@ -46,7 +48,12 @@ def fetch_hint(repo_id: str, revision: Optional[str]) -> str:
 
 def resolve_model(name_or_dir: Union[str, Path], revision: Optional[str] = None) -> Path:
     """The local directory of `name_or_dir` (a model dir, or a hub id at `revision`); see the module docstring."""
+    from .gguf import converted, gguf_file
+
     p = Path(name_or_dir).expanduser()
+    gguf = gguf_file(p, str(name_or_dir))
+    if gguf is not None:
+        return converted(gguf, str(name_or_dir), revision)
     if p.is_dir():
         if revision is not None:
             p = local_revision(p, revision, str(name_or_dir))

@@ -59,8 +59,9 @@ class TargetSpec:
 class TargetMeta:
     """What every output says about the model: `target` (what was loaded), `source`, `vocab_size`, `context` (None
     where the config has none), `prefix_len` (a prefix LM's bidirectional prefix), `revision` and `dtype` where the
-    source has them, `run_dir` (the training run, None for a bare checkpoint or a foreign model) and `model` (the
-    architecture's description in `sinklab measure --json`)."""
+    source has them, `run_dir` (the training run, None for a bare checkpoint or a foreign model), `model` (the
+    architecture's description in `sinklab measure --json`) and `weights_note` (where the weights are not the model's
+    own as trained: a GGUF file's quantization, dequantized; every command prints it beside the model)."""
 
     target: str
     source: str
@@ -71,9 +72,21 @@ class TargetMeta:
     dtype: Optional[str] = None
     run_dir: Optional[Path] = None
     model: dict = field(default_factory=dict)
+    weights_note: Optional[str] = None
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+    def head(self) -> dict:
+        """What each command's JSON starts with: target, source and, where the source has one, weights_note."""
+        note = {"weights_note": self.weights_note} if self.weights_note else {}
+        return {"target": self.target, "source": self.source, **note}
+
+
+def model_title(res: dict) -> str:
+    """'<source> model <target>', with the weights' note (`TargetMeta.weights_note`) where a result has one: the first
+    words of each command's text."""
+    return f"{res['source']} model {res['target']}" + (f" ({res['weights_note']})" if res.get("weights_note") else "")
 
 
 def no_natural_input(kind: Optional[str], missing: str) -> UserError:
@@ -134,9 +147,9 @@ class Target(ABC):
         return next(self.model.parameters()).device
 
     def describe(self) -> dict:
-        """What the outputs say the model is, first in `sinklab measure --json`: target and source (sources that load
-        at a revision, in a dtype, add them)."""
-        return {"target": self.meta.target, "source": self.meta.source}
+        """What the outputs say the model is, first in `sinklab measure --json`: target, source and the weights' note
+        if any (`TargetMeta.head`; sources that load at a revision, in a dtype, add them)."""
+        return self.meta.head()
 
     # --------------------------------------------------------------------------------------------- logits
     @abstractmethod

@@ -50,10 +50,10 @@ def dtype_kwargs(transformers, dtype: torch.dtype) -> dict:
 def load_hf_model(name_or_dir: Union[str, Path], device: Union[str, torch.device] = "cpu",
                   dtype: Union[str, torch.dtype] = torch.float32, revision: Optional[str] = None) -> nn.Module:
     """A causal LM -> the model in eval mode on `device` in `dtype` (a torch dtype or a `--dtype` name) with the
-    eager attention kernel (maps available). `name_or_dir`: a local dir written by save_pretrained, or a hub id at
-    `revision` (`sinklab.targets.hub_models.resolve_model`: huggingface_hub's cache, read offline with HF_HUB_OFFLINE=1).
-    Remote code runs only for a sinklab export whose code files are this sinklab's own
-    (`sinklab.targets.hub_models.trusted`)."""
+    eager attention kernel (maps available). `name_or_dir`: a local dir written by save_pretrained, a GGUF file (its
+    conversion in the sinklab cache: `sinklab.targets.gguf`), or a hub id at `revision` (`hub_models.resolve_model`:
+    huggingface_hub's cache, read offline with HF_HUB_OFFLINE=1). Remote code runs only for a sinklab export whose
+    code files are this sinklab's own (`sinklab.targets.hub_models.trusted`)."""
     from sinklab.targets.hub_models import pick_dtype, resolve_model, trusted
 
     transformers = require_transformers()
@@ -367,7 +367,7 @@ class HFRecorder:
         from .transformers_masking import masked_attention
 
         with self.hooks(names, on_layer), masked_attention(self.model, self.mask):
-            self.model(input_ids=idx, attention_mask=torch.ones_like(idx), use_cache=False)
+            self.model(input_ids=idx, attention_mask=torch.ones_like(idx), use_cache=False, logits_to_keep=1)
 
 
 # ----------------------------------------------------------------------------------------------- natural input
@@ -432,7 +432,7 @@ def special_prefix(tokenizer) -> list[int]:
 # ----------------------------------------------------------------------------------------------- the Target
 @SOURCES.register("hf")
 class TransformersTarget(Target):
-    """A transformers causal LM (a local dir written by save_pretrained, or a hub id at a revision) as a `Target`:
+    """A transformers causal LM (a local dir written by save_pretrained, a GGUF, a hub id at a revision) as a `Target`:
     recorded through `HFRecorder`, a dropped key through transformers' attention interface and an activation set by
     a hook on the decoder layer (`sinklab.targets.transformers_masking`), streamed through transformers' own
     DynamicCache with kept keys re-rotated (`sinklab.targets.transformers_cache`)."""
@@ -451,6 +451,8 @@ class TransformersTarget(Target):
     def of_model(cls, model: nn.Module, name: str, revision: Optional[str] = None) -> "TransformersTarget":
         """A transformers model already loaded (`load_hf_model`) as a Target (a `SinklabExportTarget` for sinklab's
         remote code)."""
+        from .gguf import weights_note
+
         if cls is TransformersTarget and wrapped_sinklab_model(model) is not None:
             return SinklabExportTarget.of_model(model, name, revision)
         recorder = HFRecorder(model)
@@ -459,7 +461,7 @@ class TransformersTarget(Target):
         return cls(model, TargetMeta(target=name, source=cls.source, vocab_size=vocab_size(model),
                                      context=context_length(model), revision=revision,
                                      dtype=str(next(model.parameters()).dtype).removeprefix("torch."),
-                                     model=description))
+                                     model=description, weights_note=weights_note(model)))
 
     def describe(self) -> dict:
         return {**super().describe(), "revision": self.meta.revision, "dtype": self.meta.dtype}
