@@ -108,7 +108,7 @@ class RetrievalConfig(Schema):
     of one task are ignored by the other."""
 
     KEY = "data.retrieval"
-    task: Optional[str] = rule(None, _task_name)              # passkey | mqar | null (off)
+    task: Optional[str] = rule(None, _task_name)              # passkey | passkey_text | mqar | null (off)
     rate: float = rule(0.0, number(ge=0, le=1))               # share of training blocks replaced by a sample
     val_num_samples: int = rule(64, integer(1))               # held-out samples validated (val/retrieval/*)
     key_len: int = rule(4, integer(1))                        # passkey: digits of the key
@@ -395,3 +395,6 @@ def answer_scores(logits: torch.Tensor, tokens: torch.Tensor, answer: torch.Tens
     wrong = torch.zeros(n_spans, dtype=torch.bool, device=logits.device)
     wrong[span[(mask & ~right).flatten()]] = True
     return loss, 1.0 - wrong.float().mean()
+
+
+from . import retrieval_text  # noqa: E402,F401  (registers passkey_text, the passkey in words)

@@ -17,8 +17,10 @@ OUT is a run dir every sinklab command takes, like a training run's:
   (`sinklab_imported_from`: the source, its class, the GGUF quantization when there is one);
 - `tokenizer.json`: the model's tokenizer;
 - `.hydra/config.yaml`: `model` (the imported config) and `data`: the default corpus (Shakespeare) read through that
-  tokenizer, the model's BOS token first (`data.bos`, `data.eos_token`), so `sinklab measure OUT`, every
-  evaluation, and `sinklab-train init_from=OUT` (continued pretraining, a retrofit) read it as they read a run.
+  tokenizer, the model's BOS token first (`data.bos`, `data.eos_token`), and the passkey in words as its retrieval
+  task (`data.retrieval.task=passkey_text`, never mixed into training: rate 0) where the tokenizer has the single
+  digits, so `sinklab measure OUT`, every evaluation (`eval retrieval` too), and `sinklab-train init_from=OUT`
+  (continued pretraining, a retrofit) read it as they read a run.
 """
 from __future__ import annotations
 
@@ -135,6 +137,8 @@ def data_settings(out: Path, tok) -> dict:
                 "block_size": 64, "probe_seq_len": 64}
     if first is not None:
         settings.update(bos=True, probe_bos=True, eos_token=str(first))
+    if all(tok.convert_tokens_to_ids(d) not in (None, tok.unk_token_id) for d in "0123456789"):
+        settings["retrieval"] = {"task": "passkey_text", "rate": 0.0}  # `sinklab eval retrieval OUT`: the passkey
     return settings
 
 

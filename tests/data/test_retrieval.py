@@ -306,3 +306,26 @@ def test_a_short_run_logs_retrieval_loss_and_accuracy_within_bounds(tmp_path, co
     assert bounds("val/retrieval/accuracy") == (0.0, 1.0) and bounds("val/retrieval/answer_loss")[0] == 0.0
     assert not [c for c in metrics.columns if "dataloader_idx" in c]
     assert run.final["val/retrieval/answer_loss"] > 0
+
+
+@pytest.mark.parametrize("depth", [0.0, 0.5, 1.0])
+def test_passkey_text_writes_the_key_and_the_question_in_words_with_no_new_ids(env, depth):
+    """passkey_text (for pretrained models): the key and the question are sentences through the data's own tokenizer,
+    the vocabulary does not grow, `ask` is the question's first token and the answer the key's digits after it."""
+    from sinklab.data.retrieval_text import KEY_TEXT, QUERY_TEXT
+
+    plain = make_dm(env)
+    dm = make_dm(env, retrieval={"task": "passkey_text", "depth": depth, "key_len": 3})
+    task, tok = dm.retrieval_task, Tokenizer.from_file(env.tok)
+    assert dm.vocab_size == plain.vocab_size and task.n_ids == 300
+    for s in make_samples(task, 8, 128, 0, np.arange(100, 228)):
+        text = tok.decode(s.tokens.tolist())
+        key = tok.decode(s.tokens[s.answer].tolist())
+        assert len(key) == 3 and key.isdigit()
+        assert f"{KEY_TEXT.strip()} {key}." in text and f"{QUERY_TEXT.strip()} {key}" in text
+        assert tok.decode(s.tokens[s.ask:s.ask + len(task.query_text)].tolist()) == tok.decode(task.query_text.tolist())
+        assert np.flatnonzero(s.answer)[0] == s.ask + len(task.query_text) and not s.answer[:s.ask].any()
+        starts = [i for i in range(len(s.tokens) - len(task.key_text) + 1)
+                  if np.array_equal(s.tokens[i:i + len(task.key_text)], task.key_text)]
+        n_fill = task.body(128) - len(task.key_text) - len(task.after_key) - len(task.query_text) - 6
+        assert starts[0] == (task.bos_id is not None) + math.floor(depth * n_fill + 0.5)  # at `depth` of the filler
