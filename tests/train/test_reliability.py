@@ -65,7 +65,7 @@ BAD_OVERRIDES = [
     ("optim.lrr=1", "optim.lrr is not an option of optim (did you mean optim.lr?); allowed: betas, eps, "
                     "exclude_norm_and_embedding, lr, min_lr_ratio, schedule, warmup_steps, weight_decay; to add a "
                     "new key on purpose write +optim.lrr=1"),
-    ("model=huge", "model=huge: there is no config model/huge.yaml; allowed: 14m, 1b, 60m, tiny"),
+    ("model=huge", "model=huge: there is no config model/huge.yaml; allowed: 14m, 1b, 60m, smollm2_135m, tiny"),
     ("model/attn=softmaxx", "model/attn=softmaxx: there is no config model/attn/softmaxx.yaml; allowed: "),
     ("optim.lr=abc", "optim.lr='abc' is not allowed; allowed: a number > 0"),
     ("optim.lr=[1", "cannot parse the override 'optim.lr=[1'"),
