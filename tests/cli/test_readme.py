@@ -1,8 +1,9 @@
-"""Keep the README true: every `sinklab-train` command line in README.md composes and passes the training entry's
-validation, job by job for sweeps (`-m`), without training. The commands that really train (the default run, the
-resume pair, `sinklab measure` / `report` / `export-hf`, the local-SLURM sweep) are run by tests/train/test_train.py,
-tests/evals/test_measure.py, tests/report/test_report.py, tests/model/test_export_hf.py, tests/train/test_slurm.py
-and .ci/run; this file checks the rest as a user would type them.
+"""Keep the documentation true: every `sinklab-train` command line of the README and of the documentation pages
+(docs/) composes and passes the training entry's validation, job by job for sweeps (`-m`), without training; every
+command of the README is run by a test (`RUNNERS`); the README stays a first read. The commands that really train or
+run (the default run, `sinklab measure` / `trajectory` / `report` / `eval` / `export-hf` / `atlas`, the local-SLURM
+sweep) are run by the tests named in `RUNNERS`, tests/train/test_slurm.py and .ci/run; this file checks the rest as
+a user would type them.
 """
 from __future__ import annotations
 
@@ -15,8 +16,8 @@ import yaml
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import DictConfig, OmegaConf
 
-from sinklab.config import compose, validate_config
-from tests.helpers import README, configs, readme_commands
+from sinklab.config import validate_config
+from tests.helpers import README, REPO, configs, doc_code_lines, doc_files, readme_commands
 from tests.helpers.configs import composed, sweep_jobs
 
 GPU_KEYS = {"trainer.accelerator": "cpu", "trainer.strategy": "auto", "trainer.devices": 1,
@@ -43,13 +44,31 @@ def jobs_of(command: str) -> list[list[str]]:
     return sweep_jobs([f"{k}={v}" for k, v in params.items()] + args)
 
 
-def test_the_readme_shows_the_commands_users_rely_on():
+# The example of docs/extending.md names a package of the reader's own (mypkg), which does not exist here;
+# tests/integration/test_plugins.py trains with a plugin of its own through the same `plugins=` override.
+PLUGIN_EXAMPLE = "plugins=mypkg."
+
+
+def training_commands() -> list[str]:
+    return [c for c in readme_commands() if PLUGIN_EXAMPLE not in c]
+
+
+def test_the_documentation_shows_the_commands_users_rely_on():
     commands = readme_commands()
-    assert any(c == "sinklab-train" for c in commands), "the default run is missing from the README"
+    assert any(c == "sinklab-train" for c in readme_commands([README])), "the default run is missing from the README"
     assert any(" -m " in c and "experiment=" in c for c in commands)
     assert any("hydra/launcher=slurm" in c and "partition=" in c for c in commands)
     assert any("hydra/launcher=slurm" in c and "gpus_per_node=0" in c for c in commands)  # tests/train/test_slurm.py
     assert any("logger=wandb" in c for c in commands)
+
+
+def test_the_plugin_example_commands_parse():
+    """The commands of the plugin example (not composed here: their package is the reader's) are valid overrides."""
+    examples = [c for c in readme_commands() if PLUGIN_EXAMPLE in c]
+    assert len(examples) >= 2
+    for command in examples:
+        args = [a for a in shlex.split(command)[1:] if a != "-m"]
+        assert OverridesParser.create().parse_overrides(args), command
 
 
 def validated_jobs(command: str) -> list[tuple[list[str], DictConfig]]:
@@ -76,8 +95,8 @@ def validated_jobs(command: str) -> list[tuple[list[str], DictConfig]]:
     return out
 
 
-@pytest.mark.parametrize("command", readme_commands())
-def test_every_readme_training_command_composes_and_validates(command):
+@pytest.mark.parametrize("command", training_commands())
+def test_every_documented_training_command_composes_and_validates(command):
     for job, cfg in validated_jobs(command):
         for override in job:  # each key the user typed reaches the config
             key, _, value = override.partition("=")
@@ -87,41 +106,51 @@ def test_every_readme_training_command_composes_and_validates(command):
             assert OmegaConf.select(cfg, key, default="<absent>") != "<absent>", (command, override)
 
 
-def readme_switch_groups() -> list[str]:
-    """`model/<group>=<a>,<b>` entries of the README's switch table: each option as `model/<group>=<option>`, with
-    the `model.key=value` overrides written beside it in the same backticks (`model/layers=gemma3 model.n_layer=6`)."""
-    import re
-
-    found = []
-    for line in README.read_text().splitlines():
-        if line.startswith("|"):
-            for group, options, extra in re.findall(r"`model/(\w+)=([\w,]+)((?: model\.\w+=\w+)*)`", line):
-                found += [f"model/{group}={o}{extra}" for o in options.split(",")]
-    return found
-
-
-@pytest.mark.parametrize("override", readme_switch_groups())
-def test_every_readme_switch_group_option_composes(override):
-    """The table's config-group column names real files (tests/model/test_model_zoo.py composes each file, checks
-    that its keys reach the model config and trains a step); an option written with model keys beside it composes
-    with them into a config the training entry accepts."""
-    choice, *extra = override.split()
-    group, option = choice.removeprefix("model/").split("=")
-    assert (README.parent / "conf" / "model" / group / f"{option}.yaml").is_file(), override
-    if extra:
-        cfg = compose(override.split())
-        validate_config(cfg)
-        for key, value in (o.split("=") for o in extra):
-            assert str(OmegaConf.select(cfg, key)) == value, (override, key)
+# Each command of the README, by the prefix it starts with, and the test that runs it: the file, and a string that
+# file holds (the prefix it reads the documentation's lines by, or the line CI runs).
+RUNNERS = (
+    ("sinklab-train", "tests/cli/test_readme.py", "training_commands()"),  # composed and validated, above
+    ("sinklab measure --hf-model", "tests/evals/test_model_table.py", '"sinklab measure --hf-model"'),
+    ("sinklab measure runs/a", "tests/evals/test_trajectory.py", '"sinklab measure runs/a"'),
+    ("sinklab trajectory", "tests/evals/test_trajectory.py", '"sinklab trajectory"'),
+    ("sinklab report ", "tests/report/test_seed_statistics.py", '"sinklab report "'),
+    ("sinklab eval streaming", "tests/evals/test_streaming.py", '"sinklab eval"'),
+    ("sinklab export-hf ", "tests/model/test_export_hf.py", '"sinklab export-hf "'),
+    ("sinklab atlas", "tests/evals/test_atlas.py", '"sinklab atlas"'),
+    ("bash scripts/setup.sh", ".ci/run", "bash scripts/setup.sh"),
+    (". .venv/bin/activate", ".ci/run", "/bin/activate"),
+    ('python -m pytest -m "not slow" -n auto -q', ".ci/run", 'python -m pytest -m "not slow" -n auto -q'),
+    ("mkdocs build --strict", ".ci/run", "mkdocs build --strict"),
+)
 
 
-def test_readme_switch_table_covers_every_model_group():
-    groups = {o.split("=")[0] for o in readme_switch_groups()}
-    on_disk = {f"model/{p.name}" for p in (README.parent / "conf" / "model").iterdir() if p.is_dir()}
-    assert on_disk <= groups, sorted(on_disk - groups)
+def readme_command_lines() -> list[str]:
+    """The README's commands: its bash blocks' lines and its table's commands, comments stripped."""
+    lines = [line.split("  #", 1)[0].strip() for line in doc_code_lines([README], langs=("bash",))]
+    return [line for line in lines if line]
 
 
-REPRODUCE = README.parent / "experiments" / "cpu" / "reproduce.sh"
+def test_every_readme_command_is_run_by_a_test():
+    commands = readme_command_lines()
+    assert len(commands) >= 14, commands  # install, the default run, the tests and the ten first commands
+    for command in commands:
+        runner = next((r for r in RUNNERS if command.startswith(r[0])), None)
+        assert runner is not None, f"no test runs the README's command {command!r}: add one and name it in RUNNERS"
+        prefix, path, needle = runner
+        assert needle in (REPO / path).read_text(), (command, path, needle)
+
+
+def test_the_readme_is_a_first_read():
+    """At most 200 lines, no issue numbers, and every relative link of it points at a file of the repository."""
+    text = README.read_text()
+    assert len(text.splitlines()) <= 200
+    assert not re.search(r"\(issue [0-9]+|issue [0-9]+\)", text)
+    for target in re.findall(r"\]\(([^)#\s]+)[^)]*\)", text):
+        if not re.match(r"^[a-z]+:", target):
+            assert (REPO / target).exists(), target
+
+
+REPRODUCE = REPO / "experiments" / "cpu" / "reproduce.sh"
 
 
 def reproduce_lines(kinds: tuple[str, ...] = ("sweep", "extra")) -> list[list[str]]:
@@ -142,7 +171,8 @@ def test_reproduce_script_lists_the_results_sweeps():
     assert len(names) == len(set(names)) >= 10, names
     assert any("scale=cpu seed=0,1,2" in c for c in reproduce_sweeps())  # the recipe, three seeds
     total = sum(len(jobs_of(c)) for c in reproduce_sweeps(("sweep",)))  # the default: every `sweep`, no `extra`
-    assert f"{total} jobs" in README.read_text() and f"all {total} jobs" in REPRODUCE.read_text(), total
+    docs = "".join(path.read_text() for path in doc_files())
+    assert f"{total} jobs" in docs and f"all {total} jobs" in REPRODUCE.read_text(), total
     extra = {words[1]: len(jobs_of(c)) for words, c in zip(reproduce_lines(("extra",)), reproduce_sweeps(("extra",)))}
     assert set(extra) == {"residual_sinks", "gate_positions", "outliers_quant", "sink_uses",  # 15, 16: opt-in
                           "no_bos_map", "no_bos_tokens", "no_bos_big", "no_bos_seed1", "no_bos_ctx1024",  # 17

@@ -1,6 +1,6 @@
 """sinklab atlas: the page is self-contained, its maps are the model's attention maps of the first probe sequence (rows
 summing to one), its per-head values are `sinklab measure`'s, its slider runs over the kept checkpoints in training
-order; a run without kept ones draws last.ckpt and says so; a transformers model is one frame; the README's lines run;
+order; a run without kept ones draws last.ckpt and says so; a transformers model is one frame; the docs' lines run;
 bad input is one line. The page in a real browser: tests/evals/test_atlas_browser.py."""
 from __future__ import annotations
 
@@ -140,7 +140,8 @@ def test_the_data_cannot_close_its_script_and_packing_keeps_signed_maps():
 
 
 def test_the_readme_lines_run(run, capsys, tmp_path, monkeypatch):
-    """The README's `sinklab atlas` lines: on the local run they run; the hub model's line is parsed and checked."""
+    """The documentation's `sinklab atlas` lines: on the local run they run; the hub model's line is parsed and
+    checked."""
     run_dir, _ = run
     monkeypatch.chdir(tmp_path)
     commands = readme_cli_lines("sinklab atlas", {"runs/a": run_dir,

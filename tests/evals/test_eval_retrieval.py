@@ -153,7 +153,7 @@ def test_a_run_without_a_retrieval_task_is_refused(capsys, trained_run):
 @pytest.mark.slow
 @pytest.mark.ci
 def test_readme_retrieval_commands_run(capsys, passkey_run, tmp_path):
-    """Every `sinklab eval retrieval` line of the README on the passkey run (--samples 2 instead of 16)."""
+    """Every `sinklab eval retrieval` line of the documentation on the passkey run (--samples 2 instead of 16)."""
     from tests.helpers import readme_cli_lines, readme_commands
 
     assert any(c.startswith("sinklab-train experiment=retrieval") for c in readme_commands())

@@ -1,6 +1,6 @@
 """The model table of `sinklab measure --hf-model A B ... --input natural random repeat` (Table 1 of Gu et al. with the
-paper's numbers beside ours), natural text through each model's own tokenizer, and the README's lines of "Measure a
-pretrained model", on tiny random models stored under the README's hub ids in a local huggingface_hub cache."""
+paper's numbers beside ours), natural text through each model's own tokenizer, and the docs' lines of "Measure a
+pretrained transformers model", on tiny random models stored under the docs' hub ids in a local huggingface_hub cache."""
 from __future__ import annotations
 
 import json
@@ -13,7 +13,7 @@ import torch
 
 from tests.helpers import VERSE, assert_one_line_error, hub_cache, readme_cli_lines, run_cli, tiny_hf
 
-# the README's hub ids -> the tiny family that stands in for each (revisions: branch -> seed)
+# the documentation's hub ids -> the tiny family that stands in for each (revisions: branch -> seed)
 HUB = {"openai-community/gpt2-xl": ("gpt2", {"main": 0}), "meta-llama/Llama-2-7b-hf": ("llama", {"main": 0}),
        "mistralai/Mistral-7B-v0.1": ("mistral", {"main": 0}), "meta-llama/Meta-Llama-3-8B": ("llama", {"main": 1}),
        "EleutherAI/pythia-160m": ("neox", {"main": 0, "step1000": 1}), "openai/gpt-oss-20b": ("gpt_oss", {"main": 0})}
@@ -101,7 +101,7 @@ def test_natural_text_goes_through_the_models_tokenizer_bos_first(offline, capsy
 
 
 def test_the_readme_measure_commands_run(offline, capsys, tmp_path, hf_models):
-    """Every `sinklab measure --hf-model` line of the README, the hub ids read from the local cache (tiny stand-ins),
+    """Every `sinklab measure --hf-model` line of the docs, the hub ids read from the local cache (tiny stand-ins),
     with 4 sequences of 32 tokens instead of 100 x 64."""
     commands = readme_cli_lines("sinklab measure --hf-model", {"path/to/llama": hf_models["llama"],
                                                                "table1.md": tmp_path / "t.md",

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import shlex
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +15,7 @@ from torch import nn
 from sinklab.model import Transformer
 from sinklab.quant import (SCHEMES, asymmetric_grid, calibrate, evaluate, fake_quantized, quantizable_layers,
                            quantize_asymmetric, quantize_symmetric)
-from tests.helpers import HF_KINDS, README, assert_one_line_error, run_cli, save_ckpt, small_model
+from tests.helpers import HF_KINDS, assert_one_line_error, readme_cli_lines, run_cli, save_ckpt, small_model
 
 
 # ------------------------------------------------------------------------------------------------ quantizers
@@ -195,11 +194,9 @@ def direct_ppl(model, blocks) -> float:
 
 
 def readme_quant_commands(run: Path, hf_dir: Path, sweep: Path) -> list[list[str]]:
-    """The README's `sinklab quant` lines, runs/a, hf_out and the sweep dir replaced by this test's dirs."""
-    lines = [line.split("#", 1)[0].strip() for line in README.read_text().splitlines()
-             if line.startswith("sinklab quant ")]
+    """The documentation's `sinklab quant` lines, runs/a, hf_out and the sweep dir replaced by this test's dirs."""
     paths = {"runs/a": run, "hf_out": hf_dir, "logs/train/multiruns/<time>": sweep}
-    return [[str(paths.get(a, a)) for a in shlex.split(line)[2:]] for line in lines]
+    return [line[1:] for line in readme_cli_lines("sinklab quant ", paths)]
 
 
 def test_quant_on_a_run_dir_table_and_json(capsys, quant_run):
@@ -236,7 +233,7 @@ def test_quant_on_a_run_dir_table_and_json(capsys, quant_run):
 
 
 def test_readme_quant_commands_run(capsys, tmp_path, quant_run):
-    """Every `sinklab quant` line of the README, on this run, its export to transformers (when installed) and a
+    """Every `sinklab quant` line of the documentation, on this run, its export to transformers (when installed) and a
     sweep whose job 0 is this run."""
     run, dm, model = quant_run
     hf_dir, sweep = tmp_path / "hf_out", tmp_path / "sweep"

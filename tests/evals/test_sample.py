@@ -1,5 +1,5 @@
 """sinklab sample: cached decoding against recomputing the prefix, StreamingLLM eviction past the context, the command
-on a real trained run (its tokenizer and BOS token), the README's lines, user errors."""
+on a real trained run (its tokenizer and BOS token), the documentation's lines, user errors."""
 from __future__ import annotations
 
 import json

@@ -1,6 +1,6 @@
 """sinklab eval streaming: perplexity through an evicting KV cache against full forwards, the recompute baseline
 against a direct computation, transformers' DynamicCache (evicted and re-rotated) against the sinklab cache, the
-command's table / JSON / plot on a real trained run, the README's lines, user errors."""
+command's table / JSON / plot on a real trained run, the documentation's lines, user errors."""
 from __future__ import annotations
 
 import json
@@ -177,8 +177,8 @@ def test_dense_is_skipped_with_a_note_for_absolute_positions(capsys, tmp_path):
 @pytest.mark.slow
 @pytest.mark.ci
 def test_readme_streaming_commands_run(capsys, streaming_run):
-    """Every `sinklab eval` line of the README, on the trained run and its export (--n-tokens 300 instead of the
-    README's 10,000 tokens, which take about a minute per setting at the CPU recipe's size)."""
+    """Every `sinklab eval` line of the documentation, on the trained run and its export (--n-tokens 300 instead of the
+    documentation's 10,000 tokens, which take about a minute per setting at the CPU recipe's size)."""
     run, text, d = streaming_run
     commands = [c for c in readme_cli_lines("sinklab eval", {"runs/a": run, "hf_out": d / "hf_readme",
                                                              "streaming.png": d / "readme.png"})

@@ -1,6 +1,6 @@
 """sinklab trajectory: a run's kept checkpoints measured again equal what the training callback logged at those steps,
 a metric added after training is measured on every checkpoint, local transformers checkpoint dirs against their eager
-maps, revision names, the README's commands and one-line errors."""
+maps, revision names, the documentation's commands and one-line errors."""
 from __future__ import annotations
 
 import json
@@ -190,9 +190,9 @@ def test_pythia_revisions_are_placed_by_its_tokens_per_step():
     assert [p.tokens for p in hf_series(["org/other"], ["step10"], None).points] == [None]
 
 
-# ------------------------------------------------------------------------------------------------ README, errors
+# ------------------------------------------------------------------------------------------------ documentation, errors
 def test_readme_trajectory_commands(trained_run, capsys, tmp_path, monkeypatch):
-    """The README's `sinklab trajectory` lines: on local runs they run (runs/a and runs/b: the trained run); a hub
+    """The docs' `sinklab trajectory` lines: on local runs they run (runs/a and runs/b: the trained run); a hub
     model's line is parsed and its revisions placed (no network here); the line reading an export's revisions
     (hf/a) is run by the next test."""
     monkeypatch.chdir(tmp_path)
@@ -215,8 +215,31 @@ def test_readme_trajectory_commands(trained_run, capsys, tmp_path, monkeypatch):
         assert len(pd.read_csv(args.csv)) == 7 * len(args.runs)
 
 
+def test_the_documented_measure_commands_run(trained_run, capsys, monkeypatch, tmp_path):
+    """The documentation's `sinklab measure` lines on a run (the README's first command among them), on the trained
+    run and its last.ckpt, on 10 probe sequences instead of 100: the run's probe set (natural text) or random tokens,
+    at every eps and for the first k tokens the line asks."""
+    monkeypatch.chdir(tmp_path)
+    commands = readme_cli_lines("sinklab measure runs/a", {"runs/a": trained_run,
+                                                           "runs/a/checkpoints/last.ckpt": trained_run / "checkpoints"
+                                                           / "last.ckpt"})
+    assert len(commands) >= 2 and any("--json" in c for c in commands)
+    for argv in commands:
+        json_out = "--json" in argv
+        rc, out, err = run_cli("sinklab", *argv, "--num-seqs", "10", *([] if json_out else ["--json"]), capsys=capsys)
+        assert rc == 0, (argv, err)
+        res = json.loads(out)
+        assert res["num_seqs"] == 10 and res["input"] == ("random" if "random" in argv else "natural"), argv
+        k = int(argv[argv.index("--k") + 1]) if "--k" in argv else None
+        eps = [float(e) for e in argv[argv.index("--eps") + 1:argv.index("--eps") + 3]] if "--eps" in argv else None
+        if k is not None:
+            assert sorted(res["sink"], key=int) == [str(j) for j in range(1, k + 1)]
+        if eps is not None:
+            assert res["eps"] == eps
+
+
 def test_the_readme_revisions_export_is_measured_as_the_run(trained_run, capsys, tmp_path, monkeypatch):
-    """The README's `sinklab export-hf runs/a hf/a --revisions`: the trained run's kept checkpoints and last.ckpt as
+    """The docs' `sinklab export-hf runs/a hf/a --revisions`: the trained run's kept checkpoints and last.ckpt as
     branches step<N> of one git repository, main at last.ckpt's, each branch's weights (transformers'
     LlamaForCausalLM from a checkout) its checkpoint's; and its `sinklab trajectory --hf-model hf/a --revision ...`
     line gives each step the step, tokens and values that `sinklab trajectory runs/a` gives on the same input."""

@@ -1,6 +1,7 @@
-"""The README's command lines; sinklab's commands run as a test needs them (`run_cli`: in this process, or in a
-subprocess as a user runs them; `run_cli_in_one_process`: several calls in one subprocess); and the one-line error
-that every user error must be (`assert_one_line_error`)."""
+"""The command lines of the user-facing documentation (the README and every page under docs/); sinklab's commands
+run as a test needs them (`run_cli`: in this process, or in a subprocess as a user runs them;
+`run_cli_in_one_process`: several calls in one subprocess); and the one-line error that every user error must be
+(`assert_one_line_error`)."""
 import contextlib
 import io
 import json
@@ -18,26 +19,59 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 README = REPO / "README.md"
+DOCS = REPO / "docs"
 HYDRA_SCHEMA_WARNING = "automatic_schema_matching"  # in Hydra's deprecation warning (the address of its docs)
 MODULES = {"sinklab": "sinklab", "sinklab-train": "sinklab.train.entry"}  # console script -> its `python -m` module
+_TABLE_COMMAND = re.compile(r"^`((?:sinklab|sinklab-train)(?: [^`]*)?)`$")  # a table cell that is one command
 
 
-def readme_cli_lines(prefix: str, paths: dict[str, Path]) -> list[list[str]]:
-    """The README's lines starting with `prefix` (e.g. "sinklab sample "), comments stripped, as the arguments after
-    `sinklab`; the placeholder paths of the README (keys of `paths`, e.g. runs/a) replaced by the test's."""
-    lines = [line.split("  #", 1)[0].strip() for line in README.read_text().splitlines() if line.startswith(prefix)]
+def doc_files() -> list[Path]:
+    """The pages a user reads, whose commands the tests run: README.md, then every Markdown page of the
+    documentation site's source (docs/, in path order; the pages the site generates hold no commands)."""
+    return [README, *sorted(DOCS.rglob("*.md"))]
+
+
+def doc_code_lines(files: Optional[Sequence[Path]] = None, langs: Optional[Sequence[str]] = None) -> list[str]:
+    """The lines of the fenced code blocks of `files` (default: `doc_files()`), in order, and each table cell that is
+    one `sinklab ...` command in backticks (the README's first commands); `langs`: only blocks of those info
+    strings (e.g. ("bash",); a table's commands count as bash)."""
+    lines: list[str] = []
+    for path in doc_files() if files is None else files:
+        lang = None
+        for line in path.read_text().splitlines():
+            if line.startswith("```"):
+                lang = line[3:].strip() if lang is None else None
+            elif lang is not None:
+                if langs is None or lang in langs:
+                    lines.append(line)
+            elif line.startswith("|") and (langs is None or "bash" in langs):
+                lines += [m.group(1) for cell in line.strip("|").split("|")
+                          if (m := _TABLE_COMMAND.match(cell.strip()))]
+    return lines
+
+
+def readme_cli_lines(prefix: str, paths: dict[str, Path], files: Optional[Sequence[Path]] = None) -> list[list[str]]:
+    """The documentation's command lines starting with `prefix` (e.g. "sinklab sample "), each once, in the order of
+    `doc_files()`, comments stripped, as the arguments after `sinklab`; the documentation's placeholder paths (keys
+    of `paths`, e.g. runs/a) replaced by the test's."""
+    lines = dict.fromkeys(line.split("  #", 1)[0].strip() for line in doc_code_lines(files) if line.startswith(prefix))
     return [[str(paths.get(a, a)) for a in shlex.split(line)[1:]] for line in lines]
 
 
-def readme_commands() -> list[str]:
-    """`sinklab-train ...` lines of the README's code blocks, comments stripped."""
-    commands, in_block = [], False
-    for line in README.read_text().splitlines():
-        if line.startswith("```"):
-            in_block = not in_block
-        elif in_block and line.startswith("sinklab-train"):
-            commands.append(line.split("#", 1)[0].strip())
-    return commands
+def readme_commands(files: Optional[Sequence[Path]] = None) -> list[str]:
+    """The documentation's `sinklab-train ...` command lines, each once, comments stripped."""
+    return list(dict.fromkeys(line.split("#", 1)[0].strip() for line in doc_code_lines(files)
+                              if line.startswith("sinklab-train")))
+
+
+def doc_section(title: str) -> str:
+    """The text of the documentation from the heading `title` (any level) to the end of its page."""
+    for path in doc_files():
+        text = path.read_text()
+        match = re.search(rf"^#+ {re.escape(title)}\s*$", text, re.MULTILINE)
+        if match:
+            return text[match.start():]
+    raise AssertionError(f"no page of the documentation has a heading {title!r}")
 
 
 class Ran(NamedTuple):

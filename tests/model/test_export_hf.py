@@ -151,10 +151,11 @@ def test_exports_the_runs_tokenizer(tmp_path, capsys):
 
 
 def test_the_readme_export_section_runs(tmp_path, capsys, monkeypatch):
-    """The README's `sinklab export-hf` lines (a LLaMA run and a gated one, here random models with a word-level
-    tokenizer beside their checkpoints) and its Python lines loading the gated export with trust_remote_code."""
+    """The documentation's `sinklab export-hf` lines (a LLaMA run and a gated one, here random models with a
+    word-level tokenizer beside their checkpoints) and its Python lines loading the gated export with
+    trust_remote_code."""
     pytest.importorskip("transformers")
-    from tests.helpers import README, tiny_tokenizer
+    from tests.helpers import doc_section, tiny_tokenizer
 
     runs = {}
     for name, overrides in (("runs/a", {}), ("runs/g", {"gate": "headwise"})):
@@ -172,12 +173,11 @@ def test_the_readme_export_section_runs(tmp_path, capsys, monkeypatch):
     assert json.loads((tmp_path / "hf_out" / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
     assert "SinklabForCausalLM as remote code" in out
 
-    text = README.read_text()
-    section = text[text.index("### Export to transformers"):]
+    section = doc_section("Export to transformers")
     code = section[section.index("```python\n") + len("```python\n"):section.index("```\n", section.index("```python"))]
     monkeypatch.chdir(tmp_path)
     scope: dict = {}
-    exec(compile(code, "README.md", "exec"), scope)  # the README's own lines, as a user runs them
+    exec(compile(code, "export-and-hooks.md", "exec"), scope)  # the documentation's own lines, as a user runs them
     ids, maps, model = scope["ids"], scope["maps"], scope["model"]
     assert type(model).__name__ == "SinklabForCausalLM" and ids.shape[1] > 8
     assert len(maps) == 2 and maps[0].shape == (1, 4, ids.shape[1], ids.shape[1])

@@ -13,7 +13,7 @@ from sinklab.errors import UserError
 from sinklab.metrics.record import attention_maps, measure_model
 from sinklab.model.hooked import hook_names, run_with_cache
 from sinklab.targets import SinklabTarget, TargetSpec
-from tests.helpers import README, assert_one_line_error, component_cases, save_ckpt, small_model
+from tests.helpers import assert_one_line_error, component_cases, doc_section, save_ckpt, small_model
 
 T = 12
 # a model with every kind of extra position and head sharing: 2 learned sink tokens, a KV bias slot, 2 kv heads
@@ -213,9 +213,8 @@ def test_attnview_renders_a_sinklab_cache(tmp_path):
 
 
 def test_the_readme_snippet_runs(tmp_path):
-    """The README's "Hooks and caches" snippet, with its run dir a checkpoint of a small model."""
-    text = README.read_text()
-    section = text[text.index("### Hooks and caches"):]
+    """The documentation's "Hooks and caches" snippet, with its run dir a checkpoint of a small model."""
+    section = doc_section("Hooks and caches")
     snippet = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     ckpt = save_ckpt(small_model(), tmp_path / "a.ckpt")
     scope: dict = {}

@@ -1,5 +1,5 @@
 """The SLURM launcher scheduled for real: a one-node SLURM started by scripts/slurm_local.sh, a sweep of two jobs
-submitted by `sinklab-train -m` with the launcher settings of the README's local-cluster command (hydra/launcher=slurm),
+submitted by `sinklab-train -m` with the launcher settings of the docs' local-cluster command (hydra/launcher=slurm),
 and what SLURM does to them:
 
     job 0  requeued mid-run with `scontrol requeue` (SIGTERM): saves last.ckpt, resumes from it (ckpt_path=auto)
@@ -95,7 +95,7 @@ def job_field(conf: str, job: str, field: str) -> str:
 
 # ---------------------------------------------------------------------------------------------- the sweep
 def readme_launcher_args() -> list[str]:
-    """The launcher settings of the README's local-cluster sweep ("Sweeps on SLURM")."""
+    """The launcher settings of the documentation's local-cluster sweep (docs/how-to/sweeps.md, "Sweeps on SLURM")."""
     line = next(c for c in readme_commands() if "hydra/launcher=slurm" in c and "gpus_per_node=0" in c)
     keep = ("hydra/launcher=", "hydra.launcher.", "trainer=", "ckpt_path=")
     return [a for a in shlex.split(line)[1:] if a.startswith(keep)]
