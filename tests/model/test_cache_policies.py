@@ -225,6 +225,20 @@ def test_bad_policy_settings_are_one_line(name, budget, knobs, match):
         cp.build(name, budget, **knobs)
 
 
+def test_every_policy_names_its_reference_and_the_docs_page_is_the_registrys():
+    """Each registered policy says what it was checked against; its rules are knobs it has; docs/cache_policies.md
+    holds the page `sinklab.model.cache_policies.reference` generates from the registry, as it is now."""
+    from sinklab.model.cache_policies.reference import markdown
+    from tests.helpers import REPO
+
+    for cls in cp.CACHE_POLICIES:
+        assert cls.reference, cls.name
+        budget = None if cls.name in ("dense", "duo") else BUDGET
+        assert set(cls.rules) <= set(cp.build(cls.name, budget, **KNOBS.get(cls.name, {})).knobs()), cls.name
+    page = (REPO / "docs" / "cache_policies.md").read_text()
+    assert markdown() in page, "docs/cache_policies.md is out of date: python -m sinklab.model.cache_policies.reference"
+
+
 def test_a_budget_as_large_as_the_context_is_refused():
     with pytest.raises(UserError, match="budget 64 must be < the model context 64"):
         cp.build("window", 64).check(64)
