@@ -152,12 +152,22 @@ def name_list(what: str) -> Callable[[str], list[str]]:
     return parse
 
 
-def knob_number(flag: str, item: str, value: str) -> float | int:
-    """A --knob value: a float where it has '.' or 'e', else an int; one line naming `flag` `item` otherwise."""
+def knob_value(flag: str, item: str, value: str) -> float | int | bool | str:
+    """A --knob value: an int, a float, true / false, or else the text (a rule's name, e.g. snapkv.pooling=sinklab;
+    the policy checks it and `build` refuses text for a number knob); one line naming `flag` `item` for no value."""
+    text = value.strip()
+    if not text:
+        raise UserError(f"{flag} {item}: no value; allowed: a number, true / false, or a name")
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
     try:
-        return float(value) if any(c in value for c in ".e") else int(value)
+        return int(text)
     except ValueError:
-        raise UserError(f"{flag} {item}: {value!r} is not a number") from None
+        pass
+    try:
+        return float(text)
+    except ValueError:
+        return text
 
 
 def finite(obj: Any) -> Any:

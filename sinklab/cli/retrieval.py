@@ -13,21 +13,24 @@ varies one of its knobs (passkey: depth, where the key sits in the filler; mqar:
 cell of --samples samples (seeded by --seed, the filler from the run's validation split). Samples are --length tokens
 (default: the model context + 1, a training block). Budgets are text keys kept between steps: an integer, or a share
 of the sample's tokens (25%); dense (no eviction) is always run first, the reference. Policies and their knobs:
-`sinklab.model.cache_policies` (`--knob POLICY.KNOB=VALUE`, e.g. h2o.recent=0.25, streaming.first=1).
+`sinklab.model.cache_policies` (`--knob POLICY.KNOB=VALUE`, a number, true / false or a rule's name, e.g.
+h2o.recent=0.25, streaming.first=1, snapkv.pooling=sinklab; docs/cache_policies.md says each policy's reference and
+where it differs).
 A passkey run trained with its question anywhere (data.retrieval.query_at=null) is read with the question at the
 sample's end (query_at=1: the prompt before it is the whole sample, as for every other run; `sinklab.evals.retrieval.
 read_at_end`); --grid query_at=... varies it.
 
 --json prints one object: target, source, task {task, knobs, chance}, grid {knob, values}, length, n_samples (per
-cell), notes, seconds, settings [{protocol, policy, budget, knobs, label, accuracy, loss, first_kept, key_kept, cells
-{value: {accuracy, loss, first_kept, key_kept}}}]: accuracy, the exact-match share of answer spans (the mean over
-the cells); loss, the answer tokens' cross-entropy (nats); first_kept / key_kept, the share of (layer, kv head)
+cell), notes, seconds, settings [{protocol, policy, budget, knobs, knobs_used, label, accuracy, loss, first_kept,
+key_kept, cells {value: {accuracy, loss, first_kept, key_kept}}}]: knobs, those given; knobs_used, every knob the
+policy ran with, its defaults included (SnapKV's pooling rule among them); accuracy, the exact-match share of answer
+spans (the mean over the cells); loss, the answer tokens' cross-entropy (nats); first_kept / key_kept, the share of (layer, kv head)
 kept sets holding the first text token / the whole key when the question came; heads [{layer, head, alpha_1, retrieval,
 streaming}] (per layer x kv head, from dense reads of every sample: `sinklab.evals.retrieval.head_scores`),
 heads_rank_correlation (Spearman's rho of alpha_1 and retrieval), sink_heads (alpha_1 > 0.3), sink_heads_retrieval
 and other_heads_retrieval (their mean retrieval scores). --sweep writes it into
 JOB/retrieval.json for every finished job, then SWEEP_DIR/retrieval.csv (`sinklab.evals.retrieval.Retrieval`'s
-columns). User errors are one line on stderr and exit code 2.
+columns, each setting's rules among them: prefill_snapkv_b32_pooling). User errors are one line on stderr and exit code 2.
 """
 from __future__ import annotations
 
@@ -38,7 +41,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from sinklab.cli.base import (OneLineParser, add_device_json_args, add_sweep_args, add_target_args, check_one_target,
-                              command_main, data_run_dir, knob_number, name_list, pick_device, target_spec)
+                              command_main, data_run_dir, knob_value, name_list, pick_device, target_spec)
 from sinklab.errors import UserError
 from sinklab.io import check_output_file
 
@@ -90,7 +93,7 @@ def build_parser() -> OneLineParser:
     ap.add_argument("--length", type=int, default=None, help="tokens per sample (default: the model context + 1)")
     ap.add_argument("--seed", type=int, default=0, help="the samples' seed (default 0)")
     ap.add_argument("--knob", action="append", default=[], metavar="POLICY.KNOB=VALUE",
-                    help="a policy's knob, e.g. snapkv.window=4 (repeatable)")
+                    help="a policy's knob, e.g. snapkv.window=4 or snapkv.pooling=sinklab (repeatable)")
     ap.add_argument("--duo-heads", choices=("onthefly", "measured"), default="onthefly",
                     help="duo's retrieval heads: chosen per prompt by the attention a streaming head would lose "
                          "(onthefly, the default), or the heads with the highest measured retrieval score (the "
@@ -134,7 +137,7 @@ def parse_knobs(items: Sequence[str], policies: Sequence[str]) -> dict[str, dict
             raise UserError(f"--knob {item}: allowed: POLICY.KNOB=VALUE, e.g. snapkv.window=4")
         if policy not in policies:
             raise UserError(f"--knob {item}: policy {policy!r} is not in --policies ({', '.join(policies)})")
-        out.setdefault(policy, {})[knob] = knob_number("--knob", item, value)
+        out.setdefault(policy, {})[knob] = knob_value("--knob", item, value)
     return out
 
 

@@ -24,7 +24,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from sinklab.cli.base import (OneLineParser, add_device_json_args, command_main, data_run_dir, knob_number,
+from sinklab.cli.base import (OneLineParser, add_device_json_args, command_main, data_run_dir, knob_value,
                               pick_device)
 from sinklab.errors import UserError
 from sinklab.evals.sampling import KEEP_FIRST, generate
@@ -80,7 +80,7 @@ def sample_policy(args, context: int):
         key, eq, value = item.partition("=")
         if not eq:
             raise UserError(f"--knob {item}: allowed: KNOB=VALUE, e.g. recent=0.25")
-        knobs[key] = knob_number("--knob", item, value)
+        knobs[key] = knob_value("--knob", item, value)
     budget = None if args.policy == "dense" else (args.budget or context - 1)
     policy = build(args.policy, budget, **knobs)
     policy.check(context)

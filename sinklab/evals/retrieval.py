@@ -4,7 +4,10 @@
 
 Two protocols, the two the field uses:
 - prefill: the prompt before the question (`Sample.ask`) in one forward with every key, then the cache compressed to
-  the budget once, then the question and its answer read through it (kvpress: compress at prefill, ask after);
+  the budget once, then the question and its answer read through it (kvpress's protocol: compress at prefill, ask
+  after; kvpress with its KeyRerotationPress, that is: the kept keys move to their places in the cache and are
+  re-rotated there, where a plain kvpress press leaves every key at the position it came in at, so the question's
+  positions continue from the prompt's length, not from the keys kept);
 - decoding: the sample fed token by token, the cache evicting to the budget after each (StreamingLLM). The first
   budget + 1 tokens go in one forward: no key is evicted before then, and every policy's state is that of feeding
   them one at a time.
@@ -152,7 +155,8 @@ def evaluate(target: Target, samples_by_cell: dict, settings: Sequence[Setting],
                 if any(c[k] is not None for c in cells.values()) else None
                 for k in ("accuracy", "loss", "first_kept", "key_kept")}
         out.append({"protocol": setting.protocol, "policy": setting.policy, "budget": setting.budget,
-                    "knobs": setting.knobs, "label": setting.label, "cells": cells, **mean})
+                    "knobs": setting.knobs, "knobs_used": setting.make().knobs(), "label": setting.label,
+                    "cells": cells, **mean})
     return out
 
 
@@ -242,6 +246,22 @@ def target_group(target: Target, n_kv: int) -> int:
 
 
 # ----------------------------------------------------------------------------------------------------- in sweeps
+UNRECORDED = {"pooling": "sinklab"}  # a rule's value in results written before `knobs_used`, where not its default
+
+
+def rules_used(setting: dict) -> dict:
+    """The rules (`CachePolicy.rules`) a result's setting ran with: its `knobs_used`; in a result written before
+    those were recorded, the knobs it was given over the values sinklab had then (SnapKV's pooling: sinklab's, the
+    only one; every other rule: its default)."""
+    cls = CACHE_POLICIES.get(setting["policy"])
+    if not cls.rules:
+        return {}
+    used, given = setting.get("knobs_used"), setting.get("knobs", {})
+    if used is None:
+        used = {**build(setting["policy"], setting["budget"], **given).knobs(), **UNRECORDED, **given}
+    return {k: used[k] for k in cls.rules}
+
+
 _LABEL = r"(prefill|decoding)_[a-z0-9]+(_b\d+)?"
 
 
@@ -249,8 +269,9 @@ _LABEL = r"(prefill|decoding)_[a-z0-9]+(_b\d+)?"
 class Retrieval(Evaluation):
     """`sinklab eval retrieval`; in a sweep's retrieval.csv, per setting (e.g. prefill_h2o_b16): <setting>_acc (the
     mean exact-match accuracy over the grid), <setting>_first_kept and <setting>_key_kept (the share of kept sets
-    holding token 1 / the key), then chance, n_samples and eval_seed (the samples' seed, `--seed`: jobs evaluated at
-    different seeds are told apart in one CSV)."""
+    holding token 1 / the key), <setting>_<rule> for each of its policy's `rules` (the knob choosing the reference's
+    rule or another: prefill_snapkv_b16_pooling = reference or sinklab), then chance, n_samples and eval_seed (the
+    samples' seed, `--seed`: jobs evaluated at different seeds are told apart in one CSV)."""
 
     command = "sinklab.cli.retrieval"
     summary = "exact-match retrieval of a planted key under KV-cache eviction policies and budgets"
@@ -266,6 +287,7 @@ class Retrieval(Evaluation):
         for s in result["settings"]:
             row.update({f"{s['label']}_acc": s["accuracy"], f"{s['label']}_loss": s["loss"],
                         f"{s['label']}_first_kept": s["first_kept"], f"{s['label']}_key_kept": s["key_kept"]})
+            row.update({f"{s['label']}_{k}": v for k, v in rules_used(s).items()})
         return {**row, "sink_heads": result["sink_heads"], "sink_heads_retrieval": result["sink_heads_retrieval"],
                 "other_heads_retrieval": result["other_heads_retrieval"],
                 "heads_rho": result["heads_rank_correlation"], "chance": result["chance"],

@@ -115,6 +115,9 @@ class SinklabCacheLayer(CacheLayerMixin):
     def get_max_length(self) -> int:
         return -1
 
+    def get_max_cache_shape(self) -> int:  # the name of get_max_length in transformers before 5.20
+        return -1
+
     def reset(self) -> None:
         raise NotImplementedError("make a new SinklabCache instead")
 

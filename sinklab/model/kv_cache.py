@@ -11,7 +11,8 @@ A cache that never moves a key (dense, or a policy that masks keys instead of dr
 tokens. A dense cache gives the full forward's logits.
 
 Eviction: after each forward (`evict="decoding"`, StreamingLLM's protocol), or only when `compress()` is called
-(`evict="prefill"`: compress the prompt once, then decode the question into a cache that grows, kvpress's protocol).
+(`evict="prefill"`: compress the prompt once, then decode the question into a cache that grows, kvpress's protocol
+with its KeyRerotationPress: a plain kvpress press keeps each key at the position it came in at).
 The policy picks, per layer and kv head, the text keys to keep; the model's learned sink tokens are always kept,
 before them. The keys kept move to the front in their order (gathered: a step then attends to O(budget) keys);
 `origin` says where each came from (the index of the text token, -1 for a learned sink token). A policy whose layers

@@ -202,7 +202,7 @@ def snapshot(repo_id: str, revision: Optional[str]) -> Path:
     try:
         patterns = CONFIG_FILES + (sum(WEIGHTS.values(), []) if offline else weight_patterns(repo_id, revision))
         path = huggingface_hub.snapshot_download(repo_id, revision=revision, allow_patterns=patterns,
-                                                 cache_dir=constants.HF_HUB_CACHE)
+                                                 cache_dir=constants.HF_HUB_CACHE, local_files_only=offline)
     except errors.LocalEntryNotFoundError:
         state = "HF_HUB_OFFLINE=1" if offline else "the hub cannot be reached"
         raise UserError(f"{where}: not in the Hugging Face cache {constants.HF_HUB_CACHE} and {state}; fetch it "

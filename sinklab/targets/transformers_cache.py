@@ -60,6 +60,14 @@ def rotary_embedding(model: nn.Module, where: str) -> list[torch.Tensor]:
     return out
 
 
+def cache_argument(model: nn.Module) -> str:
+    """The name the model's forward takes its cache by: `cache` (transformers 5.24, where `past_key_values` is
+    deprecated, to be removed in 5.40), else `past_key_values` (earlier releases)."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 def rotate_back(keys: torch.Tensor, inv_freq: torch.Tensor, shift) -> torch.Tensor:
     """Post-RoPE keys (B, H, L, hd) at positions p -> the same keys at positions p - shift (rotate-half RoPE on the
     first 2 * len(inv_freq) dims; the others, not rotated by partial rotary, pass); shift an int, or a tensor
@@ -90,6 +98,7 @@ class HFDecoder(Decoder):
                                                                      CACHE_POLICIES.names())
                                                                     if not c.masks and not issubclass(c, PyramidKV)))
         self.model, self.cache, self.policy = model, DynamicCache(), policy  # one plain DynamicLayer per layer
+        self.cache_arg = cache_argument(model)
         self.evict_on_forward = evict == "decoding"
         self.inv_freq = rotary_embedding(model, where) if policy.budget is not None else None  # one per layer
         self.states: list[dict] = []
@@ -100,8 +109,8 @@ class HFDecoder(Decoder):
         place = self.cache.get_seq_length()  # the tokens' positions: their places in the cache
         N = idx.shape[1]
         position_ids = torch.arange(place, place + N, device=idx.device)[None]
-        out = self.model(input_ids=idx, past_key_values=self.cache, position_ids=position_ids, use_cache=True,
-                         output_attentions=self.policy.needs_maps)
+        out = self.model(input_ids=idx, position_ids=position_ids, use_cache=True,
+                         output_attentions=self.policy.needs_maps, **{self.cache_arg: self.cache})
         layers = self.cache.layers
         if not self.states:
             self.states = [{} for _ in layers]

@@ -59,6 +59,31 @@ def test_a_batch_scores_each_sample_as_alone(passkey_run, setting):
         assert got == pytest.approx(alone, abs=1e-5)
 
 
+def test_a_result_records_the_rule_each_setting_ran_with(passkey_run):
+    """Every knob a policy ran with is in the JSON (`knobs_used`), defaults included, beside the knobs given; the
+    sweep CSV has a column per rule (`CachePolicy.rules`): SnapKV's pooling, PyramidKV's schedule, H2O's normalize."""
+    target = load_target(TargetSpec(str(passkey_run)))
+    task, text = task_and_text(passkey_run)
+    cells = {0.5: make_samples(task, 1, 65, 0, text)}
+    settings = [rv.Setting("prefill", "snapkv", 16), rv.Setting("prefill", "pyramidkv", 24, {"pooling": "sinklab"}),
+                rv.Setting("decoding", "h2o", 16, {"recent": 0.25})]
+    res = rv.evaluate(target, cells, settings)
+    assert [s["knobs"] for s in res] == [{}, {"pooling": "sinklab"}, {"recent": 0.25}]
+    assert res[0]["knobs_used"] == {"window": 8, "kernel": 5, "pooling": "reference"}
+    assert res[1]["knobs_used"]["pooling"] == "sinklab" and res[1]["knobs_used"]["schedule"] == "pyramidkv"
+    row = rv.Retrieval.row({"settings": res, "sink_heads": 0, "sink_heads_retrieval": None,
+                            "other_heads_retrieval": None, "heads_rank_correlation": None, "chance": 0.01,
+                            "n_samples": 1})
+    assert {k: v for k, v in row.items() if not k.endswith(("_acc", "_loss", "_kept"))} == {
+        "prefill_snapkv_b16_pooling": "reference", "prefill_pyramidkv_b24_pooling": "sinklab",
+        "prefill_pyramidkv_b24_schedule": "pyramidkv", "decoding_h2o_b16_normalize": False, "sink_heads": 0,
+        "sink_heads_retrieval": None, "other_heads_retrieval": None, "heads_rho": None, "chance": 0.01,
+        "n_samples": 1}
+    # a result written before the rules were recorded (no knobs_used) ran SnapKV with sinklab's pooling, the only one
+    old = [{k: v for k, v in s.items() if k != "knobs_used"} for s in res]
+    assert rv.rules_used(old[0]) == {"pooling": "sinklab"} and rv.rules_used(old[2]) == {"normalize": False}
+
+
 def test_what_the_cache_holds_when_the_question_comes(passkey_run):
     """A key planted early (depth 0) is gone from a 16-key window by the question, and kept by the dense cache;
     StreamingLLM's first 4 keep token 1, a window does not."""
@@ -113,6 +138,7 @@ def test_the_command_table_json_plot_and_sweep(capsys, passkey_run, tmp_path):
     for s in res["settings"]:
         assert 0.0 <= s["accuracy"] <= 1.0 and s["loss"] >= 0 and 0.0 <= s["first_kept"] <= 1.0
         assert set(s["cells"]) == {"0.2", "0.8"}
+    assert res["settings"][2]["knobs_used"] == {"recent": 0.5, "normalize": False}
     cfg = SinklabTarget.load(TargetSpec(str(passkey_run))).model.cfg
     assert len(res["heads"]) == cfg.n_layer * cfg.kv_heads
     plot = tmp_path / "r.png"
@@ -130,7 +156,9 @@ def test_the_command_table_json_plot_and_sweep(capsys, passkey_run, tmp_path):
     (["--grid", "depth=1.5"], "data.retrieval.depth=1.5"),
     (["--grid", "width=3"], "--grid width: task passkey has no knob 'width'"),
     (["--length", "80"], "--length 80: allowed: <= the model context + 1 = 65"),
-    (["--knob", "h2o.heavy=1"], "cache policy h2o: unknown knob 'heavy'; allowed: recent"),
+    (["--knob", "h2o.heavy=1"], "cache policy h2o: unknown knob 'heavy'; allowed: recent, normalize"),
+    (["--policies", "snapkv", "--knob", "snapkv.pooling=mean"],
+     "cache policy snapkv: pooling 'mean'; allowed: reference, sinklab"),
     (["--knob", "tova.x=4"], "--knob tova.x=4: policy 'tova' is not in --policies"),
     (["--protocols", "later"], "--protocols later: allowed: prefill, decoding"),
     (["--budgets", "2", "--policies", "streaming"], "first 4 must be in [0, budget 2]"),

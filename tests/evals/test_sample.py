@@ -128,7 +128,8 @@ def test_sampling_through_another_cache_policy(capsys, trained_run):
     assert rc == 0, err
     res = json.loads(out)
     assert res["tokens"] == default["tokens"] and not res["evicted"]  # 27 tokens: nothing evicted
-    assert res["policy"] == {"policy": "h2o", "budget": 40, "recent": 0.25} and res["keep_first"] is None
+    assert res["policy"] == {"policy": "h2o", "budget": 40, "recent": 0.25, "normalize": False}  # every knob
+    assert res["keep_first"] is None
     rc, out, err = run_cli("sinklab", *base[:5], "100", *base[6:], "--policy", "window", "--budget", "16",
                            capsys=capsys)
     assert rc == 0 and json.loads(out)["evicted"], err

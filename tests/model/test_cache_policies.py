@@ -4,6 +4,8 @@ In a 1-layer model a cached key depends on its own token only (RoPE is applied w
 step through an evicting cache equals a fresh forward over the kept tokens, in their order, plus the new one, wherever
 every head keeps the same keys: MQA (one kv head) makes that so for the per-head policies. With several kv heads each
 head's kept keys are checked against the keys of the tokens the cache says it kept (`origins`)."""
+import math
+
 import pytest
 import torch
 
@@ -103,6 +105,65 @@ def test_an_attention_policy_keeps_what_its_scores_rank_highest():
     assert set(cache.origins(0)[0, 0].tolist()) == set(norms.topk(5, largest=False).indices.tolist())
 
 
+def snapkv_state(votes: list[float], window: int) -> dict:
+    """A SnapKV state whose window rows sum to `votes` over the keys (one batch row, one kv head)."""
+    rows = torch.zeros(1, 1, window, len(votes))
+    rows[0, 0, 0] = torch.tensor(votes)
+    return {"rows": rows}
+
+
+def test_snapkv_pools_as_the_reference_code_or_as_sinklab_did():
+    """pooling=reference (the default): the votes of the keys before the window, average-pooled over the kernel with
+    the zero padding counted (F.avg_pool1d's default, as the SnapKV, PyramidKV and kvpress code pool), the window at
+    +inf; pooling=sinklab: every key's votes, the window's included, the padding left out of the mean."""
+    votes = [3.0, 0.3, 0.6, 0.0, 1.2, 1.2, 1.2, 0.0, 5.0, 0.0]  # 8 keys before a window of 2
+    ref = cp.build("snapkv", 4, window=2, kernel=3).pooled(snapkv_state(votes, 2))[0, 0]
+    assert ref.tolist() == pytest.approx([1.1, 1.3, 0.3, 0.6, 0.8, 1.2, 0.8, 0.4, math.inf, math.inf])
+    own = cp.build("snapkv", 4, window=2, kernel=3, pooling="sinklab").pooled(snapkv_state(votes, 2))[0, 0]
+    assert own.tolist() == pytest.approx([1.65, 1.3, 0.3, 0.6, 0.8, 1.2, 0.8, 6.2 / 3, 5 / 3, 2.5])
+    keys = torch.zeros(1, 1, 10, 4)  # the first key kept only where its edge is not divided by the kernel
+    for pooling, kept in (("reference", [1, 5, 8, 9]), ("sinklab", [0, 7, 8, 9])):
+        p = cp.build("snapkv", 4, window=2, kernel=3, pooling=pooling)
+        assert p.keep(snapkv_state(votes, 2), keys, 0, 4)[0, 0].tolist() == kept, pooling
+
+
+def test_h2o_normalize_divides_by_the_queries_that_saw_each_key():
+    """normalize=true (kvpress's ObservedAttentionPress): the attention a key received over the number of queries
+    that saw it; a prompt of 5 queries, then one more token, with key 0 always a sink."""
+    p = cp.build("h2o", 2, recent=0.0, normalize=True)
+    probs = torch.tril(torch.ones(5, 5)) / torch.arange(1, 6)[:, None]  # uniform causal attention
+    state = {}
+    p.observe(state, probs[None, None])
+    assert state["seen"][0, 0].tolist() == [5, 4, 3, 2, 1]
+    p.observe(state, torch.full((1, 1, 1, 6), 1 / 6))
+    assert state["seen"][0, 0].tolist() == [6, 5, 4, 3, 2, 1]
+    mean = p.scores(state, torch.zeros(1, 1, 6, 4), 0)[0, 0]
+    torch.testing.assert_close(mean, state["acc"][0, 0] / torch.tensor([6.0, 5, 4, 3, 2, 1]))
+    summed = cp.build("h2o", 2, recent=0.0)
+    state = {}
+    summed.observe(state, probs[None, None])
+    assert "seen" not in state and summed.scores(state, torch.zeros(1, 1, 5, 4), 0).argmax() == 0
+
+
+def test_tova_keep_last_keeps_the_latest_key_whatever_its_score():
+    state = {"last": torch.tensor([[[0.5, 0.3, 0.15, 0.05]]])}
+    keys = torch.zeros(1, 1, 4, 4)
+    assert cp.build("tova", 2).keep(state, keys, 0, 2)[0, 0].tolist() == [0, 1]
+    assert cp.build("tova", 2, keep_last=True).keep(state, keys, 0, 2)[0, 0].tolist() == [0, 3]
+
+
+@pytest.mark.parametrize("budget,window,beta,sizes", [
+    (16, 4, 2, [24, 19, 13, 8]), (32, 4, 2, [48, 37, 27, 16]), (32, 8, 20, [56, 40, 24, 8]),
+    (16, 8, 20, [16, 16, 16, 16])])
+def test_pyramidkv_schedule_kvpress_gives_kvpresss_sizes(budget, window, beta, sizes):
+    """schedule=kvpress: the per-layer sizes kvpress 0.5.5's PyramidKVPress kept on a 4-layer model and prompts of
+    64 tokens (scripts/kvpress_parity.py's record): the window inside the pyramid, clamped to the prompt, and
+    SnapKV's uniform budget where the last layer's share falls below the window (budget 16, beta 20)."""
+    p = cp.build("pyramidkv", budget, window=window, beta=beta, schedule="kvpress")
+    assert [p.capacity(layer, 4, 64) for layer in range(4)] == sizes
+    assert p.capacity(0, 4) >= max(sizes)  # without a prompt length: an upper bound (the cache's room)
+
+
 def test_pyramidkv_budgets_shrink_with_depth_around_the_budget():
     p = cp.build("pyramidkv", 32, window=4)
     caps = [p.capacity(layer, 4) for layer in range(4)]
@@ -146,17 +207,36 @@ def test_duo_picks_the_heads_that_look_past_the_window():
 
 @pytest.mark.parametrize("name,budget,knobs,match", [
     ("nope", 8, {}, "cache policy 'nope' is unknown; allowed: dense, streaming"),
-    ("h2o", 8, {"heavy": 1}, "cache policy h2o: unknown knob 'heavy'; allowed: recent"),
+    ("h2o", 8, {"heavy": 1}, "cache policy h2o: unknown knob 'heavy'; allowed: recent, normalize"),
     ("h2o", None, {}, "cache policy h2o: needs a budget"),
     ("streaming", 4, {"first": 5}, r"first 5 must be in \[0, budget 4\]"),
     ("snapkv", 4, {"window": 5}, r"window 5 must be in \[1, budget 4\]"),
     ("snapkv", 8, {"kernel": 4}, "kernel 4 must be an odd number"),
     ("window", 0, {}, "budget 0 must be >= 1"),
+    ("snapkv", 8, {"pooling": "mean"}, "cache policy snapkv: pooling 'mean'; allowed: reference, sinklab"),
+    ("pyramidkv", 8, {"schedule": "snapkv"}, "cache policy pyramidkv: schedule 'snapkv'; allowed: pyramidkv, kvpress"),
+    ("h2o", 8, {"normalize": 1}, "cache policy h2o: normalize 1; allowed: false, true"),
+    ("tova", 8, {"keep_last": "yes"}, "cache policy tova: keep_last 'yes'; allowed: false, true"),
+    ("h2o", 8, {"recent": "half"}, "cache policy h2o: recent 'half' must be a number"),
     ("duo", 9, {"first": 2, "recent": 6}, "budget 9 must equal first \\+ recent = 8"),
 ])
 def test_bad_policy_settings_are_one_line(name, budget, knobs, match):
     with pytest.raises(UserError, match=match):
         cp.build(name, budget, **knobs)
+
+
+def test_every_policy_names_its_reference_and_the_docs_page_is_the_registrys():
+    """Each registered policy says what it was checked against; its rules are knobs it has; docs/cache_policies.md
+    holds the page `sinklab.model.cache_policies.reference` generates from the registry, as it is now."""
+    from sinklab.model.cache_policies.reference import markdown
+    from tests.helpers import REPO
+
+    for cls in cp.CACHE_POLICIES:
+        assert cls.reference, cls.name
+        budget = None if cls.name in ("dense", "duo") else BUDGET
+        assert set(cls.rules) <= set(cp.build(cls.name, budget, **KNOBS.get(cls.name, {})).knobs()), cls.name
+    page = (REPO / "docs" / "cache_policies.md").read_text()
+    assert markdown() in page, "docs/cache_policies.md is out of date: python -m sinklab.model.cache_policies.reference"
 
 
 def test_a_budget_as_large_as_the_context_is_refused():
