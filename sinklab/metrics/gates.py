@@ -3,9 +3,9 @@ scores below 0.1 (the paper's sparsity: most sigmoid scores of a G1 gate are sma
 token (where a gate can switch off the attention sink's contribution).
 
 The hook: every gate (`sinklab/model/gates.py`) passes its scores through its submodule `gate_act`
-(`blocks.<i>.attn.gate_proj.gate_act`, an nn.Sigmoid or nn.SiLU), whose output is act(X W_theta) of shape
-(B, S + T, width) for S learned sink tokens and T real tokens, before the scores are arranged per head. `record_gates`
-registers a forward hook on each and keeps the real tokens' scores, one list per gated layer:
+(`blocks.<i>.attn.gate_proj.gate_act`, an nn.Sigmoid, nn.SiLU or ScaledSigmoid), whose output is act(X W_theta) of
+shape (B, S + T, width) for S learned sink tokens and T real tokens, before the scores are arranged per head.
+`record_gates` registers a forward hook on each and keeps the real tokens' scores, one list per gated layer:
 
     with record_gates(model) as values:   # values[l]: a list of (B, T, width) tensors, one per forward
         model(tokens)
@@ -101,7 +101,8 @@ class GateScores(Metric):
 
     records = frozenset({"gate"})
     bounds = ((r"^act/(layer\d+/)?gate_low_share$", UNIT),  # share of gate scores below 0.1
-              # mean gate scores: in [0, 1] for model.gate_act=sigmoid, in [SILU_MIN, inf) for silu
+              # mean gate scores: in [0, 1] for model.gate_act=sigmoid, [0, 2] for scaled_sigmoid, [SILU_MIN, inf)
+              # for silu
               (r"^act/(layer\d+/)?gate_(mean|first_token)$", (SILU_MIN, math.inf)))
     json_key = "gates"
     headline = ("act/gate_mean", "act/gate_first_token")

@@ -2,6 +2,10 @@
 keys after RoPE, or a bias added to each head's output (V). Per head, or one shared by all heads
 (`model.attn_bias_shared`). The reference study's K bias has a zero value, or a fixed one
 (`model.attn_bias_fixed_value_scale`: a fixed random direction of that norm).
+
+Retrofit (a bias added to a trained model): a V bias starts as the identity, exactly (zero). A K / KV slot cannot: its
+logit q . k_bias is finite for every query, so the slot takes a share exp(q . k_bias) / Z of every row whatever k_bias
+is (a softmax weight of 0 needs a logit of -inf); it keeps its fresh N(0, bias_init_std) init, a logit near 0.
 """
 from __future__ import annotations
 
@@ -65,6 +69,7 @@ class SlotBias(LearnedBias):
     """A learned key slot, prepended to the keys after RoPE (so never rotated), with the value `slot_value`."""
 
     n_slots = 1
+    retrofit = "not the identity (a finite key logit takes a share of every row): k_bias fresh"
     learned = ("k_bias",)
 
     def slot_value(self, v: torch.Tensor) -> torch.Tensor:
@@ -121,6 +126,14 @@ class ValueBias(LearnedBias):
     """A learned bias added to each head's output (before the output projection)."""
 
     learned = ("v_out_bias",)
+    retrofit = "the identity, exactly: the bias starts at zero"
+
+    @classmethod
+    def retrofit_identity(cls, cfg: Any) -> bool:
+        return True
+
+    def retrofit_init(self, parent: nn.Module) -> None:
+        nn.init.zeros_(self.v_out_bias)
 
     def output(self, o: torch.Tensor) -> torch.Tensor:
         return o + self.per_head(self.v_out_bias)[None, :, None, :]

@@ -7,7 +7,9 @@ hidden states the query projection reads, as in the reference code), Y the tenso
 - Head-specific or head-shared (`model.gate_shared`). Head-specific (default): each head has its own scores,
   W_theta maps d -> heads x width. Head-shared: one set of scores per token, W_theta maps d -> width, and every head
   is multiplied by the same scores: one scalar per token (headwise) or one head_dim vector per token (elementwise).
-- Activation (`model.gate_act`): `sigmoid` (default) or `silu`.
+- Activation (`model.gate_act`): `sigmoid` (default), `silu`, or `scaled_sigmoid`, 2 sigmoid(z) in (0, 2): exactly 1
+  at z = 0, so a gate with zero weights passes its tensor unchanged (the identity a retrofit starts from; sigmoid and
+  SiLU give 1/2 and 0 there).
 
 What the paper leaves open, decided here:
 - Grouped-query attention: G2 and G3 gate the value / key projection's output, which has `n_kv_head` heads, so a
@@ -115,8 +117,15 @@ class G5(GatePosition):
         return g  # (B, N, d_model), as the output
 
 
+class ScaledSigmoid(nn.Module):
+    """2 sigmoid(z), in (0, 2): exactly 1 at z = 0 (sigmoid(0) = 1/2 is exact in floating point)."""
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        return 2 * torch.sigmoid(z)
+
+
 GATE_POSITIONS: dict[str, type[GatePosition]] = {"G1": G1, "G2": G2, "G3": G3, "G4": G4, "G5": G5}
-ACTIVATIONS: dict[str, type[nn.Module]] = {"sigmoid": nn.Sigmoid, "silu": nn.SiLU}
+ACTIVATIONS: dict[str, type[nn.Module]] = {"sigmoid": nn.Sigmoid, "silu": nn.SiLU, "scaled_sigmoid": ScaledSigmoid}
 
 
 @GATES.register("none")
@@ -136,7 +145,15 @@ class NoGate(Component, nn.Module):
 class HeadwiseGate(Component, nn.Linear):
     """One gate score per head and token: t * act(x W_theta) at model.gate_position (Qwen's G1 .. G5).
 
-    x (B, N, d) -> scores (B, heads, N, 1), heads those of the gated tensor t, or 1 when head-shared."""
+    x (B, N, d) -> scores (B, heads, N, 1), heads those of the gated tensor t, or 1 when head-shared.
+
+    Retrofit: with gate_act=scaled_sigmoid it starts as the identity, exactly: W_theta zero, so every score is
+    2 sigmoid(0) = 1, and W_theta's gradient there is not zero (2 sigmoid'(0) = 1/2 per unit of x t). With sigmoid or
+    silu no zero-input score is 1 (1/2, 0): W_theta keeps its fresh N(0, init_std) init and the layer's output changes
+    at once. The gated-attention authors (arXiv 2505.06708) saw a random start spike the loss and an identity-like one
+    leave the gate unused; whether this start is used is for the runs to show."""
+
+    retrofit = "gate_act=scaled_sigmoid: the identity exactly, W_theta zero (2 sigmoid(0) = 1); else W_theta fresh"
 
     @dataclasses.dataclass
     class Knobs:
@@ -159,6 +176,14 @@ class HeadwiseGate(Component, nn.Linear):
     def width(cfg: Any, position: type[GatePosition]) -> int:
         """Scores per gate head."""
         return 1
+
+    @classmethod
+    def retrofit_identity(cls, cfg: Any) -> bool:
+        return cfg.gate_act == "scaled_sigmoid"
+
+    def retrofit_init(self, parent: nn.Module) -> None:
+        if isinstance(self.gate_act, ScaledSigmoid):
+            nn.init.zeros_(self.weight)
 
     def at(self, position: type[GatePosition], x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         """The attention block's tensor t at `position`: gated if this gate sits there, else unchanged."""
@@ -185,6 +210,8 @@ class ValueStateGate(Component, nn.Linear):
     """Value-state gate (VGA, arXiv 2510.09017): Y * sigmoid(V W_g) after SDPA (G1), V the token's value states.
 
     v (B, n_kv_head, N, hd) -> scores (B, n_head, N, hd), one per channel of each head's output."""
+
+    retrofit = "not the identity (a sigmoid is 1/2 at zero input): W_g fresh"
 
     def __init__(self, cfg: Any):
         nn.Linear.__init__(self, cfg.kv_heads * cfg.hd, cfg.n_head * cfg.hd, bias=False)

@@ -166,6 +166,14 @@ class Rotary(PositionalEncoding):
 
     llama = True
     llama_knobs = {"rope_fraction": 1.0, "nope_every": None, "rope_heads": None, "rope_head_fractions": None}
+    # a retrofit may add NoPE heads or layers to a trained RoPE model: no parameters, not the identity (their q . k
+    # loses its rotation) unless every head keeps its fraction
+    retrofit_knobs = ("rope_heads", "rope_head_fractions", "nope_every")
+    retrofit = "no parameters; not the identity: the NoPE heads / layers stop rotating"
+
+    @classmethod
+    def retrofit_identity(cls, cfg: Any) -> bool:
+        return cfg.nope_every is None and set(cls.kv_head_fractions(cfg)) == {cfg.rope_fraction}
 
     @classmethod
     def validate(cls, cfg: Any) -> None:

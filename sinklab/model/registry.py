@@ -57,16 +57,29 @@ class Component:
     validate:   cross-field rules of this component, raising ConfigError naming the key (called once per config)
     llama_ok:   whether LLaMA (transformers LlamaForCausalLM) can represent this component with these knobs (the
                 class attribute `llama`, and each knob of `llama_knobs` at the value LLaMA needs, unless overridden)
+    retrofit:   how it starts when a retrofit adds it to a trained model (`init_from=` a checkpoint whose model has
+                its family's default instead: sinklab.model.retrofit), one line; "" where a retrofit cannot add it.
+                `retrofit_knobs` are the knobs that add something when set away from their default in such a model
+                (per-head NoPE: rope_heads); `retrofit_identity(cfg)` says whether the model then computes at step 0
+                what the checkpoint's did (to float32 rounding); a module's `retrofit_init(parent)`, where it has one,
+                sets its new parameters after the checkpoint's weights were copied (else they keep the fresh init)
     """
 
     name: ClassVar[str] = ""
     registry: ClassVar["Registry"]
     llama: ClassVar[bool] = False  # LLaMA has this component (with default knobs)
     llama_knobs: ClassVar[dict[str, Any]] = {}  # knob -> the value LLaMA needs (rope_fraction: 1.0)
+    retrofit: ClassVar[str] = ""
+    retrofit_knobs: ClassVar[tuple[str, ...]] = ()
 
     @dataclasses.dataclass
     class Knobs:
         pass
+
+    @classmethod
+    def retrofit_identity(cls, cfg: Any) -> bool:
+        """Whether a model with this component, added by a retrofit, computes at step 0 what it did without it."""
+        return False
 
     @classmethod
     def validate(cls, cfg: Any) -> None:

@@ -21,6 +21,11 @@ keys the query may not see (a top-k over unmasked scores leaks the future). Both
   `bigbird_random` random earlier blocks per head and query block (drawn once from a fixed seed and the layer).
 Positions count from 0 over the sequence (learned sink tokens first): "position 0" is the first token a query can
 see. Designs that force the first token or block have a knob for it, and so do those that lack one.
+
+Retrofit (a sparsity added to a trained dense model): none has parameters, and none is the identity in general (a
+query reads fewer keys); each is at any step where its budget keeps every key: top-k with topk_k >= the context's
+positions, MoBA with moba_topk >= its blocks, the A-shape with ashape_window + ashape_first >= the positions, BigBird
+with its own, window and global blocks covering the context; strided heads never are.
 """
 from __future__ import annotations
 
@@ -43,6 +48,7 @@ class Sparsity(Component):
     flex_selects: ClassVar[bool] = False
     per_head: ClassVar[bool] = False  # its pattern depends on the head
     llama = False  # LLaMA attends to every key: only `none` (Dense) is LLaMA's
+    retrofit = "no parameters; the identity where it keeps every key"
 
     def __init__(self, cfg: Any, layer: int = 0):
         self.n_head, self.layer = cfg.n_head, layer
@@ -134,6 +140,10 @@ class TopK(Sparsity):
         check_range(cfg, "topk_k", 2 if cfg.topk_force_first else 1, n_keys,
                     f"the keys a query can see at most{'; topk_force_first=true keeps position 0 within k' if cfg.topk_force_first else ''}")
 
+    @classmethod
+    def retrofit_identity(cls, cfg: Any) -> bool:
+        return cfg.topk_k >= cfg.block_size + cfg.n_sink_tokens
+
     def keep(self, q, k, s, seen, n_slots, rows):
         real = s[..., n_slots:].masked_fill(~seen[..., n_slots:], float("-inf"))  # (B, H, R, P) causally masked
         if self.force_first:
@@ -169,6 +179,10 @@ class MoBA(Sparsity):
         check_range(cfg, "moba_topk", 2 if cfg.moba_force_first else 1, n_blocks,
                     "blocks of the context, the query's own included"
                     + ("; moba_force_first=true needs the own block and block 0" if cfg.moba_force_first else ""))
+
+    @classmethod
+    def retrofit_identity(cls, cfg: Any) -> bool:
+        return cfg.moba_topk >= -(-(cfg.block_size + cfg.n_sink_tokens) // cfg.moba_block)
 
     def chosen_blocks(self, q: torch.Tensor, k: torch.Tensor, n_slots: int, rows: torch.Tensor) -> torch.Tensor:
         """q (B, H, R, hd) at positions rows (R,), k (B, H, n_keys, hd) -> (B, H, R, nb) bool: the blocks each query
@@ -229,6 +243,10 @@ class AShape(Sparsity):
         super().validate(cfg)
         check_range(cfg, "ashape_window", 1, cfg.block_size, "the context model.block_size")
         check_range(cfg, "ashape_first", 0, cfg.block_size, "the context model.block_size")
+
+    @classmethod
+    def retrofit_identity(cls, cfg: Any) -> bool:
+        return cfg.ashape_window + cfg.ashape_first >= cfg.block_size + cfg.n_sink_tokens
 
     def pattern_key(self) -> tuple:
         return self.window, self.first
@@ -298,6 +316,12 @@ class BigBird(Sparsity):
 
     def pattern_key(self) -> tuple:
         return self.layer,  # the random blocks differ by layer (the knobs are the model's)
+
+    @classmethod
+    def retrofit_identity(cls, cfg: Any) -> bool:
+        """Its own, window and global blocks cover the context (the random ones are not counted on)."""
+        n_blocks = -(-(cfg.block_size + cfg.n_sink_tokens) // cfg.bigbird_block)
+        return 1 + cfg.bigbird_window + cfg.bigbird_global >= n_blocks
 
     @classmethod
     def validate(cls, cfg: Any) -> None:

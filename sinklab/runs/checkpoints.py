@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import re
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Union
 
@@ -138,37 +139,70 @@ def vocabulary_differences(saved: object, data: object) -> str:
                      if saved.get(k) != data.get(k))
 
 
-def warm_start_checkpoint(path: Union[str, Path], model: dict, data: object = None) -> dict:
+@dataclass
+class WarmStart:
+    """What `init_from=` starts a run from: the checkpoint, what this run's model config adds to its architecture (a
+    retrofit: sinklab.model.retrofit) and the parameters its model has that the checkpoint's lacks (sorted names)."""
+
+    ckpt: dict
+    additions: list = field(default_factory=list)
+    new_params: list[str] = field(default_factory=list)
+
+
+def warm_start_checkpoint(path: Union[str, Path], model: dict, data: object = None) -> WarmStart:
     """`init_from=PATH` (a .ckpt or a run dir): its checkpoint, read before any data or model is built, refused in one
     line when it is not a sinklab checkpoint, its model differs from `model` (this run's config) in anything but
-    the vocabulary (which may grow: `copy_weights`) and the execution keys, or its vocabulary comes from another
-    tokenizer than this run's data settings `data` choose (`vocabulary_differences`)."""
+    the components this config adds to it (a retrofit: `sinklab.model.retrofit.plan`), the vocabulary (which may
+    grow: `copy_weights`) and the execution keys, or its vocabulary comes from another tokenizer than this run's data
+    settings `data` choose (`vocabulary_differences`). A retrofit's new parameters are named from the model built on
+    the meta device (no memory, no compute)."""
+    from sinklab.model.retrofit import plan
+
     try:
         ckpt = read_checkpoint(path, mmap=True)
-        saved = model_config(ckpt, path).to_dict()
+        saved = model_config(ckpt, path)
     except UserError as err:
         raise UserError(f"init_from={path}: {err}") from None
-    shown = model_differences(saved, model, also=("vocab_size",))
-    if shown:
+    cfg = ModelConfig.from_dict(dict(model))
+    additions, other = plan(saved, cfg, ignore=(*EXECUTION_KEYS, "vocab_size"))
+    if other:
+        shown = ", ".join(f"model.{k}={getattr(saved, k)!r} there, {getattr(cfg, k)!r} here" for k in other[:4])
         raise UserError(f"init_from={path}: its model differs from this run's ({shown}); a warm start copies the "
-                        f"weights into the same architecture (only the vocabulary may grow)")
+                        "weights into the same architecture, to which it may add components (a retrofit: "
+                        "docs/extending.md#retrofit-init_from-with-an-added-component); the vocabulary may grow")
     shown = vocabulary_differences(ckpt.get("datamodule_hyper_parameters"), data)
     if shown:
         raise UserError(f"init_from={path}: its vocabulary comes from another tokenizer ({shown}); a warm start "
                         "needs the same tokenizer, with ids only added here")
-    return ckpt
+    new = []
+    if additions:
+        with torch.device("meta"):
+            built = Transformer(ModelConfig.from_dict({**cfg.to_dict(), "vocab_size": saved.vocab_size}))
+        copied = set(saved_weights(ckpt))
+        new = sorted(name for name, _ in built.named_parameters() if name not in copied)
+    return WarmStart(ckpt, additions, new)
 
 
-def copy_weights(model: Transformer, ckpt: dict, path: Union[str, Path]) -> list[str]:
-    """A warm start: every weight of the checkpoint's model copied into `model` (built from the same config); the
+def saved_weights(ckpt: dict) -> dict[str, torch.Tensor]:
+    """A checkpoint's model tensors by their name in the (uncompiled) model; non-tensor entries (an op's extra state,
+    e.g. DSA's step) are left out."""
+    return {k[len("model."):].replace("_orig_mod.", ""): v for k, v in ckpt["state_dict"].items()
+            if k.startswith("model.") and isinstance(v, torch.Tensor)}
+
+
+def copy_weights(model: Transformer, warm: WarmStart, path: Union[str, Path]) -> list[str]:
+    """A warm start: every weight of the checkpoint's model copied into `model` (built from this run's config); the
     vocabulary weights (VOCAB_WEIGHTS) of a larger vocabulary here (a data module that adds ids, e.g. the retrieval
-    markers) get the checkpoint's rows for its ids and keep their fresh initialisation for the new ones. Returns the
-    names of the weights that grew. A vocabulary smaller here is refused in one line."""
-    saved = {k[len("model."):].replace("_orig_mod.", ""): v for k, v in ckpt["state_dict"].items()
-             if k.startswith("model.")}
-    own = model.state_dict()
-    if set(saved) != set(own):
-        odd = sorted(set(saved) ^ set(own))
+    markers) get the checkpoint's rows for its ids and keep their fresh initialisation for the new ones. In a retrofit
+    (`warm.additions`) the model has weights of its own besides, which start as their components say
+    (`sinklab.model.retrofit.init_added`). Returns the names of the weights that grew. A vocabulary smaller here, or a
+    weight of the checkpoint this model lacks, is refused in one line."""
+    from sinklab.model.retrofit import init_added
+
+    saved = saved_weights(warm.ckpt)
+    own = {k: v for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
+    odd = sorted(set(saved) - set(own)) + ([] if warm.additions else sorted(set(own) - set(saved)))
+    if odd:
         raise UserError(f"init_from={path}: its weights do not match this model's (e.g. {', '.join(odd[:3])})")
     grown = []
     with torch.no_grad():
@@ -179,10 +213,15 @@ def copy_weights(model: Transformer, ckpt: dict, path: Union[str, Path]) -> list
             elif name in VOCAB_WEIGHTS and value.shape[1:] == target.shape[1:] and value.shape[0] < target.shape[0]:
                 target[:value.shape[0]].copy_(value)
                 grown.append(name)
-            else:
+            elif name in VOCAB_WEIGHTS:
                 raise UserError(f"init_from={path}: {name} has shape {tuple(value.shape)} there, "
                                 f"{tuple(target.shape)} here (a vocabulary of {value.shape[0]} ids there); a warm "
                                 "start needs the same tokenizer, with ids only added here")
+            else:
+                raise UserError(f"init_from={path}: {name} has shape {tuple(value.shape)} there, "
+                                f"{tuple(target.shape)} here; a warm start copies each weight into one of its shape")
+    if warm.additions:
+        init_added(model, set(saved))
     return grown
 
 

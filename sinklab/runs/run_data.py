@@ -120,8 +120,10 @@ def matching_job(sweep_dir: Path, cfg, choices: Optional[dict] = None, flag: str
     """The job of a multirun dir with this run's settings: the keys its jobs were run with different values of (the
     sweep's own), and the seed, equal in both; a config key compares the composed values (`cfg`), a config group
     (model/gate=elementwise) the group choices (`choices`, this run's hydra.runtime.choices). Returns the job dir and
-    those settings. A warm start's second stage finds its first stage's model this way (`init_from=SWEEP_DIR`). One
-    line when no job or several match."""
+    those settings. A warm start's second stage finds its first stage's model this way (`init_from=SWEEP_DIR`); a
+    second stage whose every job starts from one setting of the first stage's (`experiment.first_stage_setting`,
+    e.g. {experiment.variant: dense}) asks for that setting instead of its own value of those keys. One line when no
+    job or several match."""
     from omegaconf import OmegaConf
 
     choices = dict(choices or {})
@@ -137,7 +139,8 @@ def matching_job(sweep_dir: Path, cfg, choices: Optional[dict] = None, flag: str
     swept = [k for k in dict.fromkeys(k for t in texts.values() for k in t)
              if len({t.get(k) for t in texts.values()}) > 1 and k.split(".")[0].split("/")[0] != "hydra"]
     keys = ["seed", *(k for k in swept if k != "seed")]
-    want = {k: value(cfg, k, choices) for k in keys}
+    fixed = OmegaConf.to_container(OmegaConf.select(cfg, "experiment.first_stage_setting") or OmegaConf.create({}))
+    want = {k: fixed[k] if k in fixed else value(cfg, k, choices) for k in keys}
     have = {job: {k: value(load_run_config(job), k, _choices(job)) for k in keys} for job in jobs}
     found = [job for job in jobs if have[job] == want]
     if len(found) == 1:

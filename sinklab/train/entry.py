@@ -63,6 +63,10 @@ def train(cfg: DictConfig, record: Optional[RunRecord] = None) -> dict[str, Any]
             log.info("init_from: %s, the job with %s", init_from, ", ".join(f"{k}={v}" for k, v in settings.items()))
         data = OmegaConf.to_container(cfg.data, resolve=True)
         warm = warm_start_checkpoint(init_from, model_cfg.to_dict(), data)  # before any data is read
+    # a retrofit's added parameters (their own lr; maybe the only ones trained): the warm start's, or a resume's
+    new_params = warm.new_params if warm is not None else \
+        (resume["hyper_parameters"].get("new_params") or [] if resume is not None else [])
+    check_frozen(cfg, new_params)
     L.seed_everything(cfg.seed, workers=True)
     setup_wandb_mode(cfg)
 
@@ -78,12 +82,16 @@ def train(cfg: DictConfig, record: Optional[RunRecord] = None) -> dict[str, Any]
     del resume
     module = LitLM(model=model_cfg, optim=OmegaConf.to_container(cfg.optim, resolve=True, enum_to_str=True),
                    max_steps=cfg.trainer.max_steps, peak_flops=cfg.get("peak_flops"),
-                   compile_backend=cfg.get("compile_backend") or "inductor")
+                   compile_backend=cfg.get("compile_backend") or "inductor", new_params=new_params)
     log.info("model: %.2fM non-embedding parameters; data: %s", module.net.num_params() / 1e6, dm.describe())
     if warm is not None:
         grown = copy_weights(module.net, warm, init_from)
         log.info("init_from=%s: weights of step %s copied%s; the optimizer and the schedule start fresh", init_from,
-                 warm.get("global_step"), f" ({', '.join(grown)}: the new ids' rows initialised)" if grown else "")
+                 warm.ckpt.get("global_step"), f" ({', '.join(grown)}: the new ids' rows initialised)" if grown else "")
+        if warm.additions:
+            log.info("init_from=%s: a retrofit, this config adds %s; %d new parameter tensor(s), trained at %g x "
+                     "optim.lr%s", init_from, ", ".join(map(str, warm.additions)), len(new_params),
+                     module.optim.get("new_lr_scale", 1.0), frozen_note(module.optim))
         del warm
     elif init_from:
         log.info("init_from=%s ignored: the run resumes from %s", init_from, ckpt)
@@ -113,6 +121,23 @@ def train(cfg: DictConfig, record: Optional[RunRecord] = None) -> dict[str, Any]
             log_failure(trainer)
         raise
     return summary(trainer, callbacks, out)
+
+
+def check_frozen(cfg: DictConfig, new_params: list[str]) -> None:
+    """optim.freeze_pretrained trains a retrofit's added parameters only: refused in one line when there are none."""
+    if OmegaConf.select(cfg, "optim.freeze_pretrained") and not new_params:
+        raise UserError("optim.freeze_pretrained=true trains only the parameters a retrofit adds, and this run has "
+                        "none (no init_from, or its model config adds no component with parameters to the "
+                        "checkpoint's); allowed: optim.freeze_pretrained=false, or init_from=RUN with a model "
+                        "config that adds a component such as model.gate")
+
+
+def frozen_note(optim: dict[str, Any]) -> str:
+    """'; the copied ones frozen (...)' for the log line of a retrofit."""
+    if not optim.get("freeze_pretrained"):
+        return ", the copied ones at optim.lr"
+    steps = optim.get("freeze_pretrained_steps")
+    return "; the copied ones frozen" + (f" for the first {steps} steps" if steps else " (the whole run)")
 
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="train")

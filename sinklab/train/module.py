@@ -51,17 +51,27 @@ def set_rng_states(state: dict[str, Any]) -> None:
 class LitLM(L.LightningModule):
     """The language model in training. `model`: the architecture (a built ModelConfig, or its dict as a checkpoint
     saves it); `optim`: the optimizer node (conf/optim/, a `_target_` with `_partial_: true`; keys it leaves out take
-    sinklab.train.optim.AdamWConfig's defaults), instantiated in configure_optimizers."""
+    sinklab.train.optim.AdamWConfig's defaults), instantiated in configure_optimizers. `new_params`: in a retrofit
+    (init_from= a model without a component this config adds), the parameters the checkpoint did not have, which take
+    their own lr and may be the only ones trained (the optim keys new_lr_scale, freeze_pretrained); kept with the
+    hyper-parameters, so that a resume gives them the same groups."""
 
     def __init__(self, model: Union[ModelConfig, dict[str, Any]], optim: dict[str, Any], max_steps: int,
-                 peak_flops: Union[float, str, None] = None, compile_backend: str = "inductor"):
+                 peak_flops: Union[float, str, None] = None, compile_backend: str = "inductor",
+                 new_params: Optional[list[str]] = None):
         super().__init__()
         self.cfg = model if isinstance(model, ModelConfig) else ModelConfig.from_dict(dict(model))
         self.optim = optimizer_config(optim)
+        self.new_params = list(new_params or [])
         # plain types only, so that checkpoints load with weights_only=True
         self.save_hyperparameters({"model": self.cfg.to_dict(), "optim": self.optim, "max_steps": max_steps,
-                                   "peak_flops": peak_flops, "compile_backend": compile_backend})
+                                   "peak_flops": peak_flops, "compile_backend": compile_backend,
+                                   **({"new_params": self.new_params} if self.new_params else {})})
         self.model = self.cfg.build()
+        if self.optim.get("freeze_pretrained") and self.optim.get("freeze_pretrained_steps") is None:
+            new = set(self.new_params)  # frozen for the whole run: before any strategy wraps the model (DDP)
+            for name, p in self.model.named_parameters():
+                p.requires_grad_(name in new)
         self.example_input_array = torch.zeros(1, self.cfg.block_size, dtype=torch.long)  # FLOPs in the summary
         if self.cfg.compile:
             self.model = compile_model(self.model, self.cfg, compile_backend)
@@ -255,7 +265,9 @@ class LitLM(L.LightningModule):
     def configure_optimizers(self):
         from hydra.utils import instantiate
 
-        return instantiate(self.optim)(self.model, self.max_steps)
+        make = instantiate(self.optim)
+        return make(self.model, self.max_steps, new_params=self.new_params) if self.new_params else \
+            make(self.model, self.max_steps)
 
 
 def optimizer_config(optim: dict[str, Any]) -> dict[str, Any]:

@@ -13,13 +13,16 @@ Training", arXiv 2502.16982).
   `original` is Keller Jordan's sqrt(max(1, A / B)), which wants a larger lr (0.02-0.05).
 - The two optimizers step as one (`MuonWithAdamW`), so that Lightning's automatic optimization, gradient clipping,
   the lr scheduler, the lr monitor and checkpoints see a single optimizer whose parameter groups are both parts'.
+- A retrofit's keys (`new_lr_scale`, `freeze_pretrained`: sinklab.train.optim) split each part's groups alike
+  (`muon_pretrained`, `muon_new`, `adamw_...`); a part left with nothing to train (every hidden matrix frozen, say)
+  is left out.
 """
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import nn
@@ -27,7 +30,7 @@ from torch import nn
 from sinklab.config.schema import integer, number, rule
 from sinklab.errors import UserError
 
-from .optim import AdamWConfig, decay_groups, with_schedule
+from .optim import AdamWConfig, decay_groups, retrofit_groups, with_schedule
 
 HIDDEN = re.compile(r"(^|\.)blocks\.")  # a module inside the blocks (also under a compiled model's _orig_mod)
 
@@ -63,10 +66,10 @@ class MuonWithAdamW(torch.optim.Optimizer):
     `param_groups` are the parts' own group dicts (a scheduler's lr reaches both); `step` runs the closure once
     (forward, backward, clipping) and then each part; the state dict holds each part's."""
 
-    def __init__(self, muon: torch.optim.Muon, adamw: torch.optim.AdamW):
-        super().__init__([p for part in (muon, adamw) for g in part.param_groups for p in g["params"]], {})
-        self.parts = {"muon": muon, "adamw": adamw}
-        self.param_groups = [*muon.param_groups, *adamw.param_groups]
+    def __init__(self, muon: Optional[torch.optim.Muon], adamw: Optional[torch.optim.AdamW]):
+        self.parts = {name: part for name, part in (("muon", muon), ("adamw", adamw)) if part is not None}
+        super().__init__([p for part in self.parts.values() for g in part.param_groups for p in g["params"]], {})
+        self.param_groups = [g for part in self.parts.values() for g in part.param_groups]
 
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
         loss = None
@@ -90,8 +93,10 @@ class MuonWithAdamW(torch.optim.Optimizer):
 
 def muon(model: nn.Module, max_steps: int, *, lr: float, weight_decay: float, betas: list[float], eps: float,
          exclude_norm_and_embedding: bool, warmup_steps: int, schedule: str, min_lr_ratio: float, momentum: float,
-         nesterov: bool, ns_steps: int, adjust_lr_fn: str) -> dict[str, Any]:
-    """Muon for the hidden matrices, AdamW for the rest, and their shared schedule (configure_optimizers' return)."""
+         nesterov: bool, ns_steps: int, adjust_lr_fn: str, new_lr_scale: float = 1.0, freeze_pretrained: bool = False,
+         freeze_pretrained_steps: Optional[int] = None, new_params: Sequence[str] = ()) -> dict[str, Any]:
+    """Muon for the hidden matrices, AdamW for the rest, and their shared schedule (configure_optimizers' return);
+    a retrofit's groups as `sinklab.train.optim.adamw`'s."""
     hidden = hidden_matrices(model)
     flat = [name for name, p in hidden if p.dim() != 2]
     if flat:
@@ -100,8 +105,15 @@ def muon(model: nn.Module, max_steps: int, *, lr: float, weight_decay: float, be
                         "optim=adamw")
     taken = {id(p) for _, p in hidden}
     rest = [(name, p) for name, p in model.named_parameters() if id(p) not in taken]
-    part_muon = torch.optim.Muon([p for _, p in hidden], lr=lr, weight_decay=weight_decay, momentum=momentum,
-                                 nesterov=nesterov, ns_steps=ns_steps, adjust_lr_fn=AdjustLR(adjust_lr_fn).value)
-    part_adamw = torch.optim.AdamW(decay_groups(rest, weight_decay, exclude_norm_and_embedding), lr=lr,
-                                   betas=tuple(betas), eps=eps, fused=None)
-    return with_schedule(MuonWithAdamW(part_muon, part_adamw), max_steps, warmup_steps, schedule, min_lr_ratio)
+    new_lr = lr * new_lr_scale
+    groups_muon = retrofit_groups(hidden, new_params, new_lr, lambda named: [{"params": [p for _, p in named]}],
+                                  "muon_")
+    groups_adamw = retrofit_groups(rest, new_params, new_lr, lambda named: decay_groups(
+        named, weight_decay, exclude_norm_and_embedding), "adamw_")
+    part_muon = torch.optim.Muon(groups_muon, lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
+                                 ns_steps=ns_steps, adjust_lr_fn=AdjustLR(adjust_lr_fn).value) \
+        if any(g["params"] for g in groups_muon) else None
+    part_adamw = torch.optim.AdamW(groups_adamw, lr=lr, betas=tuple(betas), eps=eps, fused=None) \
+        if any(g["params"] for g in groups_adamw) else None
+    return with_schedule(MuonWithAdamW(part_muon, part_adamw), max_steps, warmup_steps, schedule, min_lr_ratio,
+                         freeze_pretrained_steps)

@@ -125,6 +125,13 @@ def first_stage(name: str) -> Optional[str]:
     return OmegaConf.select(composed(f"experiment={name}"), "experiment.first_stage")
 
 
+def first_stage_setting(name: str) -> list[str]:
+    """The overrides of the first stage's setting every job of a second-stage preset starts from
+    (experiment.first_stage_setting: {experiment.variant: dense} -> [experiment.variant=dense]), [] if none."""
+    setting = OmegaConf.select(composed(f"experiment={name}"), "experiment.first_stage_setting")
+    return [f"{k}={v}" for k, v in OmegaConf.to_container(setting).items()] if setting else []
+
+
 def restrict(job: list[str]) -> str:
     """hydra.sweeper.params override that keeps only this job's values (the dict merges into the preset's params)."""
     items = []
@@ -297,7 +304,7 @@ def test_preset_sweep_composes_validates_and_covers_the_paper_table(name, scale)
 # the presets of other papers' claims state them (issue 28)
 WITH_CLAIMS = {"gate_positions", "outliers_quant", "residual_sinks", "sink_uses", "value_gates", "diff_attention",
                "muon", "qk_norm", "layer_patterns", "sparse_attention", "head_positions", "head_geometry", "retrieval",
-               "retrieval_128", "retrieval_warm"}
+               "retrieval_128", "retrieval_warm", "dsa_retrofit"}
 
 
 @pytest.mark.parametrize("name", PRESETS)
@@ -514,13 +521,20 @@ def fast_sweeps(request, tmp_path_factory):
     dir, the job's overrides)}."""
     selected = {item.callspec.params["name"] for item in request.session.items
                 if getattr(item, "originalname", None) == "test_preset_trains_one_step_and_reports_the_papers_numbers"}
-    selected |= {first_stage(n) for n in selected if first_stage(n)}
+    selected |= {first_stage(n) for n in selected if first_stage(n) and not first_stage_setting(n)}
     root = tmp_path_factory.mktemp("sweeps")
     runs, out = [], {}
     for name in sorted(selected, key=lambda n: (first_stage(n) is not None, n)):  # first stages first
         job = fast_job(name)
         sweep_dir = root / name
-        warm = [f"init_from={out[first_stage(name)][0]}"] if first_stage(name) else []
+        warm = []
+        if first_stage_setting(name):  # the first stage's job of that setting, in a sweep of its own
+            first = root / f"{name}_first"
+            runs.append(["-m", f"experiment={first_stage(name)}", restrict(first_stage_setting(name)),
+                         f"hydra.sweep.dir={first}", *FAST])
+            warm = [f"init_from={first}"]
+        elif first_stage(name):
+            warm = [f"init_from={out[first_stage(name)][0]}"]
         runs.append(["-m", f"experiment={name}", restrict(job), f"hydra.sweep.dir={sweep_dir}", *FAST, *warm])
         out[name] = (sweep_dir, job)
     proc = subprocess.run([sys.executable, "-c", DRIVER, json.dumps(runs)], capture_output=True, text=True,
@@ -603,8 +617,9 @@ def test_every_job_of_the_preset_trains_one_step(name, tmp_path):
     warm = []
     if first_stage(name):  # a second stage: its first stage's whole sweep first, each job starts from its match
         first = tmp_path.parent / f"{tmp_path.name}_first"
-        proc = subprocess.run([*cmd, "-m", f"experiment={first_stage(name)}", f"hydra.sweep.dir={first}", *FAST],
-                              capture_output=True, text=True, timeout=1800, env=ENV, cwd=tmp_path)
+        only = [restrict(first_stage_setting(name))] if first_stage_setting(name) else []  # that setting's jobs
+        proc = subprocess.run([*cmd, "-m", f"experiment={first_stage(name)}", *only, f"hydra.sweep.dir={first}",
+                               *FAST], capture_output=True, text=True, timeout=1800, env=ENV, cwd=tmp_path)
         assert proc.returncode == 0, proc.stderr[-3000:]
         warm = [f"init_from={first}"]
     proc = subprocess.run([*cmd, "-m", f"experiment={name}", f"hydra.sweep.dir={tmp_path}", *FAST, *warm],

@@ -93,7 +93,7 @@ def test_a_run_without_a_gate_logs_and_measures_no_gate_statistics(ungated, caps
     assert "gate scores" not in run_cli("sinklab", "measure", str(ungated), capsys=capsys, check=True).stdout
 
 
-@pytest.mark.parametrize("act", ["sigmoid", "silu"])
+@pytest.mark.parametrize("act", ["sigmoid", "silu", "scaled_sigmoid"])
 def test_activation_stats_add_the_gate_scores_of_every_batch(act):
     """Batches of 2 of 5 sequences (the last one short) give what one forward of all of them gives; the hooks are
     gone afterwards and no batch's scores are kept."""

@@ -63,7 +63,8 @@ def reference(corpus, tmp_path_factory):
 BAD_OVERRIDES = [
     # (override, the one line the user sees; matched at its start after "error: ")
     ("optim.lrr=1", "optim.lrr is not an option of optim (did you mean optim.lr?); allowed: betas, eps, "
-                    "exclude_norm_and_embedding, lr, min_lr_ratio, schedule, warmup_steps, weight_decay; to add a "
+                    "exclude_norm_and_embedding, freeze_pretrained, freeze_pretrained_steps, lr, min_lr_ratio, "
+                    "new_lr_scale, schedule, warmup_steps, weight_decay; to add a "
                     "new key on purpose write +optim.lrr=1"),
     ("model=huge", "model=huge: there is no config model/huge.yaml; allowed: 14m, 1b, 60m, smollm2_135m, tiny"),
     ("model/attn=softmaxx", "model/attn=softmaxx: there is no config model/attn/softmaxx.yaml; allowed: "),
@@ -109,6 +110,10 @@ BAD_OVERRIDES = [
     ("ckpt_path=/nonexistent/x.ckpt", "ckpt_path=/nonexistent/x.ckpt: no such file; allowed: null, last, auto or "
                                       "a .ckpt path"),
     ("init_from=/nonexistent/x.ckpt", "init_from=/nonexistent/x.ckpt: checkpoint /nonexistent/x.ckpt does not exist"),
+    ("optim.freeze_pretrained=true", "optim.freeze_pretrained=true trains only the parameters a retrofit adds, and "
+                                     "this run has none (no init_from, or its model config adds no component"),
+    ("optim.freeze_pretrained_steps=5", "optim.freeze_pretrained_steps=5 applies with optim.freeze_pretrained=true "
+                                        "only; allowed: freeze_pretrained=true, or freeze_pretrained_steps=null"),
 ]
 
 

@@ -534,8 +534,9 @@ def test_a_second_stage_starts_each_job_from_its_first_stage_job(tmp_path):
 
 def test_a_sweeps_job_is_matched_by_seed_varied_keys_and_group_choices(tmp_path):
     """`matching_job`, which init_from=SWEEP_DIR uses: a config group the first stage varied (model/gate=...) is
-    matched by the group choice its jobs saved (.hydra/hydra.yaml), a config key by its composed value, the seed
-    always (also where that sweep ran one seed); no match or two are one line each."""
+    matched by the group choice its jobs saved (.hydra/hydra.yaml), a config key by its composed value (or by the
+    value experiment.first_stage_setting gives it), the seed always (also where that sweep ran one seed); no match or
+    two are one line each."""
     import yaml
     from omegaconf import OmegaConf
 
@@ -563,6 +564,10 @@ def test_a_sweeps_job_is_matched_by_seed_varied_keys_and_group_choices(tmp_path)
     with pytest.raises(UserError, match=r"no job of that sweep has this run's seed=1, optim.weight_decay=0.1 "):
         matching_job(one_seed, OmegaConf.create(base_config(seed=1, wd=0.1)), {})
     assert matching_job(one_seed, OmegaConf.create(base_config(seed=0, wd=0.1)), {})[0] == one_seed / "1"
+    # a second stage whose jobs all start from one setting of the first (experiment.first_stage_setting)
+    fixed = OmegaConf.create(base_config(seed=0, wd=0.5))
+    fixed.experiment.first_stage_setting = {"optim.weight_decay": 0.0}
+    assert matching_job(one_seed, fixed, {}) == (one_seed / "0", {"seed": 0, "optim.weight_decay": 0.0})
     twice = tmp_path / "twice"  # two jobs of the same settings (a rerun beside the first)
     for job in ("0", "rerun"):
         write_hydra(twice / job, base_config(seed=0), ["seed=0"])

@@ -26,6 +26,11 @@ Decided here (the paper trains from a dense checkpoint, this framework from scra
   is always kept by the main attention and is not part of the indexer's set.
 - No fused kernel: the explicit row chunks (the indexer scores of a chunk are (B, H_I, R, n_keys)); the KL's chunks
   keep their indexer scores for backward.
+
+Retrofit (`init_from=` a softmax model, the paper's own setting; conf/experiment/dsa_retrofit.yaml is its two-stage
+recipe): the indexer starts fresh, and the model is the checkpoint's at step 0 (to float32 rounding: the explicit
+softmax against the fused one) while the attention is dense, i.e. with a warm-up (dsa_warmup_steps > 0) or a top-k
+that keeps every key (dsa_topk >= block_size + n_sink_tokens); sparse from step 0 it is not the identity.
 """
 from __future__ import annotations
 
@@ -48,6 +53,7 @@ class DeepSeekSparseAttention(AttentionOp):
     takes_selection = False  # its indexer selects the keys (model.sparsity=topk / moba would select on top)
     rows_sum_to_one = True
     rotated = ("q_index", "k_index")
+    retrofit = "the identity while dense (dsa_warmup_steps > 0, or dsa_topk >= every key); the indexer fresh"
 
     @dataclasses.dataclass
     class Knobs:
@@ -84,6 +90,10 @@ class DeepSeekSparseAttention(AttentionOp):
             raise ConfigError(f"model.dsa_topk={k} cannot hold the {cfg.n_sink_tokens + 1} positions "
                               f"model.dsa_force_first=true keeps (the first text token and model.n_sink_tokens="
                               f"{cfg.n_sink_tokens} sink tokens); allowed: >= {cfg.n_sink_tokens + 1}")
+
+    @classmethod
+    def retrofit_identity(cls, cfg: Any) -> bool:
+        return cfg.dsa_warmup_steps > 0 or cfg.dsa_topk >= cfg.block_size + cfg.n_sink_tokens
 
     # ------------------------------------------------------------------------------------------- the step
     def set_step(self, step: int) -> None:

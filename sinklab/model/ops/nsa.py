@@ -41,6 +41,12 @@ Decided here (the paper leaves it open, or this framework asks it):
   key's weight an exact 0) and no (B, H, R, n_keys) mask is applied to it or its gradient; the selected branch's
   chosen blocks are added per block. The maps and gradients equal the masked formula's to float32 rounding
   (tests/model/test_nsa_dsa.py); docs/performance.md has the training step's speed.
+
+Retrofit (`init_from=` a softmax model): the gates' weights zero (g = 1/2 on each branch), the compressed values zero
+(phi_v's last layer), the window's key and value projections copies of the layer's: o = (slc + win) / 2, two sparse
+parts of the checkpoint's dense attention. It is that attention (to float32 rounding) where both see every key: every
+selection block kept (nsa_slc_topn = the context's blocks), a window of the whole context (nsa_window = block_size, no
+sink tokens), and the window's keys and values those of the layer (no QK-norm, K / KV slot, or gate at G2 / G3).
 """
 from __future__ import annotations
 
@@ -101,6 +107,7 @@ class NativeSparseAttention(AttentionOp):
     takes_selection = False  # it selects blocks itself (model.sparsity=topk / moba would select on top)
     rows_sum_to_one = False  # the gates do not sum to one
     rotated = ("k_win",)  # the window's keys take RoPE as the layer's keys; compressed ones are rotated per block
+    retrofit = "o = (selected + window) / 2 over the layer's keys: the identity where both see every key"
 
     @dataclasses.dataclass
     class Knobs:
@@ -161,6 +168,21 @@ class NativeSparseAttention(AttentionOp):
         if cfg.nsa_window > T:
             raise ConfigError(f"model.nsa_window={cfg.nsa_window} exceeds the context model.block_size={T}; "
                               f"allowed: 1..{T}")
+
+    @classmethod
+    def retrofit_identity(cls, cfg: Any) -> bool:
+        n_pos = cfg.block_size + cfg.n_sink_tokens
+        plain = cfg.qk_norm == "none" and cfg.attn_bias in ("none", "v") and \
+            not (cfg.gate in ("headwise", "elementwise") and cfg.gate_position in ("G2", "G3"))
+        return plain and cfg.nsa_window >= n_pos and cfg.nsa_slc_topn * cfg.nsa_slc_block >= n_pos
+
+    def retrofit_init(self, parent: nn.Module) -> None:
+        """The start of the module docstring's Retrofit, `parent` the layer's attention (its k and v projections)."""
+        nn.init.zeros_(self.gate_proj.weight)
+        for p in self.compress_v.mlp[-1].parameters():
+            nn.init.zeros_(p)
+        self.k_win_proj.weight.copy_(parent.k_proj.weight)
+        self.v_win_proj.weight.copy_(parent.v_proj.weight)
 
     def bind_layer(self, layer: int) -> None:
         self.rotates = self.rotates_in(layer)  # a per-layer NoPE layer rotates no compressed key either

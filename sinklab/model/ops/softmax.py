@@ -1,5 +1,13 @@
 """softmax(alpha q.k / sqrt(d_h) + position bias), with an optional extra logit that absorbs attention: a learned
-one per head (`model.sink_logit=learned`, gpt-oss style) or a zero (`sink_logit=zero`, softmax-off-by-one)."""
+one per head (`model.sink_logit=learned`, gpt-oss style) or a zero (`sink_logit=zero`, softmax-off-by-one).
+
+Retrofit (`sink_logit` added to a trained softmax model): a learned sink logit starts at RETROFIT_SINK_LOGIT = -30,
+where its weight e^(-30 - m) / Z (m a row's largest logit, Z >= 1) is below float32's resolution of 1 (2^-24 =
+e^-16.6) in every row whose largest logit exceeds -13.4, so the rows are those of plain softmax to float32 rounding.
+Not -inf: a parameter that is not finite stops training (`TrainingDiverged`), and its gradient would be 0 for good.
+Its gradient at -30 is that weight times the row's output difference: the logit starts unused and is learned only
+where the rows' logits fall towards it (or with a larger `optim.new_lr_scale`). A zero extra logit
+(`sink_logit=zero`) has no parameter and changes every row (it takes e^-m / (Z + e^-m)): not the identity."""
 from __future__ import annotations
 
 import dataclasses
@@ -43,6 +51,7 @@ class OffByOneSoftmax(Softmax):
     """softmax over the keys and one extra zero logit, dropped from the map: rows sum to less than one."""
 
     rows_sum_to_one = llama = False
+    retrofit = "not the identity: the zero logit takes a share of every row"
 
     @classmethod
     def llama_mismatch(cls, cfg: Any) -> Optional[str]:
@@ -64,12 +73,24 @@ class OffByOneSoftmax(Softmax):
         return torch.softmax(torch.cat([s, extra], dim=-1), dim=-1)[..., :-1]
 
 
+RETROFIT_SINK_LOGIT = -30.0  # a retrofit's start: a weight below float32 resolution (module docstring)
+
+
 class LearnedSinkLogitSoftmax(OffByOneSoftmax):
     """The extra logit is learned, one per head."""
+
+    retrofit = "the identity to float32 rounding: the logit starts at -30 (weight < 2^-24 where a row's max > -13.4)"
 
     def __init__(self, cfg: Any):
         super().__init__(cfg)
         self.sink_logit = torch.nn.Parameter(torch.zeros(cfg.n_head))
+
+    @classmethod
+    def retrofit_identity(cls, cfg: Any) -> bool:
+        return True
+
+    def retrofit_init(self, parent: torch.nn.Module) -> None:
+        torch.nn.init.constant_(self.sink_logit, RETROFIT_SINK_LOGIT)
 
     def extra_logit(self, s: torch.Tensor) -> torch.Tensor:
         return self.sink_logit
