@@ -245,7 +245,7 @@ def test_a_budget_as_large_as_the_context_is_refused():
 
 
 def test_an_op_with_its_own_cached_tensors_refuses_an_evicting_policy():
-    m = small_model(attn_op="nsa")
+    m = small_model(attn_op="nsa", nsa_slc_topn=3)  # the 3 selection blocks of the context of 24
     with pytest.raises(UserError, match="policy h2o"):
         m(token_ids(B=1, T=4), cache=m.new_cache(policy=cp.build("h2o", 2)))
 
