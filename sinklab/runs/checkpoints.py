@@ -136,7 +136,17 @@ def vocabulary_differences(saved: object, data: object) -> str:
         return ""
     keys = TOKENIZER_KEYS + (BPE_KEYS if data["tokenizer"] == "bpe" and not data.get("prepared_dir") else ())
     return ", ".join(f"data.{k}={saved.get(k)!r} there, {data.get(k)!r} here" for k in keys
-                     if saved.get(k) != data.get(k))
+                     if not same_setting(saved.get(k), data.get(k)))
+
+
+def same_setting(a: object, b: object) -> bool:
+    """Two values of a data key alike: equal, or the same file named two ways (runs/x/tokenizer.json and its
+    absolute path: an imported model's tokenizer, named relative to where a retrofit runs)."""
+    if a == b:
+        return True
+    if isinstance(a, str) and isinstance(b, str) and Path(a).expanduser().exists() and Path(b).expanduser().exists():
+        return Path(a).expanduser().resolve() == Path(b).expanduser().resolve()
+    return False
 
 
 @dataclass

@@ -103,3 +103,18 @@ def test_the_weight_map_is_the_inverse_of_export_hf():
     back = sinklab_state_dict(llama_state_dict(state, 2), 2, tied=False)
     assert set(back) == set(state) and all(torch.equal(back[k], state[k]) for k in state)
     assert len(LLAMA_NAMES(2)) == 3 + 9 * 2
+
+
+def test_a_warm_start_reads_a_tokenizer_named_relative_or_absolute_as_the_same(tmp_path, monkeypatch):
+    """init_from= an imported run dir: its checkpoint records the tokenizer's absolute path, a retrofit names it from
+    where it runs (runs/x/tokenizer.json): the same file, no refusal; another file or EOS token is refused."""
+    from sinklab.runs.checkpoints import vocabulary_differences
+
+    (tmp_path / "runs" / "x").mkdir(parents=True)
+    (tmp_path / "runs" / "x" / "tokenizer.json").write_text("{}")
+    (tmp_path / "runs" / "x" / "other.json").write_text("{}")
+    monkeypatch.chdir(tmp_path)
+    saved = {"tokenizer": str(tmp_path / "runs" / "x" / "tokenizer.json"), "eos_token": "<s>", "prepared_dir": None}
+    assert vocabulary_differences(saved, {**saved, "tokenizer": "runs/x/tokenizer.json"}) == ""
+    assert "data.tokenizer=" in vocabulary_differences(saved, {**saved, "tokenizer": "runs/x/other.json"})
+    assert vocabulary_differences(saved, {**saved, "eos_token": "</s>"}) == "data.eos_token='<s>' there, '</s>' here"
