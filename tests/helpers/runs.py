@@ -58,9 +58,6 @@ def train(out: Path, *overrides: str, recipe: Sequence[str] = FAST, check: bool 
 
 def natural_run(base: Path, name: str = "run") -> tuple[Path, object]:
     """A training-run dir whose .hydra/config.yaml has a data section (a small local corpus, BPE of 300)."""
-    from hydra.utils import instantiate
-    from omegaconf import OmegaConf
-
     corpus = base / "corpus"
     if not corpus.exists():
         corpus.mkdir(parents=True)
@@ -74,12 +71,21 @@ def natural_run(base: Path, name: str = "run") -> tuple[Path, object]:
             "cache_dir": str(base / "cache"), "block_size": 32, "batch_size": 4, "val_num_blocks": 2,
             "probe_num_seqs": 10, "probe_seq_len": 16}
     run = base / name
+    return run, data_only_run(run, data)
+
+
+def data_only_run(run: Path, data: dict):
+    """`run`, a run dir holding only a data config (.hydra/config.yaml: `data`, the LMDataModule's settings, and seed
+    0; an empty checkpoints/, no training): what `--data RUN_DIR` reads. Returns its data module, prepared."""
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+
     (run / ".hydra").mkdir(parents=True)
     (run / "checkpoints").mkdir()
     OmegaConf.save(OmegaConf.create({"data": data, "seed": 0}), run / ".hydra" / "config.yaml")
     dm = instantiate(OmegaConf.create(data), _recursive_=False)
     dm.prepare()
-    return run, dm
+    return dm
 
 
 def write_corpus(root: Path) -> SimpleNamespace:
