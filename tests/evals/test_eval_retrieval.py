@@ -73,12 +73,12 @@ def test_a_result_records_the_rule_each_setting_ran_with(passkey_run):
     assert res[1]["knobs_used"]["pooling"] == "sinklab" and res[1]["knobs_used"]["schedule"] == "pyramidkv"
     row = rv.Retrieval.row({"settings": res, "sink_heads": 0, "sink_heads_retrieval": None,
                             "other_heads_retrieval": None, "heads_rank_correlation": None, "chance": 0.01,
-                            "n_samples": 1})
+                            "n_samples": 1, "seed": 3})
     assert {k: v for k, v in row.items() if not k.endswith(("_acc", "_loss", "_kept"))} == {
         "prefill_snapkv_b16_pooling": "reference", "prefill_pyramidkv_b24_pooling": "sinklab",
         "prefill_pyramidkv_b24_schedule": "pyramidkv", "decoding_h2o_b16_normalize": False, "sink_heads": 0,
         "sink_heads_retrieval": None, "other_heads_retrieval": None, "heads_rho": None, "chance": 0.01,
-        "n_samples": 1}
+        "n_samples": 1, "eval_seed": 3}
     # a result written before the rules were recorded (no knobs_used) ran SnapKV with sinklab's pooling, the only one
     old = [{k: v for k, v in s.items() if k != "knobs_used"} for s in res]
     assert rv.rules_used(old[0]) == {"pooling": "sinklab"} and rv.rules_used(old[2]) == {"normalize": False}

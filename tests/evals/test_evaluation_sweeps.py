@@ -261,7 +261,8 @@ def test_a_retrieval_csv_tells_jobs_evaluated_at_other_seeds_apart(tmp_path):
     retrieval.csv has each job's samples' seed in `eval_seed`, beside the training seed the job ran with."""
     from sinklab.evals.registry import write_table
 
-    setting = {"label": "prefill_dense", "accuracy": 0.5, "loss": 1.0, "first_kept": 1.0, "key_kept": 1.0}
+    setting = {"label": "prefill_dense", "policy": "dense", "budget": None, "knobs": {}, "accuracy": 0.5, "loss": 1.0,
+               "first_kept": 1.0, "key_kept": 1.0}
     for job, seed in (("0", 1), ("1", 0)):
         (tmp_path / job / ".hydra").mkdir(parents=True)
         (tmp_path / job / ".hydra" / "overrides.yaml").write_text(f"- seed={job}\n")

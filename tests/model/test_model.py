@@ -52,7 +52,7 @@ def test_fused_and_explicit_paths_agree():
 
 
 def test_size_presets():
-    assert set(PRESETS) == {"tiny", "tiny3", "14m", "60m", "1b"}
+    assert set(PRESETS) == {"tiny", "tiny3", "14m", "60m", "1b", "smollm2_135m"}
     assert (preset("tiny3").n_layer, preset("tiny3").n_head) == (3, 8)  # the default run's (scale=quick)
     cfg = preset("60m", vocab_size=50432)
     assert (cfg.n_layer, cfg.n_head, cfg.d_model, cfg.d_ff, cfg.block_size) == (10, 8, 768, 1536, 2048)
