@@ -11,7 +11,7 @@ Training (TrainBlocks + StepBatchSampler)
     With `unique_tokens = N` offsets are drawn from [0, N - (block_size + 1)], so training only ever
     reads the first N tokens of the split.
 
-With a retrieval task (data.retrieval, sinklab/data/retrieval.py) sample i is instead, with probability `rate`, a
+With a retrieval task (data.retrieval, sinklab/data/retrieval/) sample i is instead, with probability `rate`, a
 retrieval sample whose filler is read from the same tokens; the choice and the sample come from their own generator
 `retrieval.mix_rng(seed, i)`, so that every other block is the one a run without retrieval reads.
 

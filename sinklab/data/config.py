@@ -149,7 +149,7 @@ class DataConfig(Schema):
     fixed_token: Optional[FixedTokenConfig] = field(default_factory=FixedTokenConfig,  # off while position is null
                                                     metadata={"check": _fixed_token})
     bos: bool = False                    # prepend the BOS/EOS id at position 1 of every training block
-    # --- retrieval samples mixed into training, validated apart (sinklab/data/retrieval.py): off while task is null;
+    # --- retrieval samples mixed into training, validated apart (sinklab/data/retrieval/): off while task is null;
     # e.g. data.retrieval.task=passkey data.retrieval.rate=0.1 (knobs key_len, depth; mqar: n_pairs, power_a)
     retrieval: Optional[RetrievalConfig] = field(default_factory=RetrievalConfig, metadata={"check": _retrieval})
 

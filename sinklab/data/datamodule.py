@@ -14,7 +14,7 @@ run would have seen; it shards itself across DDP ranks (see blocks.py). With an 
 the trainer's `max_steps` and an integer `val_check_interval` (with `check_val_every_n_epoch=None`).
 Batches are LongTensors (batch_size, block_size + 1): input b[:, :-1], targets b[:, 1:].
 
-With data.retrieval.task set (sinklab/data/retrieval.py), training blocks are replaced by retrieval samples at
+With data.retrieval.task set (sinklab/data/retrieval/), training blocks are replaced by retrieval samples at
 data.retrieval.rate, and validation has a second loader of held-out retrieval samples, batches [tokens (B, T + 1),
 answer (B, T + 1)] (the training module logs val/retrieval/*); `dm.retrieval_task` is the task with its ids.
 """
@@ -163,7 +163,7 @@ class LMDataModule(StepLoader, L.LightningDataModule):
     tokenizer: Tokenizer = _after_prepare("_tokenizer", "The tokenizer of this data.")
     train_blocks: TrainBlocks = _after_prepare("_train_blocks", "The training blocks (a Dataset).")
     retrieval_task: RetrievalTask | None = _after_prepare("_retrieval", "The retrieval task of data.retrieval on this "
-                                                          "data, with its ids (sinklab/data/retrieval.py); None when "
+                                                          "data, with its ids (sinklab/data/retrieval/); None when "
                                                           "data.retrieval.task is null.")
 
     @property

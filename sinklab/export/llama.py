@@ -186,7 +186,7 @@ def export(ckpt_path: str, out_dir: str, dtype: str = "float32", check: bool = T
     bad = unrepresentable(cfg)  # not LLaMA: remote code (sinklab.export.remote)
     plugins = remote.plugin_modules(cfg) if bad else {}  # refuses a component nothing could import, before writing
 
-    from sinklab.targets.transformers_lm import dtype_kwargs, quiet, require_transformers
+    from sinklab.targets.hf_common import dtype_kwargs, quiet, require_transformers
 
     transformers = require_transformers()
     state = {}

@@ -89,7 +89,7 @@ def write(state: dict[str, torch.Tensor], cfg: ModelConfig, out: Path, torch_dty
     """OUT_DIR as the module docstring says; `state`: sinklab's weights (no `model.` prefix)."""
     import transformers
 
-    from sinklab.targets.transformers_lm import quiet
+    from sinklab.targets.hf_common import quiet
 
     from .configuration_sinklab import SinklabConfig
     from .modeling_sinklab import SinklabForCausalLM
@@ -119,7 +119,7 @@ def describe(cfg: ModelConfig) -> dict:
 
 def load(out: Path, transformers, dtype_kwargs):
     """The export loaded back with transformers (its remote code), fp32, in eval mode."""
-    from sinklab.targets.transformers_lm import quiet
+    from sinklab.targets.hf_common import quiet
 
     with quiet(transformers):
         return transformers.AutoModelForCausalLM.from_pretrained(

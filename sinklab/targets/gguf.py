@@ -89,7 +89,7 @@ def converted(file: Path, name: str, revision: Optional[str]) -> Path:
 
 def cache_key(file: Path) -> str:
     """16 hex digits of (name, size, mtime, transformers version, CONVERSION): what makes a conversion current."""
-    from .transformers_lm import require_transformers
+    from .hf_common import require_transformers
 
     transformers = require_transformers()
     st = file.stat()
@@ -130,7 +130,7 @@ def convert(file: Path, out: Path, name: str) -> None:
     the loaded tensors (no copy), with the tokenizer the file describes; config.json records `sinklab_gguf`."""
     import torch
 
-    from .transformers_lm import dtype_kwargs, quiet, require_transformers
+    from .hf_common import dtype_kwargs, quiet, require_transformers
 
     transformers = require_transformers()
     record = read_record(file, name)

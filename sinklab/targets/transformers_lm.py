@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import sys
-import warnings
 from pathlib import Path
 from typing import Iterator, Optional, Sequence, Union
 
@@ -26,25 +25,10 @@ from torch import nn
 
 from sinklab.errors import UserError
 
+from .hf_common import INSTALL_HINT, dtype_kwargs, quiet, require_transformers  # noqa: F401 (their home)
 from .interface import DEFAULT_NUM_SEQS, DEFAULT_SEQ_LEN, SOURCES, Target, TargetMeta, TargetSpec
 
-INSTALL_HINT = "--hf-model needs transformers, an optional extra: pip install 'sinklab[hf]'"
 ROW_SUM_TOL = 1e-3  # rows whose sum differs from 1 by more than this: the op is not row-normalised (Sink* reported)
-
-
-def require_transformers():
-    """The transformers module, or a one-line UserError saying how to install it."""
-    try:
-        import transformers  # noqa: F401
-    except ImportError:
-        raise UserError(INSTALL_HINT) from None
-    return transformers
-
-
-def dtype_kwargs(transformers, dtype: torch.dtype) -> dict:
-    """`dtype=` for transformers >= 4.56, `torch_dtype=` before (the old name is deprecated in v5)."""
-    major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
-    return {"dtype": dtype} if (major, minor) >= (4, 56) else {"torch_dtype": dtype}
 
 
 def load_hf_model(name_or_dir: Union[str, Path], device: Union[str, torch.device] = "cpu",
@@ -88,29 +72,6 @@ def load_hf_tokenizer(name_or_dir: Union[str, Path], revision: Optional[str] = N
             raise UserError(f"--hf-model {name_or_dir}: no tokenizer beside the model ({type(err).__name__}: "
                             f"{first}); natural input needs one: pass --tokens FILE.npy or --input random|repeat"
                             ) from None
-
-
-@contextlib.contextmanager
-def quiet(transformers):
-    """transformers' (and so huggingface_hub's) progress bars and warnings off (stderr is for what matters: errors
-    are one line); afterwards each as it was (HF_HUB_DISABLE_PROGRESS_BARS=1 keeps the hub's off, without its
-    warning)."""
-    from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
-
-    hf_logging = transformers.utils.logging
-    bars, hub_bars = hf_logging.is_progress_bar_enabled(), not are_progress_bars_disabled()
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.disable_progress_bar()  # the hub's too
-    hf_logging.set_verbosity_error()
-    try:
-        yield
-    finally:
-        hf_logging.set_verbosity(verbosity)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # the hub's "the environment variable keeps the bars off"
-            if bars:
-                hf_logging.enable_progress_bar()  # the hub's too
-            (enable_progress_bars if hub_bars else disable_progress_bars)()
 
 
 def text_config(model: nn.Module):

@@ -64,7 +64,7 @@ BAD_OVERRIDES = [
     (["data.probe_fixed_token=true"], "data.probe_fixed_token=true needs data.fixed_token.position in "
                                       "1..data.probe_seq_len=64; got data.fixed_token.position=null"),
     (["data=synthetic", "data.n_triggers=64"], "data.n_triggers=64 must be below data.n_tokens=64"),
-    # data.retrieval (sinklab/data/retrieval.py): the default block is 64 tokens + 1, with a BOS
+    # data.retrieval (sinklab/data/retrieval/): the default block is 64 tokens + 1, with a BOS
     (["data.retrieval.task=copy"], "data.retrieval.task='copy' is not allowed; allowed: null or one of passkey, mqar"),
     (["data.retrieval.task=mqar", "data.retrieval.rate=2"], "data.retrieval.rate=2.0 is not allowed; allowed: a number "
                                                             ">= 0 and <= 1"),

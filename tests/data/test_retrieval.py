@@ -1,4 +1,4 @@
-"""Retrieval tasks (sinklab/data/retrieval.py): passkey and mqar samples, their answers and chance levels, their mixing
+"""Retrieval tasks (sinklab/data/retrieval/): passkey and mqar samples, their answers and chance levels, their mixing
 into training blocks at data.retrieval.rate, the held-out validation samples, the one-line errors, and a short
 training run logging val/retrieval/*."""
 import math
@@ -312,7 +312,7 @@ def test_a_short_run_logs_retrieval_loss_and_accuracy_within_bounds(tmp_path, co
 def test_passkey_text_writes_the_key_and_the_question_in_words_with_no_new_ids(env, depth):
     """passkey_text (for pretrained models): the key and the question are sentences through the data's own tokenizer,
     the vocabulary does not grow, `ask` is the question's first token and the answer the key's digits after it."""
-    from sinklab.data.retrieval_text import KEY_TEXT, QUERY_TEXT
+    from sinklab.data.retrieval import KEY_TEXT, QUERY_TEXT
 
     plain = make_dm(env)
     dm = make_dm(env, retrieval={"task": "passkey_text", "depth": depth, "key_len": 3})

@@ -32,8 +32,9 @@ def doc_files() -> list[Path]:
 
 
 def doc_code_lines(files: Optional[Sequence[Path]] = None, langs: Optional[Sequence[str]] = None) -> list[str]:
-    """The lines of the fenced code blocks of `files` (default: `doc_files()`), in order, and each table cell that is
-    one `sinklab ...` command in backticks (the README's first commands); `langs`: only blocks of those info
+    """The lines of the fenced code blocks of `files` (default: `doc_files()`), in order, and each cell of the README's
+    tables that is one `sinklab ...` command in backticks (its first commands; other pages' tables record
+    measurements); `langs`: only blocks of those info
     strings (e.g. ("bash",); a table's commands count as bash)."""
     lines: list[str] = []
     for path in doc_files() if files is None else files:
@@ -44,7 +45,7 @@ def doc_code_lines(files: Optional[Sequence[Path]] = None, langs: Optional[Seque
             elif lang is not None:
                 if langs is None or lang in langs:
                     lines.append(line)
-            elif line.startswith("|") and (langs is None or "bash" in langs):
+            elif line.startswith("|") and path == README and (langs is None or "bash" in langs):
                 lines += [m.group(1) for cell in line.strip("|").split("|")
                           if (m := _TABLE_COMMAND.match(cell.strip()))]
     return lines

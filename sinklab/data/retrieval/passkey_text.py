@@ -19,7 +19,8 @@ import numpy as np
 
 from sinklab.config.schema import not_allowed
 
-from .retrieval import TASKS, Filler, Passkey, RetrievalConfig, Sample, digit_ids
+from .base import TASKS, Filler, RetrievalConfig, Sample, digit_ids
+from .tasks import Passkey
 
 KEY_TEXT = " The pass key is "
 AFTER_KEY_TEXT = ". Remember it. "
