@@ -19,7 +19,7 @@ import numpy as np
 
 from sinklab.config.schema import not_allowed
 
-from .base import TASKS, Filler, RetrievalConfig, Sample, digit_ids
+from .base import TASKS, RetrievalConfig, digit_ids
 from .tasks import Passkey
 
 KEY_TEXT = " The pass key is "
@@ -37,7 +37,7 @@ class TextPasskey(Passkey):
     def __init__(self, vocab: int, digit_ids: Sequence[int], phrases: Sequence[Sequence[int]],
                  bos_id: Optional[int] = None, reserved: Sequence[int] = (), **knobs: Any):
         super().__init__(vocab, digit_ids, bos_id, reserved, **knobs)
-        self.key_text, self.after_key, self.query_text = (np.asarray(p, dtype=np.int64) for p in phrases)
+        self.key_text, self.after_key, self.query_text = (np.asarray(p, dtype=np.int64) for p in phrases)  # sample()
 
     @property
     def n_ids(self) -> int:
@@ -58,26 +58,6 @@ class TextPasskey(Passkey):
         return not_allowed("data.retrieval.key_len", config.key_len,
                            f"an integer <= {(length - int(bos) - MAX_PHRASE) // 2}",
                            f"(a passkey_text sample needs about {need} tokens: its sentences and the key twice)")
-
-    def sample(self, rng: np.random.Generator, length: int, filler: Optional[Filler]) -> Sample:
-        k = self.key_len
-        fixed = len(self.key_text) + len(self.after_key) + len(self.query_text) + 2 * k
-        n_fill = self.body(length) - fixed
-        if n_fill < 0:
-            raise ValueError(f"passkey_text: a sample of {length} tokens cannot hold its {fixed} fixed tokens")
-        key = self.digit_ids[rng.integers(0, 10, size=k)]  # (k,)
-        depth = rng.random() if self.depth is None else self.depth
-        query_at = rng.random() if self.query_at is None else self.query_at
-        before = int(np.floor(query_at * n_fill + 0.5))  # filler tokens before the question
-        at = int(np.floor(depth * before + 0.5))  # the key sentence's place among them
-        text = self.filler(rng, n_fill, filler)
-        head = np.concatenate([text[:at], self.key_text, key, self.after_key, text[at:before]])
-        body = np.concatenate([head, self.query_text, key, text[before:]])
-        ask = len(head)  # the question's first token
-        answer = np.zeros(len(body), dtype=bool)
-        start = ask + len(self.query_text)
-        answer[start:start + k] = True
-        return self.finish(body, answer, ask)
 
     def describe(self) -> dict:
         return {"task": self.name, **self.knobs, "chance": self.chance(), "key_text": KEY_TEXT,

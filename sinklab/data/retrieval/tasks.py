@@ -29,6 +29,10 @@ class Passkey(RetrievalTask):
         self.digit_ids = np.asarray(digit_ids, dtype=np.int64)
         self.key_id = self.vocab if marker_id is None else int(marker_id)  # KEY marker; QUERY is the next id
         self.query_id = self.key_id + 1
+        # what stands before the key, after it and before the answer (passkey_text: sentences instead of markers)
+        self.key_text = np.asarray([self.key_id], dtype=np.int64)
+        self.after_key = np.zeros(0, dtype=np.int64)
+        self.query_text = np.asarray([self.query_id], dtype=np.int64)
 
     @property
     def n_ids(self) -> int:
@@ -51,9 +55,12 @@ class Passkey(RetrievalTask):
 
     def sample(self, rng: np.random.Generator, length: int, filler: Optional[Filler]) -> Sample:
         k = self.key_len
-        n_fill = self.body(length) - 2 - 2 * k
+        fixed = len(self.key_text) + len(self.after_key) + len(self.query_text) + 2 * k  # passkey: 2 + 2k
+        n_fill = self.body(length) - fixed
         if n_fill < 0:
             self.check(length)
+            raise UserError(f"data.retrieval.task={self.name}: a sample of {length} tokens cannot hold its {fixed} "
+                            "tokens besides the filler; allowed: a longer sample or a shorter key_len")
         key = self.digit_ids[rng.integers(0, 10, size=k)]  # (k,)
         depth = rng.random() if self.depth is None else self.depth
         # (drawn after depth, and only when null: a sample with query_at=1 is the sample made before this knob)
@@ -61,10 +68,12 @@ class Passkey(RetrievalTask):
         before = int(np.floor(query_at * n_fill + 0.5))  # filler tokens before QUERY
         at = int(np.floor(depth * before + 0.5))  # KEY's place among them
         text = self.filler(rng, n_fill, filler)
-        body = np.concatenate([text[:at], [self.key_id], key, text[at:before], [self.query_id], key, text[before:]])
-        ask = before + 1 + k  # QUERY's index
+        head = np.concatenate([text[:at], self.key_text, key, self.after_key, text[at:before]])
+        body = np.concatenate([head, self.query_text, key, text[before:]])
+        ask = len(head)  # QUERY's index (the question's first token)
         answer = np.zeros(len(body), dtype=bool)
-        answer[ask + 1:ask + 1 + k] = True
+        start = ask + len(self.query_text)
+        answer[start:start + k] = True
         return self.finish(body, answer, ask)
 
     def chance(self) -> float:
