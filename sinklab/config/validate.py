@@ -170,6 +170,10 @@ def _check_experiment(cfg: DictConfig) -> None:
         raise UserError(f"init_from is missing: experiment={exp.get('name', '?')} starts from the models of "
                         f"experiment={first}; allowed: init_from=SWEEP_DIR of `sinklab-train -m experiment={first}` "
                         "(each job starts from the job with its settings and seed), or a run dir or .ckpt")
+    source = exp.get("starts_from")
+    if source is not None and not cfg.get("init_from"):  # its models start from one that no preset trains
+        raise UserError(f"init_from is missing: experiment={exp.get('name', '?')} starts from {source}; allowed: "
+                        "init_from=RUN_DIR of that model")
     variants = exp.get("variants")
     if not isinstance(variants, DictConfig):
         return
