@@ -392,53 +392,50 @@ def evaluations_page() -> str:
 
 
 def cache_policies_page() -> str:
-    """Every registered KV-cache policy: its docstring, its knobs (its constructor's keyword arguments), whether it
-    reads attention maps or keeps masks, and, where the policy declares them, its reference and its documented
-    differences from that reference."""
+    """Every registered KV-cache policy: its docstring, its knobs (its constructor's keyword arguments), what it
+    declares to the commands (budget, protocol, maps, per-layer or per-head sets), its reference, the rules a result
+    records and its documented differences from that reference."""
     from sinklab.model import cache_policies
-    from sinklab.model.cache_policies import CACHE_POLICIES
+    from sinklab.model.cache_policies import CACHE_POLICIES, knob_defaults
 
     out = ["# KV-cache policies", "", GENERATED.strip(), "",
            "A policy decides which keys a KV cache keeps when it holds more than its budget; `sinklab eval "
            "retrieval`, `sinklab eval streaming --policies` and `sinklab sample --policy` take them by name, with "
-           "their knobs (`--knob h2o.recent=0.25`). From the module's docstring "
-           "(`sinklab/model/cache_policies.py`):", ""]
+           "their knobs (`--knob h2o.recent=0.25`). How each was checked against its reference: "
+           "[cache policies against their references](../cache_policies.md). From the package's docstring "
+           "(`sinklab/model/cache_policies/__init__.py`):", ""]
     out += fenced(doc(cache_policies)) + [""]
+    out += [f"- [`{cls.name}`](#{anchor('policy', cls.name)}): {first_line(doc(cls))}" for cls in CACHE_POLICIES]
+    out.append("")
     for cls in CACHE_POLICIES:
-        out += [f"## `{cls.name}` {{#{anchor('policy', cls.name)}}}", ""]
+        out += [f"## `{cls.name}` {{#{anchor('policy', cls.name)}}}", "",
+                f"`{cls.__module__.replace('.', '/')}.py`, `{cls.__name__}`", ""]
         text = doc(cls)
         if text:
             out += [text, ""]
-        params = [p for name, p in inspect.signature(cls.__init__).parameters.items() if name not in ("self", "budget")]
-        facts = ["budget (the text keys kept): " + ("optional" if _builds_without_budget(cls.name) else "required")]
-        if params:
-            facts.append("knobs: " + ", ".join(
-                f"`{p.name}`" + ("" if p.default is inspect.Parameter.empty else f" = {code(p.default)}")
-                for p in params))
+        knobs = knob_defaults(cls)
+        facts = ["budget (the text keys kept): " + ("required" if cls.needs_budget else "optional")]
+        if knobs:
+            facts.append("knobs: " + ", ".join(f"`{name}`" + ("" if default is inspect.Parameter.empty else
+                                                              f" = {code(default)}") for name, default in knobs.items()))
         facts.append("reads each forward's attention map" if cls.needs_maps else "needs no attention map")
+        if cls.prefill_only:
+            facts.append("compresses once, after the prompt: `sinklab eval retrieval` runs it under the prefill "
+                         "protocol only")
+        if cls.per_layer:
+            facts.append("its layers keep different numbers of keys")
         if cls.masks:
             facts.append("keeps a mask over keys that never move (heads keep different numbers)")
-        reference = getattr(cls, "reference", None)
-        if reference:
-            facts.append(f"reference: {reference}")
+        if not cls.uniform():
+            facts.append("sinklab models only: a transformers model takes one attention mask for every layer and "
+                         "head")
+        facts.append(f"reference: {cls.reference or 'none'}")
+        if cls.rules:
+            facts.append("rules recorded beside each result: " + ", ".join(f"`{r}`" for r in cls.rules))
         out += [f"- {f}" for f in facts] + [""]
-        differences = getattr(cls, "differences", None)
-        if differences:
-            items = [differences] if isinstance(differences, str) else list(differences)
-            out += ["Documented differences from the reference:", ""] + [f"- {d}" for d in items] + [""]
+        if cls.differences:
+            out += ["Documented differences from the reference:", ""] + [f"- {d}" for d in cls.differences] + [""]
     return "\n".join(out)
-
-
-def _builds_without_budget(name: str) -> bool:
-    """Whether `sinklab.model.cache_policies.build` makes the policy without a budget."""
-    from sinklab.errors import UserError
-    from sinklab.model.cache_policies import build
-
-    try:
-        build(name, None)
-    except UserError:
-        return False
-    return True
 
 
 def cli_page() -> str:

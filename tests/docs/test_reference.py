@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import inspect
 import re
 
 import pytest
@@ -48,7 +47,7 @@ def missing_entries(pages: dict[str, str], reference) -> list[str]:
     from sinklab.evals import EVALUATIONS
     from sinklab.metrics import METRICS
     from sinklab.model import FAMILIES
-    from sinklab.model.cache_policies import CACHE_POLICIES
+    from sinklab.model.cache_policies import CACHE_POLICIES, knob_defaults
     from sinklab.model.config import KNOBS, BaseModelConfig
 
     missing = []
@@ -76,8 +75,7 @@ def missing_entries(pages: dict[str, str], reference) -> list[str]:
     named = (("metric", pages["reference/metrics.md"],
               {cls.name: [f"`{pattern}`" for pattern, _ in cls.bounds] for cls in METRICS}),
              ("cache policy", pages["reference/cache-policies.md"],
-              {cls.name: [f"`{p}`" for p in inspect.signature(cls.__init__).parameters if p not in ("self", "budget")]
-               for cls in CACHE_POLICIES}))
+              {cls.name: [f"`{p}`" for p in knob_defaults(cls)] for cls in CACHE_POLICIES}))
     for what, page, entries in named:
         for name, needles in entries.items():
             heading = f"## `{name}`"
