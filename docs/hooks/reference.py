@@ -6,9 +6,9 @@ tests/docs/test_reference.py checks that every entry of every registry has its e
 the code: the architecture components through `sinklab components`' own catalog (`sinklab.model.catalog`), their
 knobs from the `Knobs` dataclasses (a knob's text is the comment beside it in the source), the metrics from
 `sinklab.metrics.METRICS`, the evaluations from `sinklab.evals.EVALUATIONS`, the KV-cache policies from
-`sinklab.model.cache_policies.CACHE_POLICIES`, the config schemas from the modules that store them in Hydra's
-ConfigStore (`sinklab.config.store.SCHEMA_MODULES`), the config group options from conf/, and each command's options
-from its own `--help`.
+`sinklab.model.cache_policies.CACHE_POLICIES`, the model sources from `sinklab.targets.SOURCES`, the config schemas
+from the modules that store them in Hydra's ConfigStore (`sinklab.config.store.SCHEMA_MODULES`), the config group
+options from conf/, and each command's options from its own `--help`.
 """
 from __future__ import annotations
 
@@ -438,6 +438,29 @@ def cache_policies_page() -> str:
     return "\n".join(out)
 
 
+def sources_page() -> str:
+    """Every registered model source: the `Target` subclass that loads and runs its models, its module, its
+    docstring and the methods of the interface it implements itself (the others are `Target`'s defaults)."""
+    from sinklab.targets import SOURCES, Target
+
+    out = ["# Model sources", "", GENERATED.strip(), "",
+           "Every evaluation and analysis takes a model as a `sinklab.targets.Target`; a model source is one module "
+           "of `sinklab/targets/` (or of your own package) with one `Target` subclass registered in "
+           "`sinklab.targets.SOURCES`, chosen by `TargetSpec(name, source=...)`. How to add one: [extending](../extending.md#add-a-model-source).", ""]
+    interface = [name for name, member in vars(Target).items()
+                 if (callable(member) or isinstance(member, classmethod)) and not name.startswith("_")]
+    for cls in SOURCES:
+        below = cls.__mro__[:cls.__mro__.index(Target)]  # the class and its bases below Target
+        own = [name for name in interface if any(name in vars(klass) for klass in below)]
+        out += [f"## `{cls.source}` {{#{anchor('source', cls.source)}}}", "",
+                f"`{cls.__module__.replace('.', '/')}.py`, `{cls.__name__}`", ""]
+        text = doc(cls)
+        if text:
+            out += [text, ""]
+        out += ["- implements: " + ", ".join(f"`{name}`" for name in own), ""]
+    return "\n".join(out)
+
+
 def cli_page() -> str:
     """`sinklab --help`, each command's --help and each evaluation's."""
     from sinklab.cli import COMMANDS
@@ -468,6 +491,7 @@ def index_page() -> str:
                       "- [Metrics](metrics.md): every metric and what it logs",
                       "- [Evaluations](evaluations.md): every `sinklab eval NAME`, its sweep columns and options",
                       "- [KV-cache policies](cache-policies.md): every cache policy and its knobs",
+                      "- [Model sources](sources.md): every source a `Target` is loaded from",
                       "- [Command line](cli.md): every command's `--help`", ""])
 
 
@@ -478,6 +502,7 @@ PAGES: dict[str, Callable[[], str]] = {
     "reference/metrics.md": metrics_page,
     "reference/evaluations.md": evaluations_page,
     "reference/cache-policies.md": cache_policies_page,
+    "reference/sources.md": sources_page,
     "reference/cli.md": cli_page,
 }
 
