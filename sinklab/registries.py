@@ -3,7 +3,7 @@
 `discover(package)` imports every module of a package, and each module registers what it declares when it is
 imported: the one way sinklab finds its metrics, evaluations, model sources, KV-cache policies, attention operations
 and the model's other components, so that a new module is a new entry with no list to edit. `sinklab`'s commands are
-the modules of `sinklab.cli` found the same way (`submodules`).
+the modules of `sinklab.cli` found the same way (`submodules`), each read without importing it (`declared`).
 
 `NameRegistry`: a class registers under a name with `@REGISTRY.register("name")`; registering another class under a
 name taken is refused; the registry keeps the registration order (the order of `measure --json`, `sinklab eval
@@ -11,10 +11,13 @@ name taken is refused; the registry keeps the registration order (the order of `
 key, with config errors and knob listeners)."""
 from __future__ import annotations
 
+import ast
 import importlib
+import importlib.util
 import pkgutil
+from pathlib import Path
 from types import ModuleType
-from typing import Callable, ClassVar, Generic, Iterator, TypeVar
+from typing import Any, Callable, ClassVar, Generic, Iterator, TypeVar
 
 
 def submodules(package: str) -> list[str]:
@@ -23,6 +26,19 @@ def submodules(package: str) -> list[str]:
     path = importlib.import_module(package).__path__
     return [f"{package}.{m.name}" for m in sorted(pkgutil.iter_modules(path), key=lambda m: m.name)
             if not m.name.startswith("_")]
+
+
+def declared(module: str, name: str) -> Any:
+    """The literal value `module` assigns to `name` at its top level (`SUMMARY = "..."`), read from its source
+    without importing it; None where it assigns none. What a listing reads where importing every module would cost
+    too much (`sinklab --help` imports no command)."""
+    source = Path(importlib.util.find_spec(module).origin).read_text(encoding="utf-8")
+    for node in ast.parse(source).body:
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) \
+            else []
+        if any(isinstance(t, ast.Name) and t.id == name for t in targets) and node.value is not None:
+            return ast.literal_eval(node.value)
+    return None
 
 
 def discover(package: str, keep: Callable[[str], bool] = lambda name: True) -> list[ModuleType]:

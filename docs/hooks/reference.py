@@ -8,7 +8,7 @@ knobs from the `Knobs` dataclasses (a knob's text is the comment beside it in th
 `sinklab.metrics.METRICS`, the evaluations from `sinklab.evals.EVALUATIONS`, the KV-cache policies from
 `sinklab.model.cache_policies.CACHE_POLICIES`, the model sources from `sinklab.targets.SOURCES`, the config schemas
 from the modules that store them in Hydra's ConfigStore (`sinklab.config.store.SCHEMA_MODULES`), the config group
-options from conf/, and each command's options from its own `--help`.
+options from conf/, the commands from `sinklab.cli.commands()` and each command's options from its own `--help`.
 """
 from __future__ import annotations
 
@@ -463,7 +463,7 @@ def sources_page() -> str:
 
 def cli_page() -> str:
     """`sinklab --help`, each command's --help and each evaluation's."""
-    from sinklab.cli import COMMANDS
+    from sinklab.cli import commands
     from sinklab.cli.eval import main as eval_main
     from sinklab.evals import EVALUATIONS
 
@@ -472,7 +472,7 @@ def cli_page() -> str:
            "`key=value`, a group option as `group=option`, `-m` for a sweep); everything else is `sinklab COMMAND` "
            "(also `python -m sinklab COMMAND`). Each command's `--help`, as it prints it:", "",
            "## `sinklab`", ""] + fenced(command_help(["--help"])) + [""]
-    for name in COMMANDS:
+    for name in commands():
         out += [f"## `sinklab {name}` {{#{anchor(name)}}}", ""] + fenced(command_help([name, "--help"])) + [""]
         if name == "eval":
             for evaluation in EVALUATIONS:

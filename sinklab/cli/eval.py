@@ -8,6 +8,9 @@ from typing import Optional, Sequence
 from sinklab.cli.base import dispatch
 from sinklab.errors import UserError
 
+SUMMARY = ("the registered evaluations of a model, or of every finished job of a sweep (`sinklab eval --help` lists "
+           "them)")
+
 FOOTER = "`sinklab eval NAME --help` for its options; with --sweep SWEEP_DIR, over every finished job of a sweep"
 
 

@@ -32,6 +32,7 @@ from sinklab.analysis.probe_inputs import positive
 from sinklab.runs.run_data import checkpoint_and_run_dir, read_run_data
 
 PROG = "sinklab sample"
+SUMMARY = "generate text from a trained model with a KV cache"  # the line in `sinklab --help`
 
 
 def build_parser() -> OneLineParser:

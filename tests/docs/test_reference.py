@@ -42,7 +42,7 @@ def section(page: str, heading: str) -> str:
 
 def missing_entries(pages: dict[str, str], reference) -> list[str]:
     """What the registries hold that the pages do not: one line per missing entry."""
-    from sinklab.cli import COMMANDS
+    from sinklab.cli import commands
     from sinklab.config import CONF_DIR
     from sinklab.evals import EVALUATIONS
     from sinklab.metrics import METRICS
@@ -95,7 +95,7 @@ def missing_entries(pages: dict[str, str], reference) -> list[str]:
         heading = f"### `sinklab eval {evaluation.name}`"
         if "\n" + heading not in cli or "usage: " not in section(cli, heading):
             missing.append(f"sinklab eval {evaluation.name} --help")
-    missing += [f"sinklab {name} --help" for name in COMMANDS if f"\n## `sinklab {name}`" not in cli
+    missing += [f"sinklab {name} --help" for name in commands() if f"\n## `sinklab {name}`" not in cli
                 or f"usage: sinklab {name}" not in section(cli, f"## `sinklab {name}`")]
     return missing
 
