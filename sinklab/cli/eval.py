@@ -1,5 +1,6 @@
-"""`sinklab eval NAME`: the registered evaluations (`sinklab.evals.registry`: sinklab's quant, streaming and intervene,
-and a plugin's) of a checkpoint, a run dir, a transformers model, or every finished job of a sweep (--sweep)."""
+"""`sinklab eval NAME`: the registered evaluations (`sinklab.evals.EVALUATIONS`: sinklab's and a plugin's, which
+`sinklab eval --help` lists) of a checkpoint, a run dir, a transformers model, or every finished job of a sweep
+(--sweep)."""
 from __future__ import annotations
 
 import sys
