@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from sinklab.model import ModelConfig, Transformer
+from sinklab.registries import submodules
 
 SINKLAB = Path(__file__).resolve().parents[2] / "sinklab"
 CLI_BASE = {"sinklab.cli", "sinklab.cli.base"}  # the shared base and the dispatcher
@@ -31,8 +32,8 @@ BELOW_TRAIN = ("sinklab.evals", "sinklab.quant", "sinklab.metrics", "sinklab.mod
                "sinklab.runs", "sinklab.targets", "sinklab.analysis", "sinklab.cli.base")
 # what evaluates or analyses a model takes a sinklab.targets.Target: none of them knows where the model came from
 OVER_TARGETS = ("sinklab.evals", "sinklab.analysis", "sinklab.quant")
-SOURCE_MODULES = ("sinklab.targets.native", "sinklab.targets.transformers_lm", "sinklab.targets.transformers_cache",
-                  "sinklab.targets.transformers_masking", "sinklab.targets.hub_models", "sinklab.targets.gguf")
+# every module of sinklab/targets/ but the interface: the sources and their helpers
+SOURCE_MODULES = tuple(m for m in submodules("sinklab.targets") if m != "sinklab.targets.interface")
 
 
 def module_name(path: Path) -> str:
