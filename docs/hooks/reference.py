@@ -6,9 +6,9 @@ tests/docs/test_reference.py checks that every entry of every registry has its e
 the code: the architecture components through `sinklab components`' own catalog (`sinklab.model.catalog`), their
 knobs from the `Knobs` dataclasses (a knob's text is the comment beside it in the source), the metrics from
 `sinklab.metrics.METRICS`, the evaluations from `sinklab.evals.EVALUATIONS`, the KV-cache policies from
-`sinklab.model.cache_policies.CACHE_POLICIES`, the config schemas from the modules that store them in Hydra's
-ConfigStore (`sinklab.config.store.SCHEMA_MODULES`), the config group options from conf/, and each command's options
-from its own `--help`.
+`sinklab.model.cache_policies.CACHE_POLICIES`, the model sources from `sinklab.targets.SOURCES`, the config schemas
+from the modules that store them in Hydra's ConfigStore (`sinklab.config.store.SCHEMA_MODULES`), the config group
+options from conf/, the commands from `sinklab.cli.commands()` and each command's options from its own `--help`.
 """
 from __future__ import annotations
 
@@ -392,58 +392,78 @@ def evaluations_page() -> str:
 
 
 def cache_policies_page() -> str:
-    """Every registered KV-cache policy: its docstring, its knobs (its constructor's keyword arguments), whether it
-    reads attention maps or keeps masks, and, where the policy declares them, its reference and its documented
-    differences from that reference."""
+    """Every registered KV-cache policy: its docstring, its knobs (its constructor's keyword arguments), what it
+    declares to the commands (budget, protocol, maps, per-layer or per-head sets), its reference, the rules a result
+    records and its documented differences from that reference."""
     from sinklab.model import cache_policies
-    from sinklab.model.cache_policies import CACHE_POLICIES
+    from sinklab.model.cache_policies import CACHE_POLICIES, knob_defaults
 
     out = ["# KV-cache policies", "", GENERATED.strip(), "",
            "A policy decides which keys a KV cache keeps when it holds more than its budget; `sinklab eval "
            "retrieval`, `sinklab eval streaming --policies` and `sinklab sample --policy` take them by name, with "
-           "their knobs (`--knob h2o.recent=0.25`). From the module's docstring "
-           "(`sinklab/model/cache_policies.py`):", ""]
+           "their knobs (`--knob h2o.recent=0.25`). How each was checked against its reference: "
+           "[cache policies against their references](../cache_policies.md). From the package's docstring "
+           "(`sinklab/model/cache_policies/__init__.py`):", ""]
     out += fenced(doc(cache_policies)) + [""]
+    out += [f"- [`{cls.name}`](#{anchor('policy', cls.name)}): {first_line(doc(cls))}" for cls in CACHE_POLICIES]
+    out.append("")
     for cls in CACHE_POLICIES:
-        out += [f"## `{cls.name}` {{#{anchor('policy', cls.name)}}}", ""]
+        out += [f"## `{cls.name}` {{#{anchor('policy', cls.name)}}}", "",
+                f"`{cls.__module__.replace('.', '/')}.py`, `{cls.__name__}`", ""]
         text = doc(cls)
         if text:
             out += [text, ""]
-        params = [p for name, p in inspect.signature(cls.__init__).parameters.items() if name not in ("self", "budget")]
-        facts = ["budget (the text keys kept): " + ("optional" if _builds_without_budget(cls.name) else "required")]
-        if params:
-            facts.append("knobs: " + ", ".join(
-                f"`{p.name}`" + ("" if p.default is inspect.Parameter.empty else f" = {code(p.default)}")
-                for p in params))
+        knobs = knob_defaults(cls)
+        facts = ["budget (the text keys kept): " + ("required" if cls.needs_budget else "optional")]
+        if knobs:
+            facts.append("knobs: " + ", ".join(f"`{name}`" + ("" if default is inspect.Parameter.empty else
+                                                              f" = {code(default)}") for name, default in knobs.items()))
         facts.append("reads each forward's attention map" if cls.needs_maps else "needs no attention map")
+        if cls.prefill_only:
+            facts.append("compresses once, after the prompt: `sinklab eval retrieval` runs it under the prefill "
+                         "protocol only")
+        if cls.per_layer:
+            facts.append("its layers keep different numbers of keys")
         if cls.masks:
             facts.append("keeps a mask over keys that never move (heads keep different numbers)")
-        reference = getattr(cls, "reference", None)
-        if reference:
-            facts.append(f"reference: {reference}")
+        if not cls.uniform():
+            facts.append("sinklab models only: a transformers model takes one attention mask for every layer and "
+                         "head")
+        facts.append(f"reference: {cls.reference or 'none'}")
+        if cls.rules:
+            facts.append("rules recorded beside each result: " + ", ".join(f"`{r}`" for r in cls.rules))
         out += [f"- {f}" for f in facts] + [""]
-        differences = getattr(cls, "differences", None)
-        if differences:
-            items = [differences] if isinstance(differences, str) else list(differences)
-            out += ["Documented differences from the reference:", ""] + [f"- {d}" for d in items] + [""]
+        if cls.differences:
+            out += ["Documented differences from the reference:", ""] + [f"- {d}" for d in cls.differences] + [""]
     return "\n".join(out)
 
 
-def _builds_without_budget(name: str) -> bool:
-    """Whether `sinklab.model.cache_policies.build` makes the policy without a budget."""
-    from sinklab.errors import UserError
-    from sinklab.model.cache_policies import build
+def sources_page() -> str:
+    """Every registered model source: the `Target` subclass that loads and runs its models, its module, its
+    docstring and the methods of the interface it implements itself (the others are `Target`'s defaults)."""
+    from sinklab.targets import SOURCES, Target
 
-    try:
-        build(name, None)
-    except UserError:
-        return False
-    return True
+    out = ["# Model sources", "", GENERATED.strip(), "",
+           "Every evaluation and analysis takes a model as a `sinklab.targets.Target`; a model source is one module "
+           "of `sinklab/targets/` (or of your own package) with one `Target` subclass registered in "
+           "`sinklab.targets.SOURCES`, chosen by `TargetSpec(name, source=...)`. How to add one: [extending](../extending.md#add-a-model-source).", ""]
+    interface = [name for name, member in vars(Target).items()
+                 if (callable(member) or isinstance(member, classmethod)) and not name.startswith("_")]
+    for cls in SOURCES:
+        below = cls.__mro__[:cls.__mro__.index(Target)]  # the class and its bases below Target
+        own = [name for name in interface if any(name in vars(klass) for klass in below)]
+        out += [f"## `{cls.source}` {{#{anchor('source', cls.source)}}}", "",
+                f"`{cls.__module__.replace('.', '/')}.py`, `{cls.__name__}`", ""]
+        text = doc(cls)
+        if text:
+            out += [text, ""]
+        out += ["- implements: " + ", ".join(f"`{name}`" for name in own), ""]
+    return "\n".join(out)
 
 
 def cli_page() -> str:
     """`sinklab --help`, each command's --help and each evaluation's."""
-    from sinklab.cli import COMMANDS
+    from sinklab.cli import commands
     from sinklab.cli.eval import main as eval_main
     from sinklab.evals import EVALUATIONS
 
@@ -452,7 +472,7 @@ def cli_page() -> str:
            "`key=value`, a group option as `group=option`, `-m` for a sweep); everything else is `sinklab COMMAND` "
            "(also `python -m sinklab COMMAND`). Each command's `--help`, as it prints it:", "",
            "## `sinklab`", ""] + fenced(command_help(["--help"])) + [""]
-    for name in COMMANDS:
+    for name in commands():
         out += [f"## `sinklab {name}` {{#{anchor(name)}}}", ""] + fenced(command_help([name, "--help"])) + [""]
         if name == "eval":
             for evaluation in EVALUATIONS:
@@ -471,6 +491,7 @@ def index_page() -> str:
                       "- [Metrics](metrics.md): every metric and what it logs",
                       "- [Evaluations](evaluations.md): every `sinklab eval NAME`, its sweep columns and options",
                       "- [KV-cache policies](cache-policies.md): every cache policy and its knobs",
+                      "- [Model sources](sources.md): every source a `Target` is loaded from",
                       "- [Command line](cli.md): every command's `--help`", ""])
 
 
@@ -481,6 +502,7 @@ PAGES: dict[str, Callable[[], str]] = {
     "reference/metrics.md": metrics_page,
     "reference/evaluations.md": evaluations_page,
     "reference/cache-policies.md": cache_policies_page,
+    "reference/sources.md": sources_page,
     "reference/cli.md": cli_page,
 }
 

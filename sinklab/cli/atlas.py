@@ -30,6 +30,7 @@ from sinklab.io import check_output_file
 from sinklab.targets import TargetSpec
 
 PROG = "sinklab atlas"
+SUMMARY = "every head's attention map as one self-contained HTML page, with a slider over a run's kept checkpoints"
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -16,6 +16,8 @@ from sinklab.cli.base import OneLineParser
 from sinklab.contracts import checks
 from sinklab.errors import describe
 
+SUMMARY = "run the contract tests on your own component or metric module"  # the line in `sinklab --help`
+
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = OneLineParser(prog="sinklab check-component", description=__doc__,

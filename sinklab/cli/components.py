@@ -8,6 +8,8 @@ from typing import Optional, Sequence
 
 from sinklab.model.catalog import catalog
 
+SUMMARY = "every registered architecture component, its knobs and config files"  # the line in `sinklab --help`
+
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="sinklab components", description=__doc__)

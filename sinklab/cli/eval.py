@@ -1,5 +1,6 @@
-"""`sinklab eval NAME`: the registered evaluations (`sinklab.evals.registry`: sinklab's quant, streaming and intervene,
-and a plugin's) of a checkpoint, a run dir, a transformers model, or every finished job of a sweep (--sweep)."""
+"""`sinklab eval NAME`: the registered evaluations (`sinklab.evals.EVALUATIONS`: sinklab's and a plugin's, which
+`sinklab eval --help` lists) of a checkpoint, a run dir, a transformers model, or every finished job of a sweep
+(--sweep)."""
 from __future__ import annotations
 
 import sys
@@ -7,6 +8,9 @@ from typing import Optional, Sequence
 
 from sinklab.cli.base import dispatch
 from sinklab.errors import UserError
+
+SUMMARY = ("the registered evaluations of a model, or of every finished job of a sweep (`sinklab eval --help` lists "
+           "them)")
 
 FOOTER = "`sinklab eval NAME --help` for its options; with --sweep SWEEP_DIR, over every finished job of a sweep"
 

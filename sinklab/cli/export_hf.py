@@ -14,6 +14,7 @@ from sinklab.export.llama import DTYPES, ParityError, export
 from sinklab.export.revisions import export_revisions
 
 PROG = "sinklab export-hf"
+SUMMARY = "write a checkpoint as a transformers LlamaForCausalLM directory"  # the line in `sinklab --help`
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -11,6 +11,8 @@ from sinklab.cli.base import OneLineParser, exit_code
 from sinklab.export.llama import ParityError
 
 PROG = "sinklab import-hf"
+SUMMARY = ("a transformers LLaMA-family model (dir, hub id or GGUF file) as a sinklab run dir: measure it, evaluate it, "
+           "continue its pretraining with init_from=")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

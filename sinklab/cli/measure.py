@@ -84,6 +84,7 @@ from sinklab.io import check_output_file
 from sinklab.targets import TargetSpec, load_target
 
 PROG = "sinklab measure"
+SUMMARY = "sink and activation metrics of a checkpoint, run dir or transformers model"  # the line in `sinklab --help`
 
 
 class _Parser(OneLineParser):

@@ -27,6 +27,8 @@ from sinklab.data.config import DataConfig
 from sinklab.data.fsutil import resolve_cache_dir
 from sinklab.data.prepare import DEFAULTS, KEYS, prepare_config, tokenise
 
+SUMMARY = "tokenise a corpus once into sharded memmaps"  # the line in `sinklab --help`
+
 
 def _flag_type(key: str) -> type:
     hint = typing.get_type_hints(DataConfig)[key]

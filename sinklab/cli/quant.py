@@ -41,6 +41,7 @@ from sinklab.targets.interface import model_title
 from sinklab.quant.fake import FP32, GRANULARITIES, SCHEMES, evaluate
 
 PROG = "sinklab quant"
+SUMMARY = "validation perplexity in fp32 and with simulated W8A8 / W4A4 / W8A16 quantization"
 DEFAULT_CALIB_BATCHES = 8
 DEFAULT_TOKENS_BATCH = 32
 

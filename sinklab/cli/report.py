@@ -19,6 +19,8 @@ from sinklab.report.build import build_report
 from sinklab.report.jobs import STALE_MINUTES
 from sinklab.report.table import status_counts
 
+SUMMARY = "tables and plots from a (finished or running) sweep dir"  # the line in `sinklab --help`
+
 
 def parse_baseline(items: Sequence[str]) -> Optional[dict]:
     """['model/gate=none', 'seed=0'] -> {'model/gate': 'none', 'seed': 0} (values read as YAML); None for none."""

@@ -68,19 +68,22 @@ def budget_list(text: str) -> list[str]:
 
 
 def build_parser() -> OneLineParser:
-    from sinklab.model.cache_policies import CACHE_POLICIES
+    from sinklab.evals.retrieval import REFERENCE
+    from sinklab.model.cache_policies import CACHE_POLICIES, knob_defaults
 
     ap = OneLineParser(prog=PROG, description="Exact-match retrieval (the run's passkey or MQAR task) through a KV "
                                               "cache that keeps a budget of keys chosen by a policy, at prefill or "
-                                              "while decoding, by depth; dense is the reference.")
+                                              f"while decoding, by depth; {REFERENCE} is the reference.")
     add_target_args(ap, "its retrieval task and validation text",
                     "evaluate a transformers RoPE model instead, on --data RUN_DIR's task (e.g. a run exported with "
-                    "`sinklab export-hf`; policies that mask per layer or head, pyramidkv and duo, are sinklab's only)")
+                    "`sinklab export-hf`; policies that keep other numbers of keys per layer or head, "
+                    f"{CACHE_POLICIES.allowed(lambda c: not c.uniform())}, are sinklab's only)")
     ap.add_argument("--data", metavar="RUN_DIR", default=None,
                     help="the run whose retrieval task and validation text to use (default: TARGET's run dir)")
     ap.add_argument("--policies", type=name_list("names"), default=list(DEFAULT_POLICIES), metavar="P,...",
-                    help=f"cache policies besides dense, of: {', '.join(n for n in CACHE_POLICIES.names() if n != 'dense')}"
-                         f" (default {','.join(DEFAULT_POLICIES)})")
+                    help=f"cache policies besides {REFERENCE}, of: "
+                         f"{CACHE_POLICIES.allowed(lambda c: c.name != REFERENCE)} (default {','.join(DEFAULT_POLICIES)}"
+                         f"; {CACHE_POLICIES.allowed(lambda c: c.prefill_only)} under the prefill protocol only)")
     ap.add_argument("--budgets", type=budget_list, default=["25%", "50%"], metavar="B,...",
                     help="text keys kept: integers, or shares of the sample's tokens (default 25%%,50%%)")
     ap.add_argument("--protocols", type=name_list("names"), default=["prefill", "decoding"], metavar="P,...",
@@ -95,7 +98,8 @@ def build_parser() -> OneLineParser:
     ap.add_argument("--knob", action="append", default=[], metavar="POLICY.KNOB=VALUE",
                     help="a policy's knob, e.g. snapkv.window=4 or snapkv.pooling=sinklab (repeatable)")
     ap.add_argument("--duo-heads", choices=("onthefly", "measured"), default="onthefly",
-                    help="duo's retrieval heads: chosen per prompt by the attention a streaming head would lose "
+                    help=f"the retrieval heads of {CACHE_POLICIES.allowed(lambda c: 'heads' in knob_defaults(c))}: "
+                         "chosen per prompt by the attention a streaming head would lose "
                          "(onthefly, the default), or the heads with the highest measured retrieval score (the "
                          "per-head table: attention on the key), the same for every prompt")
     ap.add_argument("--plot", metavar="FILE.png", default=None,
@@ -144,7 +148,7 @@ def parse_knobs(items: Sequence[str], policies: Sequence[str]) -> dict[str, dict
 def settings(args, length: int):
     """The dense reference, then protocols x policies x budgets, each policy built once here (a bad name, knob or
     budget is one line before any sample is run)."""
-    from sinklab.evals.retrieval import PROTOCOLS, Setting
+    from sinklab.evals.retrieval import PROTOCOLS, REFERENCE, Setting
     from sinklab.model.cache_policies import CACHE_POLICIES
 
     bad = [p for p in args.protocols if p not in PROTOCOLS]
@@ -161,7 +165,7 @@ def settings(args, length: int):
                             f"{length} tokens, the question's on top)")
         budgets.append(n)
     budgets = list(dict.fromkeys(budgets))
-    out = [Setting(p, "dense", None) for p in args.protocols[:1]]  # dense is the same under both protocols
+    out = [Setting(p, REFERENCE, None) for p in args.protocols[:1]]  # the reference is the same under both
     for protocol in args.protocols:
         for policy in args.policies:
             for b in budgets:
@@ -170,8 +174,8 @@ def settings(args, length: int):
                     s.make()
                 except UserError as err:
                     raise UserError(f"--budgets / --knob: {err}") from None
-                if policy == "pyramidkv" and protocol == "decoding":
-                    continue  # a prefill method (per-layer budgets set once): run under prefill only
+                if CACHE_POLICIES.get(policy).prefill_only and protocol != "prefill":
+                    continue  # a method that compresses once, after the prompt
                 out.append(s)
     return out
 
@@ -261,8 +265,10 @@ def plot(res: dict, path: str) -> Path:
 
     from sinklab.io import atomic_write
 
-    dense = [s for s in res["settings"] if s["policy"] == "dense"]
-    panels = list(dict.fromkeys((s["protocol"], s["budget"]) for s in res["settings"] if s["policy"] != "dense"))
+    from sinklab.evals.retrieval import REFERENCE
+
+    dense = [s for s in res["settings"] if s["policy"] == REFERENCE]
+    panels = list(dict.fromkeys((s["protocol"], s["budget"]) for s in res["settings"] if s["policy"] != REFERENCE))
     heads = res.get("heads") or []
     n_axes = max(1, len(panels)) + bool(heads)
     fig = Figure(figsize=(3.6 * n_axes, 3.4), dpi=150, layout="constrained")
@@ -279,9 +285,9 @@ def plot(res: dict, path: str) -> Path:
     xs = res["grid"]["values"]
     for ax, (protocol, budget) in zip(axes, panels or [("prefill", None)]):
         for s in dense:
-            ax.plot(xs, [cell(s, v)["accuracy"] for v in xs], ls="--", color="0.45", label="dense")
+            ax.plot(xs, [cell(s, v)["accuracy"] for v in xs], ls="--", color="0.45", label=REFERENCE)
         for s in res["settings"]:
-            if (s["protocol"], s["budget"]) == (protocol, budget) and s["policy"] != "dense":
+            if (s["protocol"], s["budget"]) == (protocol, budget) and s["policy"] != REFERENCE:
                 ax.plot(xs, [cell(s, v)["accuracy"] for v in xs], marker="o", ms=3, label=s["policy"])
         ax.axhline(res["chance"], color="grey", ls=":", lw=0.8, label="chance")
         ax.set_title(f"{protocol}, budget {budget}", fontsize=9)
@@ -318,11 +324,12 @@ def cell(setting: dict, value) -> dict:
 def format_table(res: dict) -> str:
     import pandas as pd
 
+    from sinklab.evals.retrieval import REFERENCE
     from sinklab.targets.interface import model_title
 
     knob, values = res["grid"]["knob"], res["grid"]["values"]
     pct = lambda v: "-" if v is None else f"{100 * v:.1f}%"  # noqa: E731
-    rows = [{"protocol": s["protocol"] if s["policy"] != "dense" else "-", "policy": s["policy"],
+    rows = [{"protocol": s["protocol"] if s["policy"] != REFERENCE else "-", "policy": s["policy"],
              "budget": s["budget"] if s["budget"] is not None else "-",
              **{f"{knob}={v}": pct(cell(s, v)["accuracy"]) for v in values}, "mean": pct(s["accuracy"]),
              "answer loss": f"{s['loss']:.3f}", "token 1 kept": pct(s["first_kept"]), "key kept": pct(s["key_kept"])}

@@ -32,9 +32,12 @@ from sinklab.analysis.probe_inputs import positive
 from sinklab.runs.run_data import checkpoint_and_run_dir, read_run_data
 
 PROG = "sinklab sample"
+SUMMARY = "generate text from a trained model with a KV cache"  # the line in `sinklab --help`
 
 
 def build_parser() -> OneLineParser:
+    from sinklab.model.cache_policies import CACHE_POLICIES
+
     ap = OneLineParser(prog=PROG, description="Generate text from a sinklab checkpoint with a KV cache: the prompt in "
                                               "one forward, then one token per step. Past the context "
                                               "(model.block_size) the cache evicts as StreamingLLM: it keeps the first "
@@ -49,8 +52,8 @@ def build_parser() -> OneLineParser:
     ap.add_argument("--data", metavar="RUN_DIR", default=None,
                     help="tokenize with this run's data config (default: TARGET's run dir)")
     ap.add_argument("--policy", default=None, metavar="NAME",
-                    help="evict by this cache policy (sinklab.model.cache_policies: streaming, window, h2o, tova, "
-                         "snapkv, pyramidkv, keynorm, duo) instead of StreamingLLM's first 4 + recent")
+                    help=f"evict by this cache policy, of: {CACHE_POLICIES.allowed()} (sinklab.model.cache_policies), "
+                         f"instead of StreamingLLM's first {KEEP_FIRST} + recent")
     ap.add_argument("--budget", type=int, default=None,
                     help="with --policy: text keys kept between steps (default: the context - 1)")
     ap.add_argument("--knob", action="append", default=[], metavar="KNOB=VALUE",
@@ -81,8 +84,7 @@ def sample_policy(args, context: int):
         if not eq:
             raise UserError(f"--knob {item}: allowed: KNOB=VALUE, e.g. recent=0.25")
         knobs[key] = knob_value("--knob", item, value)
-    budget = None if args.policy == "dense" else (args.budget or context - 1)
-    policy = build(args.policy, budget, **knobs)
+    policy = build(args.policy, args.budget or context - 1, **knobs)  # a policy that never evicts takes None
     policy.check(context)
     return policy
 

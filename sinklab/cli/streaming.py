@@ -75,6 +75,8 @@ def baseline_list(text: str) -> list[str]:
 
 
 def build_parser() -> OneLineParser:
+    from sinklab.model.cache_policies import CACHE_POLICIES
+
     ap = OneLineParser(prog=PROG, description="Perplexity over a long text fed one token at a time through a KV cache "
                                               "that keeps the first x and the y most recent tokens (StreamingLLM), "
                                               "positions re-indexed inside the cache; with dense attention and "
@@ -96,8 +98,8 @@ def build_parser() -> OneLineParser:
                     help="dense (a cache that never evicts, past the context) and/or recompute (each token from the "
                          "last `context` tokens recomputed), or none (default dense,recompute)")
     ap.add_argument("--policies", type=name_list("cache policies, e.g. h2o,snapkv"), default=[], metavar="P,...",
-                    help="cache policies to run besides StreamingLLM's x + y (sinklab.model.cache_policies: window, "
-                         "h2o, tova, snapkv, pyramidkv, keynorm, duo), each at every --budgets")
+                    help=f"cache policies to run besides StreamingLLM's x + y, of: {CACHE_POLICIES.allowed()} "
+                         "(sinklab.model.cache_policies), each at every --budgets")
     ap.add_argument("--budgets", type=int_list, default=None, metavar="B,...",
                     help="with --policies: text keys kept between steps (default: the context - 1)")
     ap.add_argument("--bucket", type=int, default=256, help="targets per position bucket of the plot (default 256)")

@@ -38,6 +38,8 @@ from sinklab.targets.hub_models import DTYPES, pick_dtype, recorded_progress
 from sinklab.analysis.probe_inputs import INPUTS, InputSpec, check_thresholds, positive
 
 PROG = "sinklab trajectory"
+SUMMARY = ("every metric over a training: a run's kept checkpoints or a model's hub revisions -> CSV by step and "
+           "tokens, and a plot")
 
 
 class _HFModels(argparse.Action):

@@ -1,12 +1,10 @@
-"""What sinks are for: evaluations of trained models beyond validation loss (streaming perplexity with an evicting KV
-cache, causal interventions on the sink, simulated quantization), and sampling. Each evaluation is registered in
+"""What sinks are for: evaluations of trained models beyond validation loss (e.g. perplexity through an evicting KV
+cache; `sinklab eval --help` and the reference pages list them all), and sampling. Each evaluation is registered in
 `EVALUATIONS` (`registry.py`) by its own module; importing this package imports every module of it, so a new module
 here is a new evaluation, with its `sinklab eval NAME` and its sweep columns, and no other file touched."""
-import importlib
-import pkgutil
+from sinklab.registries import discover
 
-for _module in pkgutil.iter_modules(__path__):
-    importlib.import_module(f"{__name__}.{_module.name}")
+discover(__name__)
 from .registry import EVALUATIONS, Evaluation  # noqa: E402
 
 __all__ = ["EVALUATIONS", "Evaluation"]

@@ -1,7 +1,7 @@
 """Evaluations as plug-ins: the `Evaluation` interface and the registry `EVALUATIONS` (name -> class), and the sweep
 table every evaluation writes for `sinklab report`.
 
-An evaluation scores a trained model beyond its training logs (`quant`, `streaming`, `intervene`). It is one class
+An evaluation scores a trained model beyond its training logs (e.g. `streaming`). It is one class
 registered here with `@EVALUATIONS.register("name")`, declared beside its code (`sinklab/evals/<module>.py`), and
 declares
 - `command`: the module (`sinklab.cli.<name>`, or a plugin's own) whose `run(args)` returns its JSON result and whose

@@ -1,6 +1,6 @@
 """Retrieval under KV-cache eviction: the exact-match accuracy of a planted key (passkey) or of associative recall
 (MQAR) when the model reads its prompt through a cache that keeps a budget of keys chosen by a policy
-(`sinklab.model.cache_policies`: StreamingLLM, window, H2O, TOVA, SnapKV, PyramidKV, key norms, DuoAttention).
+(`sinklab.model.cache_policies`), against the dense cache (`REFERENCE`), which keeps every key.
 
 Two protocols, the two the field uses:
 - prefill: the prompt before the question (`Sample.ask`) in one forward with every key, then the cache compressed to
@@ -27,10 +27,11 @@ import torch
 
 from sinklab.errors import UserError
 from sinklab.evals.registry import EVALUATIONS, NON_NEGATIVE, UNIT, Evaluation
-from sinklab.model.cache_policies import CACHE_POLICIES, CachePolicy, Dense, build
+from sinklab.model.cache_policies import CACHE_POLICIES, CachePolicy, Dense, build, knob_defaults
 from sinklab.targets.interface import Target
 
 PROTOCOLS = ("prefill", "decoding")
+REFERENCE = Dense.name  # the policy of the reference setting, run first: no eviction
 
 
 @dataclass(frozen=True)
@@ -218,11 +219,13 @@ def head_scores(target: Target, samples: Sequence, first: int = 4, recent: int =
 
 
 def measured_duo(setting: Setting, heads: list[dict]) -> Setting:
-    """A duo setting with its retrieval heads named: the `retrieval` share (its knob, default 0.5) of the
-    (layer, kv head)s with the highest measured retrieval score (`head_scores`); other settings unchanged."""
-    if setting.policy != "duo":
+    """A setting whose policy takes its retrieval heads named (a `heads` knob, DuoAttention's) with them named: the
+    `retrieval` share (its knob) of the (layer, kv head)s with the highest measured retrieval score
+    (`head_scores`); other settings unchanged."""
+    knobs = knob_defaults(CACHE_POLICIES.get(setting.policy))
+    if "heads" not in knobs:
         return setting
-    share = setting.knobs.get("retrieval", 0.5)
+    share = setting.knobs.get("retrieval", knobs["retrieval"])
     ranked = sorted(heads, key=lambda h: -h["retrieval"])[:int(round(share * len(heads)))]
     return Setting(setting.protocol, setting.policy, setting.budget,
                    {**setting.knobs, "heads": [[h["layer"], h["head"]] for h in ranked]})

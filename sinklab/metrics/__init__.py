@@ -1,13 +1,11 @@
 """Measurements as plug-ins: every metric one module registered in `METRICS` (`base.py`), recorded through forward
 hooks (`record.py`). Importing this package imports every module of it, so a new module here is a new metric with no
 other file touched: the sink metric first, then the rest by name (the order of the logs and of `measure --json`)."""
-import importlib
-import pkgutil
+from sinklab.registries import discover
 
 from . import sink  # noqa: F401  (registered first)
 
-for _module in pkgutil.iter_modules(__path__):
-    importlib.import_module(f"{__name__}.{_module.name}")
+discover(__name__)
 from .activations import activation_stats, flatten_activation_stats, hidden_state_stats, qkv_stats
 from .base import METRICS, Context, Metric
 from .gates import gate_stats, record_gates

@@ -8,29 +8,32 @@ so one module adds an op together with its knobs, its parameters and its behavio
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import importlib.util
-import pkgutil
 import re
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Generic, Iterator, Optional, TypeVar
 
 from sinklab.errors import UserError, word
+from sinklab.registries import discover
 
 
 def import_components() -> None:
-    """Import every module of `sinklab.model` but those that import the config themselves (they build on it, e.g.
-    compile.py); ops/ imports its own modules. Each registers its components when it is imported, so a new component
-    module needs no import list. `sinklab.model.config` calls it before it gathers the knobs; transformer.py and
-    layer_pattern.py, imported so, import the config back inside functions: the one import cycle of the package, and
-    it stays, since the config's fields are the registered components' knobs and the model is built from the
-    config."""
-    package = __name__.rpartition(".")[0]
-    for module in pkgutil.iter_modules(importlib.import_module(package).__path__):
-        name = f"{package}.{module.name}"
-        source = Path(importlib.util.find_spec(name).origin).read_text(encoding="utf-8")
-        if module.ispkg or not _IMPORTS_CONFIG.search(source):
-            importlib.import_module(name)
+    """Import every module of `sinklab.model` (`sinklab.registries.discover`) but those that import the config
+    themselves (they build on it, e.g. compile.py); ops/ imports its own modules. Each registers its components when
+    it is imported, so a new component module needs no import list. `sinklab.model.config` calls it before it
+    gathers the knobs, which is why a module that imports the config at its top is left to be imported after it:
+    its source says so (`builds_on_config`). transformer.py and layer_pattern.py, imported so, import the config
+    back inside functions: the one import cycle of the package, and it stays, since the config's fields are the
+    registered components' knobs and the model is built from the config."""
+    discover(__name__.rpartition(".")[0], keep=lambda name: not builds_on_config(name))
+
+
+def builds_on_config(module: str) -> bool:
+    """Whether a module of `sinklab.model` imports the model config at its top (read from its source: importing it
+    while the config is being built would be the cycle `import_components` avoids)."""
+    spec = importlib.util.find_spec(module)
+    return spec.submodule_search_locations is None and bool(
+        _IMPORTS_CONFIG.search(Path(spec.origin).read_text(encoding="utf-8")))
 
 
 _IMPORTS_CONFIG = re.compile(r"^from (\.|sinklab\.model\.)config import", re.MULTILINE)

@@ -1,11 +1,15 @@
 """One model interface behind every evaluation and analysis: `Target` (`interface.py`), implemented once per model
-source and registered in `SOURCES`: sinklab checkpoints and run dirs (`native.py`, source "sinklab") and transformers
-causal LMs, local dirs or hub ids at a revision (`transformers_lm.py`, source "hf"; the hub download in
-`hub_models.py`, the streaming cache in `transformers_cache.py`, interventions in `transformers_masking.py`).
-`load_target(TargetSpec(name, source=...))` loads one; a new source is one module (docs/extending.md)."""
+source by a class registered in `SOURCES`, each in a module of this package beside the helpers it uses (the hub
+download, the transformers streaming cache and interventions). `load_target(TargetSpec(name, source=...))` loads one.
+Every module of this package is imported, and so registered, here: a new source is one module (docs/extending.md,
+"Add a model source"); the reference pages list the sources."""
+from sinklab.registries import discover
+
 from .interface import SOURCES, Decoder, Step, Target, TargetMeta, TargetSpec, load_target
-from .native import SinklabTarget
-from .transformers_lm import TransformersTarget
+
+discover(__name__)
+from .native import SinklabTarget  # noqa: E402  (re-exported names)
+from .transformers_lm import TransformersTarget  # noqa: E402
 
 __all__ = ["Decoder", "SOURCES", "SinklabTarget", "Step", "Target", "TargetMeta", "TargetSpec", "TransformersTarget",
            "load_target"]

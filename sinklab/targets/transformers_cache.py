@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from sinklab.errors import UserError
-from sinklab.model.cache_policies import CACHE_POLICIES, CachePolicy, Dense, PyramidKV, Streaming, gather_state
+from sinklab.model.cache_policies import CACHE_POLICIES, CachePolicy, Dense, Streaming, gather_state
 
 from .interface import Decoder
 
@@ -85,18 +85,15 @@ class HFDecoder(Decoder):
     after every forward (evict="decoding") or when compressed ("prefill"), positions re-indexed inside the cache:
     each layer's kept keys are gathered per kv head and rotated back by how far they moved (module docstring).
     Attention-based policies read the eager kernel's maps (`output_attentions`). Policies that need a mask per layer
-    or head (PyramidKV's per-layer budgets, DuoAttention's streaming heads) are sinklab models' only: a
-    transformers model takes one attention mask for every layer and head."""
+    or head (not `CachePolicy.uniform`: per-layer budgets, per-head masks) are sinklab models' only: a transformers
+    model takes one attention mask for every layer and head."""
 
     def __init__(self, model: nn.Module, policy: CachePolicy, evict: str = "decoding", where: str = "DIR"):
         from transformers import DynamicCache
 
-        if isinstance(policy, PyramidKV) or policy.masks:
+        if not policy.uniform():
             raise UserError(f"cache policy {policy.name}: needs a mask per layer or head, which a transformers model "
-                            "does not take; allowed here: " + ", ".join(n for n, c in
-                                                                    ((n, CACHE_POLICIES.get(n)) for n in
-                                                                     CACHE_POLICIES.names())
-                                                                    if not c.masks and not issubclass(c, PyramidKV)))
+                            f"does not take; allowed here: {CACHE_POLICIES.allowed(lambda c: c.uniform())}")
         self.model, self.cache, self.policy = model, DynamicCache(), policy  # one plain DynamicLayer per layer
         self.cache_arg = cache_argument(model)
         self.evict_on_forward = evict == "decoding"

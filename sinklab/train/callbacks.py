@@ -21,14 +21,10 @@ from sinklab.train.fault import Preempted
 
 
 class SinkCallback(L.Callback):
-    """Logs every registered metric (`sinklab.metrics.METRICS`: Sink_k, alpha_k, Sink*, slot scores as sink/...;
-    first-token attention, massive activations, first-token norms and angles, outliers, residual sinks and norm
-    weights, gate scores, attention entropy, secondary sinks, the no-op signature as act/...; with sparse attention,
-    Sink_k on the keys each query can see and token 1's selection as sparse/...; induction and
-    previous-token scores on their own repeated random tokens; the sink, q / k outliers and induction scores by head
-    type as heads/<type>/...; `activations=false`: the sink metric only) on the
-    probe set every `every_n_steps` optimizer steps and at the end of training; a layer x head heatmap of alpha_1 at
-    each validation; at the end, the attention atlas of the final model (<run dir>/atlas.html, `write_atlas`;
+    """Logs every registered metric (`sinklab.metrics.METRICS`, each under the names it declares: the reference
+    page of metrics lists them; a metric with its own input, on that input; `activations=false`: the sink metric
+    only) on the probe set every `every_n_steps` optimizer steps and at the end of training; a layer x head heatmap
+    of alpha_1 at each validation; at the end, the attention atlas of the final model (<run dir>/atlas.html, `write_atlas`;
     `atlas=false`: none). Runs on rank 0 only; its last measurement survives a resume. The allowed values of its
     arguments: sinklab.train.config.SinkCallbackConfig."""
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import ast
 import contextlib
 import functools
+import importlib
 import io
 import json
 import subprocess
@@ -22,6 +23,7 @@ import pytest
 import torch
 
 from sinklab.model import ModelConfig, Transformer
+from sinklab.registries import submodules
 
 SINKLAB = Path(__file__).resolve().parents[2] / "sinklab"
 CLI_BASE = {"sinklab.cli", "sinklab.cli.base"}  # the shared base and the dispatcher
@@ -30,8 +32,8 @@ BELOW_TRAIN = ("sinklab.evals", "sinklab.quant", "sinklab.metrics", "sinklab.mod
                "sinklab.runs", "sinklab.targets", "sinklab.analysis", "sinklab.cli.base")
 # what evaluates or analyses a model takes a sinklab.targets.Target: none of them knows where the model came from
 OVER_TARGETS = ("sinklab.evals", "sinklab.analysis", "sinklab.quant")
-SOURCE_MODULES = ("sinklab.targets.native", "sinklab.targets.transformers_lm", "sinklab.targets.transformers_cache",
-                  "sinklab.targets.transformers_masking", "sinklab.targets.hub_models", "sinklab.targets.gguf")
+# every module of sinklab/targets/ but the interface: the sources and their helpers
+SOURCE_MODULES = tuple(m for m in submodules("sinklab.targets") if m != "sinklab.targets.interface")
 
 
 def module_name(path: Path) -> str:
@@ -97,12 +99,30 @@ def test_the_graph_reader_sees_imports_of_every_kind(tmp_path, monkeypatch):
 
 
 def test_every_command_is_a_module_of_the_cli_package():
-    from sinklab.cli import COMMANDS
+    """`sinklab NAME` is the module of sinklab/cli/ named after it that declares a SUMMARY, with a main; every other
+    module there is an evaluation's command."""
+    from sinklab.cli import commands as top_level
     from sinklab.cli.eval import subcommands
 
-    routed = {module for module, _ in [*COMMANDS.values(), *subcommands().values()]}
+    found = top_level()
+    assert {"measure", "eval", "export-hf", "check-component"} <= set(found)
+    for name, (module, summary) in found.items():
+        assert module == "sinklab.cli." + name.replace("-", "_") and summary.strip(), name
+        assert callable(importlib.import_module(module).main), module
+    routed = {module for module, _ in [*found.values(), *subcommands().values()]}
     assert routed - commands() == set()
-    assert commands() - routed == set(), "a module in sinklab/cli/ that no command routes to"
+    assert commands() - routed == set(), "a module in sinklab/cli/ that no command routes to (no SUMMARY?)"
+
+
+def test_a_declared_summary_is_read_without_importing_the_module(tmp_path, monkeypatch):
+    from sinklab.registries import declared
+
+    (tmp_path / "probe_cmd.py").write_text('import not_a_module_anywhere\nSUMMARY = ("one line, "\n'
+                                            '           "written on two")\nOTHER: int = 3\n')
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert declared("probe_cmd", "SUMMARY") == "one line, written on two"
+    assert declared("probe_cmd", "OTHER") == 3 and declared("probe_cmd", "MISSING") is None
+    assert "probe_cmd" not in sys.modules
 
 
 def test_no_command_imports_another():

@@ -1,12 +1,11 @@
 """The documentation site's reference pages (docs/hooks/reference.py, generated from the registries when the site is
 built): every entry of every registry has its entry there, with its knobs, its logged names or its options, so that a
-component, metric, evaluation, cache policy, config key, config group option or command without a reference entry
-fails here."""
+component, metric, evaluation, cache policy, model source, config key, config group option or command without a
+reference entry fails here."""
 from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import inspect
 import re
 
 import pytest
@@ -43,13 +42,14 @@ def section(page: str, heading: str) -> str:
 
 def missing_entries(pages: dict[str, str], reference) -> list[str]:
     """What the registries hold that the pages do not: one line per missing entry."""
-    from sinklab.cli import COMMANDS
+    from sinklab.cli import commands
     from sinklab.config import CONF_DIR
     from sinklab.evals import EVALUATIONS
     from sinklab.metrics import METRICS
     from sinklab.model import FAMILIES
-    from sinklab.model.cache_policies import CACHE_POLICIES
+    from sinklab.model.cache_policies import CACHE_POLICIES, knob_defaults
     from sinklab.model.config import KNOBS, BaseModelConfig
+    from sinklab.targets import SOURCES
 
     missing = []
     components = pages["reference/components.md"]
@@ -72,12 +72,14 @@ def missing_entries(pages: dict[str, str], reference) -> list[str]:
         option = f"{path.parent.relative_to(CONF_DIR).as_posix()}={path.stem}"
         if path.parent != CONF_DIR and f"| `{option}` |" not in config:
             missing.append(f"config group option {option}")
-    # the metrics with the names they log, the cache policies with their knobs: each under a heading of its name
+    # the metrics with the names they log, the cache policies with their knobs, the sources with their classes:
+    # each under a heading of its name
     named = (("metric", pages["reference/metrics.md"],
               {cls.name: [f"`{pattern}`" for pattern, _ in cls.bounds] for cls in METRICS}),
              ("cache policy", pages["reference/cache-policies.md"],
-              {cls.name: [f"`{p}`" for p in inspect.signature(cls.__init__).parameters if p not in ("self", "budget")]
-               for cls in CACHE_POLICIES}))
+              {cls.name: [f"`{p}`" for p in knob_defaults(cls)] for cls in CACHE_POLICIES}),
+             ("model source", pages["reference/sources.md"],
+              {cls.source: [f"`{cls.__name__}`"] for cls in SOURCES}))
     for what, page, entries in named:
         for name, needles in entries.items():
             heading = f"## `{name}`"
@@ -93,7 +95,7 @@ def missing_entries(pages: dict[str, str], reference) -> list[str]:
         heading = f"### `sinklab eval {evaluation.name}`"
         if "\n" + heading not in cli or "usage: " not in section(cli, heading):
             missing.append(f"sinklab eval {evaluation.name} --help")
-    missing += [f"sinklab {name} --help" for name in COMMANDS if f"\n## `sinklab {name}`" not in cli
+    missing += [f"sinklab {name} --help" for name in commands() if f"\n## `sinklab {name}`" not in cli
                 or f"usage: sinklab {name}" not in section(cli, f"## `sinklab {name}`")]
     return missing
 
@@ -122,6 +124,23 @@ def test_an_entry_registered_after_the_pages_were_made_is_missing_until_they_are
         assert "`probe_knob` = `0.25`" in section(again["reference/cache-policies.md"], "## `docs_probe`")
     finally:
         CACHE_POLICIES._classes.pop("docs_probe")
+
+
+def test_a_source_registered_after_the_pages_were_made_is_missing_until_they_are_made_again(pages, reference):
+    from sinklab.targets import SOURCES, SinklabTarget
+
+    @SOURCES.register("docs_probe")
+    class DocsProbeTarget(SinklabTarget):
+        """Loads the models a documentation test names."""
+
+    try:
+        assert missing_entries(pages, reference) == ["model source docs_probe"]
+        again = dict(pages, **{"reference/sources.md": reference.sources_page()})
+        assert missing_entries(again, reference) == []
+        assert "Loads the models a documentation test names." in section(again["reference/sources.md"],
+                                                                         "## `docs_probe`")
+    finally:
+        SOURCES._classes.pop("docs_probe")
 
 
 def test_a_knob_is_listed_with_its_default_and_the_comment_beside_it(reference):

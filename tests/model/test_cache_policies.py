@@ -16,7 +16,6 @@ from tests.helpers import small_model, token_ids
 BUDGET = 8
 KNOBS = {"snapkv": {"window": 3, "kernel": 3}, "pyramidkv": {"window": 3, "kernel": 3},
          "streaming": {"first": 2}, "duo": {"first": 2, "recent": 6}}
-MOVING = [n for n in cp.CACHE_POLICIES.names() if n not in ("dense", "duo")]
 
 
 def policy(name: str, **extra) -> cp.CachePolicy:
@@ -24,7 +23,11 @@ def policy(name: str, **extra) -> cp.CachePolicy:
 
 
 def protocol(name: str) -> str:
-    return "prefill" if name == "pyramidkv" else "decoding"
+    return "prefill" if cp.CACHE_POLICIES.get(name).prefill_only else "decoding"
+
+
+# the policies that gather the keys they keep (the others keep every key, or a mask over keys that never move)
+MOVING = [n for n in cp.CACHE_POLICIES.names() if policy(n).capacity(0, 1) is not None]
 
 
 @pytest.mark.parametrize("name", MOVING)
@@ -67,12 +70,12 @@ def test_each_kv_head_attends_to_the_keys_of_the_tokens_it_kept(name):
     m(idx)  # the dense forward: every token's key before RoPE and its value, (1, T, Hkv * hd)
     hd = m.cfg.hd
     k_all, v_all = (raw[n].view(1, -1, 2, hd).transpose(1, 2)[0] for n in ("k", "v"))  # (Hkv, T, hd)
-    cache = m.new_cache(policy=policy(name), evict="decoding" if name != "pyramidkv" else "prefill")
+    cache = m.new_cache(policy=policy(name), evict=protocol(name))
     differ = False
     for t in range(idx.shape[1]):
         origin = cache.origins(0)[0] if cache.length else torch.zeros(2, 0, dtype=torch.long)  # (Hkv, L)
         m(idx[:, t:t + 1], cache=cache)
-        if name == "pyramidkv" and t == 10:
+        if protocol(name) == "prefill" and t == 10:
             cache.compress()
         L = origin.shape[1] + 1
         rope = m.pos.rotary(L)
@@ -225,18 +228,16 @@ def test_bad_policy_settings_are_one_line(name, budget, knobs, match):
         cp.build(name, budget, **knobs)
 
 
-def test_every_policy_names_its_reference_and_the_docs_page_is_the_registrys():
-    """Each registered policy says what it was checked against; its rules are knobs it has; docs/cache_policies.md
-    holds the page `sinklab.model.cache_policies.reference` generates from the registry, as it is now."""
-    from sinklab.model.cache_policies.reference import markdown
-    from tests.helpers import REPO
-
+def test_every_policy_names_its_reference_and_declares_what_it_needs():
+    """Each registered policy says what it was checked against; its rules are knobs it has; it builds without a
+    budget exactly where it says it needs none (the reference page, tests/docs/test_reference.py, lists them)."""
     for cls in cp.CACHE_POLICIES:
         assert cls.reference, cls.name
-        budget = None if cls.name in ("dense", "duo") else BUDGET
+        budget = None if not cls.needs_budget else BUDGET
         assert set(cls.rules) <= set(cp.build(cls.name, budget, **KNOBS.get(cls.name, {})).knobs()), cls.name
-    page = (REPO / "docs" / "cache_policies.md").read_text()
-    assert markdown() in page, "docs/cache_policies.md is out of date: python -m sinklab.model.cache_policies.reference"
+        if cls.needs_budget:
+            with pytest.raises(UserError, match=f"cache policy {cls.name}: needs a budget"):
+                cp.build(cls.name, None, **KNOBS.get(cls.name, {}))
 
 
 def test_a_budget_as_large_as_the_context_is_refused():
@@ -250,7 +251,8 @@ def test_an_op_with_its_own_cached_tensors_refuses_an_evicting_policy():
         m(token_ids(B=1, T=4), cache=m.new_cache(policy=cp.build("h2o", 2)))
 
 
-HF_POLICIES = [n for n in MOVING if n != "pyramidkv"]
+HF_POLICIES = [n for n in MOVING if cp.CACHE_POLICIES.get(n).uniform()]
+PER_LAYER_OR_HEAD = [n for n in cp.CACHE_POLICIES.names() if not cp.CACHE_POLICIES.get(n).uniform()]
 
 
 @pytest.mark.parametrize("name", HF_POLICIES)
@@ -276,7 +278,11 @@ def test_a_transformers_model_decodes_what_the_kept_tokens_give(name):
                                        msg=f"{name}, token {t}")
 
 
-@pytest.mark.parametrize("name", ["pyramidkv", "duo"])
+def test_the_policies_that_mask_per_layer_or_head_say_so():
+    assert {"pyramidkv", "duo"} <= set(PER_LAYER_OR_HEAD) and "snapkv" not in PER_LAYER_OR_HEAD
+
+
+@pytest.mark.parametrize("name", PER_LAYER_OR_HEAD)
 def test_a_transformers_model_refuses_per_layer_or_per_head_masks(name):
     transformers = pytest.importorskip("transformers")
     from sinklab.targets.transformers_cache import HFDecoder
@@ -284,8 +290,9 @@ def test_a_transformers_model_refuses_per_layer_or_per_head_masks(name):
     m = transformers.LlamaForCausalLM(transformers.LlamaConfig(
         vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
         num_key_value_heads=1, max_position_embeddings=64))
+    allowed = ", ".join(n for n in cp.CACHE_POLICIES.names() if n not in PER_LAYER_OR_HEAD)
     with pytest.raises(UserError, match=f"cache policy {name}: needs a mask per layer or head.*allowed here: "
-                                        "dense, streaming, window, h2o, tova, snapkv, keynorm"):
+                                        f"{allowed}$"):
         HFDecoder(m, policy(name))
 
 

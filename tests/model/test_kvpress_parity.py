@@ -69,13 +69,14 @@ def sinklab_kept(name: str, budget: int, knobs: dict) -> list:
     """kept[prompt][layer][kv head] of sinklab's policy at prefill: the prompt through `HFDecoder` (prefill), then
     compressed. PyramidKV's per-layer sizes need a mask per layer, which a transformers model does not take, so
     its layers are picked from the same decoder's state with its own `capacity` and `keep` (as `KVCache.evict`)."""
+    from sinklab.model.cache_policies.snapkv import PyramidKV
     from sinklab.targets.transformers_cache import HFDecoder
 
     policy = cp.build(name, budget, **knobs)
     out = []
     for prompt in record()["prompts"]:
         ids = torch.tensor([prompt])
-        if isinstance(policy, cp.PyramidKV):
+        if isinstance(policy, PyramidKV):
             same = cp.build("snapkv", budget, window=policy.window, kernel=policy.kernel, pooling=policy.pooling)
             dec = HFDecoder(model(), same, evict="prefill")  # the state PyramidKV observes: SnapKV's
             dec(ids)

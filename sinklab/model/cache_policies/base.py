@@ -26,11 +26,15 @@ class CachePolicy:
     """Which keys a KV cache keeps (`sinklab.model.cache_policies`). Subclasses set `needs_maps` and implement
     `scores` (keep the highest) or override `keep`; a policy with knobs declares them as __init__ keyword arguments
     (checked by `build`), and says what it was checked against and where it differs (`reference`, `differences`,
-    `rules`)."""
+    `rules`). What the commands ask of a policy is declared here as class attributes (`needs_budget`,
+    `prefill_only`, `per_layer`, `masks`), never decided by its name."""
 
     name: ClassVar[str] = ""
     needs_maps: ClassVar[bool] = False  # `observe` each forward's attention map
     masks: ClassVar[bool] = False  # keeps a mask over keys that never move instead of gathering them
+    needs_budget: ClassVar[bool] = True  # `build` refuses it without a budget (else the policy has its own default)
+    prefill_only: ClassVar[bool] = False  # a method that compresses once, after the prompt: not run while decoding
+    per_layer: ClassVar[bool] = False  # its layers keep different numbers of keys (`capacity` depends on the layer)
     reference: ClassVar[str] = ""  # the method's paper and the code its kept keys were checked against
     differences: ClassVar[tuple[str, ...]] = ()  # where it differs from that code, each naming its knob if any
     rules: ClassVar[tuple[str, ...]] = ()  # knobs choosing the reference's rule or another: recorded per result
@@ -39,6 +43,12 @@ class CachePolicy:
         if budget is not None and budget < 1:
             raise UserError(f"cache policy {self.name}: budget {budget} must be >= 1")
         self.budget = budget
+
+    @classmethod
+    def uniform(cls) -> bool:
+        """Whether every layer and kv head keeps as many keys, gathered: what one attention mask for the whole model
+        serves (a transformers model takes no other)."""
+        return not cls.masks and not cls.per_layer
 
     def describe(self) -> dict:
         """The policy and its knobs, as outputs name it."""
@@ -117,12 +127,16 @@ def with_kept(scores: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
     return scores
 
 
+def knob_defaults(cls: type[CachePolicy]) -> dict:
+    """A policy's knobs (its __init__ keyword arguments but the budget) -> their defaults."""
+    return {p: v.default for p, v in inspect.signature(cls.__init__).parameters.items() if p not in ("self", "budget")}
+
+
 def build(name: str, budget: Optional[int], **knobs) -> CachePolicy:
     """The policy `name` with `budget` and its knobs; an unknown knob, or a number knob given something else, is one
     line naming the allowed ones."""
     cls = CACHE_POLICIES.get(name)
-    params = {p: v.default for p, v in inspect.signature(cls.__init__).parameters.items()
-              if p not in ("self", "budget")}
+    params = knob_defaults(cls)
     bad = [k for k in knobs if k not in params]
     if bad:
         raise UserError(f"cache policy {name}: unknown knob {bad[0]!r}; allowed: {', '.join(params) or '(none)'}")
@@ -130,6 +144,6 @@ def build(name: str, budget: Optional[int], **knobs) -> CachePolicy:
         number = isinstance(params[knob], (int, float)) and not isinstance(params[knob], bool)
         if number and (isinstance(value, bool) or not isinstance(value, (int, float))):
             raise UserError(f"cache policy {name}: {knob} {value!r} must be a number (default {params[knob]})")
-    if budget is None and name != "dense" and name != "duo":
+    if budget is None and cls.needs_budget:
         raise UserError(f"cache policy {name}: needs a budget (the text keys kept)")
     return cls(budget, **knobs)

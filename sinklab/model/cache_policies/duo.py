@@ -18,6 +18,7 @@ class DuoAttention(CachePolicy):
 
     needs_maps = True
     masks = True
+    needs_budget = False  # first + recent
     reference = ("DuoAttention (Xiao et al., arXiv 2410.10819; mit-han-lab/duo-attention): retrieval heads keep "
                  "every key, streaming heads a sink and recent keys, their positions unchanged; not compared with "
                  "kvpress's DuoAttentionPress, which needs the hub (the published head patterns) or BookSum")

@@ -79,6 +79,8 @@ class PyramidKV(SnapKV):
     uniform budget wherever min < window."""
 
     rules = ("pooling", "schedule")
+    prefill_only = True  # its per-layer budgets are set once, after the prompt
+    per_layer = True
     reference = ("PyramidKV (Cai et al., arXiv 2406.02069; the PyramidKV / KVCache-Factory code's "
                  "pyramidkv_utils.py, PyramidKVCluster) for the per-layer sizes, SnapKV's scores; kvpress 0.5.5's "
                  "PyramidKVPress, whose kept keys schedule=kvpress pooling=reference keeps "

@@ -17,8 +17,9 @@ POSITIONS = ("positions: a kept key moves to its place in the cache and RoPE is 
 
 @CACHE_POLICIES.register("dense")
 class Dense(CachePolicy):
-    """Never evicts (budget None)."""
+    """Never evicts (a budget given is ignored: None)."""
 
+    needs_budget = False
     reference = "no eviction: the full forward's keys and values"
 
     def __init__(self, budget: Optional[int] = None):
