@@ -3,7 +3,7 @@ table of components, metrics, evaluations, cache policies, config keys or comman
 
 `pages()` returns {page path under docs/: its Markdown}. The mkdocs hook (docs/hooks/site.py) adds them to the site;
 tests/docs/test_reference.py checks that every entry of every registry has its entry here. Everything is read from
-the code: the architecture components through `sinklab components`' own catalog (`sinklab.model.catalog`), their
+the code: the architecture components through `sinklab components`' own catalog (`sinklab.config.catalog`), their
 knobs from the `Knobs` dataclasses (a knob's text is the comment beside it in the source), the metrics from
 `sinklab.metrics.METRICS`, the evaluations from `sinklab.evals.EVALUATIONS`, the KV-cache policies from
 `sinklab.model.cache_policies.CACHE_POLICIES`, the config schemas from the modules that store them in Hydra's
@@ -172,7 +172,7 @@ def components_page() -> str:
     """Every registered architecture component (`sinklab components`' catalog), family by family: what selects it,
     the conf/model files that do, whether LLaMA can represent it, its docstring and its knobs."""
     from sinklab.model import FAMILIES
-    from sinklab.model.catalog import catalog
+    from sinklab.config.catalog import catalog
 
     entries = catalog()
     out = ["# Architecture components", "", GENERATED.strip(), "",

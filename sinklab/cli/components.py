@@ -6,7 +6,7 @@ import argparse
 import json
 from typing import Optional, Sequence
 
-from sinklab.model.catalog import catalog
+from sinklab.config.catalog import catalog
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
