@@ -86,6 +86,9 @@ def field_comments(cls: type) -> dict[str, str]:
         try:
             source = textwrap.dedent(inspect.getsource(klass))
         except (OSError, TypeError):  # a class made at run time (make_dataclass), a builtin
+            own = list(klass.__dict__.get("__annotations__", {}))
+            if own and klass is not cls and klass.__dict__.get("__doc__"):  # a generated base: its doc heads its fields
+                found[HEADER + own[0]] = klass.__doc__
             continue
         comments: dict[int, str] = {}
         for tok in tokenize.generate_tokens(io.StringIO(source).readline):

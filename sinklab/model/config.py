@@ -34,6 +34,7 @@ KEPT_MAPS_BUDGET = 64 * 2 ** 20  # bytes per sequence
 
 @dataclass
 class SizeFields:
+    # sizes
     vocab_size: Optional[int] = None  # null: the data's vocabulary (padded), set when training starts
     n_layer: int = 4
     n_head: int = 4
@@ -44,11 +45,11 @@ class SizeFields:
     block_size: int = 64  # context length
 
 
-# the components, one field per family, each chosen by name from its registry (sinklab/model/registry.py):
-# pos: str = "rope", norm: str = "rms", ..., in the order of FAMILIES
+# one field per family (pos: str = "rope", norm: str = "rms", ...), in the order of FAMILIES
 ComponentFields = dataclasses.make_dataclass(
     "ComponentFields", [(r.key, "str", dataclasses.field(default=r.default)) for r in FAMILIES], bases=(SizeFields,),
-    namespace={"__module__": __name__})
+    namespace={"__module__": __name__,
+               "__doc__": "components, each chosen by name from its registry (sinklab/model/registry.py)"})
 
 
 @dataclass
@@ -66,7 +67,7 @@ class BaseModelConfig(ComponentFields):
     bias_init_std: float = 0.02
     # execution
     fused: bool = True  # false: every operation through its explicit maps (attn_backend=explicit; for old configs)
-    attn_backend: str = ATTN_BACKENDS.default  # sdpa | flex | explicit: which kernel runs softmax attention
+    attn_backend: str = "sdpa"  # sdpa | flex | explicit: which kernel runs softmax attention (model/backends.py)
     attn_memory: str = "auto"  # auto | keep_maps | linear: training memory of the ops without a fused kernel
     compile: bool = False
 
