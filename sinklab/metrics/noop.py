@@ -55,7 +55,7 @@ class NoOpSignature(Metric):
         self.sums = {name: torch.zeros(ctx.n_layer, dtype=torch.float64) for name in SUMS}
 
     def update(self, layer: int, rec: dict[str, torch.Tensor]) -> None:
-        if "v" in rec:  # a Hugging Face attention layout `sinklab.targets.transformers_lm.project_qkv` does not know has none
+        if "v" in rec:  # a Hugging Face attention layout `sinklab.targets.transformers_recorder.project_qkv` does not know has none
             self.values[layer] = {"v": rec["v"].float(), "v_extra": rec.get("v_extra"),
                                   "columns": ColumnMeans(self.ctx)}
 

@@ -1,8 +1,8 @@
 """The first token's norms and angles (Gu et al., ICLR 2025, section 3): per layer, means over sequences of
 h1_norm_ratio = ||h_1|| / mean_{t>1} ||h_t|| (residual stream), k1_norm_ratio and v1_norm_ratio (keys after RoPE and
 values, all heads), cos_q_k1 = mean_{t>1} cos(q_t, k_1) and cos_q_kj = mean_{t>1} mean_{1<j<=t} cos(q_t, k_j). The
-key statistics need the queries, keys and values (left out for a Hugging Face layout `sinklab.targets.transformers_lm` cannot
-reproduce). Logged: h1_norm_ratio of the last layer, the others' means over layers, and per layer all five."""
+key statistics need the queries, keys and values (left out for a Hugging Face layout `sinklab.targets.transformers_recorder`
+cannot reproduce). Logged: h1_norm_ratio of the last layer, the others' means over layers, and per layer all five."""
 from __future__ import annotations
 
 from typing import Any

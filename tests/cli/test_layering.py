@@ -31,8 +31,9 @@ BELOW_TRAIN = ("sinklab.evals", "sinklab.quant", "sinklab.metrics", "sinklab.mod
                "sinklab.runs", "sinklab.targets", "sinklab.analysis", "sinklab.cli.base")
 # what evaluates or analyses a model takes a sinklab.targets.Target: none of them knows where the model came from
 OVER_TARGETS = ("sinklab.evals", "sinklab.analysis", "sinklab.quant")
-SOURCE_MODULES = ("sinklab.targets.native", "sinklab.targets.transformers_lm", "sinklab.targets.transformers_cache",
-                  "sinklab.targets.transformers_masking", "sinklab.targets.hub_models", "sinklab.targets.gguf")
+SOURCE_MODULES = ("sinklab.targets.native", "sinklab.targets.transformers_lm", "sinklab.targets.transformers_recorder",
+                  "sinklab.targets.transformers_cache", "sinklab.targets.transformers_masking",
+                  "sinklab.targets.hub_models", "sinklab.targets.gguf")
 
 
 def module_name(path: Path) -> str:
