@@ -311,7 +311,14 @@ def preset(name: str, **overrides: Any) -> "ModelConfig":
     return ModelConfig(**{**PRESETS[name], **overrides})
 
 
+# conf/train.yaml's entry whose defaults list holds one switch per family's config group, `model/<group>: null`
+# (model/pos=alibi, model/attn=sigmoid, ...), in the order of FAMILIES: a family's registry entry is its switch
+SWITCHES = "model_switches"
+
+
 def register(cs) -> None:
-    """The `model` group's options: one structured config per size preset."""
+    """The `model` group's options (one structured config per size preset) and the families' switches."""
     for name, sizes in PRESETS.items():
         cs.store(group="model", name=name, node=ModelConfig(**sizes))
+    groups = dict.fromkeys(registry.group for registry in FAMILIES)  # norm and norm_position share model/norm
+    cs.store(name=SWITCHES, node={"defaults": [{f"/model/{group}": None} for group in groups]})
