@@ -27,7 +27,7 @@ import torch
 
 from sinklab.keys import ACT_PREFIX
 
-from .base import METRICS, NON_NEGATIVE, UNIT, Context, Metric, layer_table, per_layer
+from .base import METRICS, NON_NEGATIVE, UNIT, Context, Metric, layer_logs, layer_table
 from .outliers import lower_median
 from .secondary_sinks import ColumnMeans
 
@@ -116,9 +116,7 @@ class NoOpSignature(Metric):
     def flatten(result: dict[str, Any]) -> dict[str, float]:
         keys = ("value_drain_ratio", "sink_query_share", "sink_output_ratio")
         out = {ACT_PREFIX + key: float(result[key]) for key in keys if result[key] is not None}
-        for key in keys:
-            out.update({ACT_PREFIX + k: v for k, v in per_layer(result["by_layer"], key).items()})
-        return out
+        return {**out, **layer_logs(result["by_layer"], keys)}
 
     @classmethod
     def text(cls, part: dict[str, Any], res: dict[str, Any]) -> list[str]:

@@ -13,7 +13,7 @@ import torch
 from sinklab.keys import ACT_PREFIX
 
 from .activations import h1_ratio, qkv_stats
-from .base import METRICS, LayerMeans, NON_NEGATIVE, Context, Metric, layer_table, per_layer
+from .base import METRICS, LayerMeans, NON_NEGATIVE, Context, Metric, layer_logs, layer_table
 
 NAMES = {"h1": "h1_norm_ratio", "k1": "k1_norm_ratio", "v1": "v1_norm_ratio", "cos1": "cos_q_k1", "cosj": "cos_q_kj"}
 KEYS = tuple(NAMES.values())
@@ -53,9 +53,7 @@ class FirstTokenNorms(Metric):
         for key in KEYS[1:]:
             if key in result:
                 out[ACT_PREFIX + key] = float(sum(result[key]) / len(result[key]))
-        for key in KEYS:
-            out.update({ACT_PREFIX + k: v for k, v in per_layer(result, key).items()})
-        return out
+        return {**out, **layer_logs(result, KEYS)}
 
     def json(self, result: dict[str, Any]) -> dict[str, Any]:
         return {key: result[key] for key in KEYS if key in result}
