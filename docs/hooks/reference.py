@@ -3,7 +3,7 @@ table of components, metrics, evaluations, cache policies, config keys or comman
 
 `pages()` returns {page path under docs/: its Markdown}. The mkdocs hook (docs/hooks/site.py) adds them to the site;
 tests/docs/test_reference.py checks that every entry of every registry has its entry here. Everything is read from
-the code: the architecture components through `sinklab components`' own catalog (`sinklab.model.catalog`), their
+the code: the architecture components through `sinklab components`' own catalog (`sinklab.config.catalog`), their
 knobs from the `Knobs` dataclasses (a knob's text is the comment beside it in the source), the metrics from
 `sinklab.metrics.METRICS`, the evaluations from `sinklab.evals.EVALUATIONS`, the KV-cache policies from
 `sinklab.model.cache_policies.CACHE_POLICIES`, the model sources from `sinklab.targets.SOURCES`, the config schemas
@@ -86,6 +86,9 @@ def field_comments(cls: type) -> dict[str, str]:
         try:
             source = textwrap.dedent(inspect.getsource(klass))
         except (OSError, TypeError):  # a class made at run time (make_dataclass), a builtin
+            own = list(klass.__dict__.get("__annotations__", {}))
+            if own and klass is not cls and klass.__dict__.get("__doc__"):  # a generated base: its doc heads its fields
+                found[HEADER + own[0]] = klass.__doc__
             continue
         comments: dict[int, str] = {}
         for tok in tokenize.generate_tokens(io.StringIO(source).readline):
@@ -172,7 +175,7 @@ def components_page() -> str:
     """Every registered architecture component (`sinklab components`' catalog), family by family: what selects it,
     the conf/model files that do, whether LLaMA can represent it, its docstring and its knobs."""
     from sinklab.model import FAMILIES
-    from sinklab.model.catalog import catalog
+    from sinklab.config.catalog import catalog
 
     entries = catalog()
     out = ["# Architecture components", "", GENERATED.strip(), "",

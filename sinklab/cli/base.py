@@ -14,6 +14,7 @@ import itertools
 import json
 import math
 import sys
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
@@ -22,7 +23,7 @@ from sinklab.errors import UserError
 if TYPE_CHECKING:  # torch is imported when a device is picked: `sinklab --help` and `sinklab report` need none
     import torch
 
-    from sinklab.targets import TargetSpec
+    from sinklab.targets import Target, TargetMeta, TargetSpec
 
 DEVICE_HELP = "auto (cuda if available), cpu, cuda, cuda:1, ..."
 JSON_HELP = "print one JSON object (see the module docstring)"
@@ -93,12 +94,30 @@ def check_one_target(args) -> None:
 def target_spec(args, device) -> "TargetSpec":
     """TARGET or --hf-model (one model name; `check_one_target` has run), --revision, --dtype and the device, as the
     `sinklab.targets.TargetSpec` that `load_target` takes."""
-    from sinklab.targets import TargetSpec
+    from sinklab.targets import Target, TargetMeta, TargetSpec
 
     if args.hf_model is not None:
         name = args.hf_model[0] if isinstance(args.hf_model, list) else args.hf_model
         return TargetSpec(str(name), "hf", args.revision, args.dtype, device)
     return TargetSpec(str(args.target), "sinklab", args.revision, args.dtype, device)
+
+
+def load_checked_target(args) -> tuple["Target", "torch.device", float]:
+    """The model TARGET or --hf-model names, loaded on --device once every argument was checked (`check_one_target`
+    first), the device, and the time its loading started (a result's `seconds` count the load)."""
+    from sinklab.targets import load_target
+
+    device = pick_device(args.device)
+    t0 = time.perf_counter()
+    return load_target(target_spec(args, device)), device, t0
+
+
+def refuse_prefix_lm(meta: "TargetMeta", what: str) -> None:
+    """One line for a prefix LM, which has no token-by-token `what` (stream, cache): its first tokens see each
+    other."""
+    if meta.prefix_len:
+        raise UserError(f"model.prefix_len={meta.prefix_len}: a prefix LM's first tokens see each other, so it has "
+                        f"no token-by-token {what}; allowed: causal models (model.prefix_len=0)")
 
 
 def data_run_dir(args, run_dir: Optional[Path],

@@ -6,7 +6,7 @@ import argparse
 import json
 from typing import Optional, Sequence
 
-from sinklab.model.catalog import catalog
+from sinklab.config.catalog import catalog
 
 SUMMARY = "every registered architecture component, its knobs and config files"  # the line in `sinklab --help`
 

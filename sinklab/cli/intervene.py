@@ -47,12 +47,11 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from sinklab.cli.base import (OneLineParser, add_device_json_args, add_sweep_args, add_target_args, check_data_args,
-                              check_one_target, command_main, data_run_dir, pick_device, target_spec)
+                              check_one_target, command_main, data_run_dir, load_checked_target)
 from sinklab.errors import UserError
 from sinklab.evals.interventions import INTERVENTIONS, evaluate, find_massive
 from sinklab.analysis.probe_inputs import DEFAULT_NUM_SEQS, load_tokens, positive
 from sinklab.runs.run_data import probe_tokens, read_run_data, val_blocks
-from sinklab.targets import load_target
 from sinklab.targets.interface import model_title
 
 PROG = "sinklab eval intervene"
@@ -81,9 +80,7 @@ def run(args) -> dict:
     check_one_target(args)
     positive("--val-batches", args.val_batches)
     check_data_args(args)
-    device = pick_device(args.device)
-    t0 = time.perf_counter()
-    target = load_target(target_spec(args, device))
+    target, device, t0 = load_checked_target(args)
     meta = target.meta
     if args.tokens is not None:
         tokens = load_tokens(args.tokens, meta.vocab_size)

@@ -35,7 +35,7 @@ What is measured and how: `sinklab.analysis.measurement`. User errors are one li
         (the K/KV bias slot and learned sink tokens, scored apart from token 1; slot_star* when not normalised),
     massive {top, median, ratio, token, channel: per-layer lists}, norms {h1_norm_ratio, k1_norm_ratio,
         v1_norm_ratio, cos_q_k1, cos_q_kj: per-layer lists; for HF models the last four only when
-        `sinklab.targets.transformers_lm.project_qkv` knows the attention layout (LLaMA, Mistral, GPT-2, GPT-NeoX, ...)},
+        `sinklab.targets.transformers_recorder.project_qkv` knows the attention layout (LLaMA, Mistral, GPT-2, GPT-NeoX, ...)},
     first_token_attn {mean, by_layer}: Qwen's first-token attention, mean over queries of A[i, 1]; equal to
         alpha_mean["1"] and to alpha's per-layer means (it is alpha_1 under Qwen's name),
     outliers {resid_inf_norm, resid_kurtosis, attn_inf_norm, attn_kurtosis, attn_top_median: per-layer lists}

@@ -32,11 +32,11 @@ from typing import Optional, Sequence
 import torch
 
 from sinklab.cli.base import (OneLineParser, add_device_json_args, add_sweep_args, add_target_args, check_data_args,
-                              check_one_target, command_main, data_run_dir, pick_device, target_spec)
+                              check_one_target, command_main, data_run_dir, load_checked_target)
 from sinklab.errors import UserError
 from sinklab.analysis.probe_inputs import load_tokens, positive
 from sinklab.runs.run_data import read_run_data, val_blocks
-from sinklab.targets import TargetMeta, load_target
+from sinklab.targets import TargetMeta
 from sinklab.targets.interface import model_title
 from sinklab.quant.fake import FP32, GRANULARITIES, SCHEMES, evaluate
 
@@ -131,9 +131,7 @@ def run(args) -> dict:
     if not 0 <= args.momentum < 1:
         raise UserError(f"--momentum {args.momentum:g} must be in [0, 1) (0: the last batch's range only)")
     check_data_args(args)
-    device = pick_device(args.device)
-    t0 = time.perf_counter()
-    target = load_target(target_spec(args, device))
+    target, device, t0 = load_checked_target(args)
     meta = target.meta
     val, calib, kind, per_token = choose_data(args, meta, meta.run_dir)
     val, calib = [b.to(device) for b in val], [b.to(device) for b in calib]

@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from sinklab.cli.base import (OneLineParser, add_device_json_args, add_sweep_args, add_target_args, check_one_target,
-                              command_main, data_run_dir, knob_value, name_list, pick_device, target_spec)
+                              command_main, data_run_dir, knob_value, load_checked_target, name_list, refuse_prefix_lm)
 from sinklab.errors import UserError
 from sinklab.io import check_output_file
 
@@ -207,7 +207,6 @@ def run(args) -> dict:
 
     from sinklab.data.retrieval import make_samples
     from sinklab.evals import retrieval as rv
-    from sinklab.targets import load_target
 
     check_one_target(args)
     for name, value in (("--samples", args.samples), ("--length", args.length)):
@@ -215,13 +214,9 @@ def run(args) -> dict:
             raise UserError(f"{name} {value}: allowed: a positive integer")
     if args.plot is not None:
         check_output_file("--plot", args.plot, (".png",))
-    device = pick_device(args.device)
-    t0 = time.perf_counter()
-    target = load_target(target_spec(args, device))
+    target, device, t0 = load_checked_target(args)
     meta = target.meta
-    if meta.prefix_len:
-        raise UserError(f"model.prefix_len={meta.prefix_len}: a prefix LM's first tokens see each other, so it has "
-                        "no token-by-token cache; allowed: causal models (model.prefix_len=0)")
+    refuse_prefix_lm(meta, "cache")
     if args.length is None and meta.context is None:
         raise UserError("the model config has no context length: pass --length N (tokens per sample)")
     length = args.length or (meta.context + 1)

@@ -37,12 +37,13 @@ from typing import Optional, Sequence
 import torch
 
 from sinklab.cli.base import (OneLineParser, add_device_json_args, add_sweep_args, add_target_args, check_data_args,
-                              check_one_target, command_main, data_run_dir, name_list, pick_device, target_spec)
+                              check_one_target, command_main, data_run_dir, load_checked_target, name_list,
+                              refuse_prefix_lm)
 from sinklab.errors import UserError
 from sinklab.io import check_output_file
 from sinklab.evals import streaming_ppl as pp
 from sinklab.model.lm_loss import bits_per_byte, bytes_per_token, perplexity
-from sinklab.targets import Target, load_target
+from sinklab.targets import Target
 from sinklab.targets.interface import model_title
 from sinklab.analysis.probe_inputs import load_tokens, positive
 from sinklab.runs.run_data import read_run_data
@@ -188,13 +189,9 @@ def run(args) -> dict:
     if args.n_tokens is not None and args.n_tokens < 2:
         raise UserError(f"--n-tokens {args.n_tokens}: allowed: >= 2 (a token and the next one to predict)")
     check_data_args(args)
-    device = pick_device(args.device)
-    t0 = time.perf_counter()
-    target = load_target(target_spec(args, device))
+    target, device, t0 = load_checked_target(args)
     meta = target.meta
-    if meta.prefix_len:
-        raise UserError(f"model.prefix_len={meta.prefix_len}: a prefix LM's first tokens see each other, so it "
-                        "has no token-by-token stream; allowed: causal models (model.prefix_len=0)")
+    refuse_prefix_lm(meta, "stream")
     settings = grid(args, meta.context)
     policies = policy_settings(args, meta.context)
     tokens, kind, where, per_token = choose_text(args, meta.vocab_size, meta.run_dir)

@@ -16,16 +16,17 @@ job is ``metric - against_metric``; a setting that equals the baseline then test
 of the same jobs). ``baseline`` in a claim replaces the preset's for that claim; ``requires`` is a precondition on
 the baseline jobs' mean (``above`` and / or ``below``), e.g. "there must be a sink to remove". A metric may be any
 logged name (sink/sink1) or a column of a registered evaluation's sweep CSV (quant/w4a4_gap: ``sinklab eval quant
---sweep``), which must be one that evaluation writes (the columns it declares, `sinklab.evals.registry`).
+--sweep``), which must be one that evaluation writes (the columns it declares, `sinklab.evals.registry`): the
+evaluations sit above the config, so the callers that check a preset for a run or a report (sinklab-train,
+`sinklab report`) hand their registry, `sinklab.evals.EVALUATIONS`, to `parse_claims`.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Protocol
 
 from sinklab.errors import UserError, word
-from sinklab.evals import EVALUATIONS
 
 from .messages import unknown_key_message
 from .schema import not_allowed
@@ -34,6 +35,13 @@ DIRECTIONS = ("lower", "higher")
 CLAIM_KEYS = ("id", "text", "setting", "baseline", "metric", "against_metric", "direction", "requires")
 REQUIRED_KEYS = ("id", "setting", "metric", "direction")
 REQUIRES_KEYS = ("metric", "above", "below")
+
+
+class ColumnOwners(Protocol):
+    """What claims ask of the evaluations' registry (`sinklab.evals.EVALUATIONS`): the evaluation that writes a
+    report column NAME/<column> and the column's own name, or None for a column of no evaluation (sink/sink1)."""
+
+    def owner(self, column: str) -> Optional[tuple[Any, str]]: ...
 
 
 @dataclass(frozen=True)
@@ -107,10 +115,10 @@ def _text(value: Any, key: str) -> str:
     return value
 
 
-def _metric(value: Any, key: str) -> str:
+def _metric(value: Any, key: str, evaluations: Optional[ColumnOwners]) -> str:
     """A claim's metric: a logged name, or ``NAME/<column>`` of a registered evaluation that writes that column."""
     name = _text(value, key)
-    owner = EVALUATIONS.owner(name)
+    owner = evaluations.owner(name) if evaluations is not None else None
     if owner is not None and owner[0].column_bounds(owner[1]) is None:
         evaluation = owner[0]
         raise UserError(not_allowed(key, name, f"a column of the {evaluation.name} evaluation: {evaluation.name}/"
@@ -126,7 +134,7 @@ def _number(value: Any, key: str) -> Optional[float]:
     return float(value)
 
 
-def _requirement(value: Any, key: str, metric: str) -> Optional[Requirement]:
+def _requirement(value: Any, key: str, metric: str, evaluations: Optional[ColumnOwners]) -> Optional[Requirement]:
     if value is None:
         return None
     if not isinstance(value, dict):
@@ -135,16 +143,18 @@ def _requirement(value: Any, key: str, metric: str) -> Optional[Requirement]:
     for k in value:
         if k not in REQUIRES_KEYS:
             raise UserError(unknown_key_message(f"{key}.{k}", REQUIRES_KEYS))
-    req = Requirement(_metric(value.get("metric", metric), f"{key}.metric"),
+    req = Requirement(_metric(value.get("metric", metric), f"{key}.metric", evaluations),
                       _number(value.get("above"), f"{key}.above"), _number(value.get("below"), f"{key}.below"))
     if req.above is None and req.below is None:
         raise UserError(f"{key} has neither above nor below; allowed: a number for at least one of them")
     return req
 
 
-def parse_claims(experiment: Any) -> tuple[dict, list[Claim]]:
+def parse_claims(experiment: Any, evaluations: Optional[ColumnOwners] = None) -> tuple[dict, list[Claim]]:
     """(the preset's baseline setting, its claims) from the plain ``experiment`` node (a dict; None or no claims:
-    ``({}, [])``). Anything malformed is one UserError naming the key and what is allowed."""
+    ``({}, [])``). Anything malformed is one UserError naming the key and what is allowed; a metric NAME/<column> of
+    one of `evaluations` (`sinklab.evals.EVALUATIONS`) must be a column that evaluation writes (without
+    `evaluations`, any name is a logged metric's)."""
     experiment = experiment if isinstance(experiment, dict) else {}
     baseline = experiment.get("baseline")
     baseline = _setting(baseline, "experiment.baseline") if baseline is not None else {}
@@ -178,9 +188,10 @@ def parse_claims(experiment: Any) -> tuple[dict, list[Claim]]:
                             "mapping of swept keys to values")
         against = raw.get("against_metric")
         claim = Claim(cid, _setting(raw["setting"], f"{where}.setting"), base,
-                      _metric(raw["metric"], f"{where}.metric"), raw["direction"], str(raw.get("text") or ""),
-                      _metric(against, f"{where}.against_metric") if against is not None else None,
-                      _requirement(raw.get("requires"), f"{where}.requires", raw["metric"]))
+                      _metric(raw["metric"], f"{where}.metric", evaluations), raw["direction"],
+                      str(raw.get("text") or ""),
+                      _metric(against, f"{where}.against_metric", evaluations) if against is not None else None,
+                      _requirement(raw.get("requires"), f"{where}.requires", raw["metric"], evaluations))
         if claim.within and claim.against_metric is None:
             raise UserError(f"{where}.setting {{{settings_text(claim.setting)}}} is its baseline "
                             f"{{{settings_text(base)}}}; allowed: a setting that differs from the baseline, or an "

@@ -63,7 +63,7 @@ def hydra_error_message(err: BaseException) -> str:
     from hydra.errors import MissingConfigException, OverrideParseException
 
     if isinstance(err, MissingConfigException) and getattr(err, "missing_cfg_file", None):
-        from sinklab.train.launchers import missing_plugin_message
+        from .launchers import missing_plugin_message
 
         plugin = missing_plugin_message(str(err.missing_cfg_file))
         if plugin:

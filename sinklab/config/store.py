@@ -27,7 +27,7 @@ SCHEMA_MODULES = (
     "sinklab.train.muon",
     "sinklab.train.config",  # trainer, callbacks/{sink,checkpoint,preemption,status}
     "sinklab.data.config",
-    "sinklab.train.launchers",  # hydra/launcher: the submitit plugin's schemas, its preset names
+    "sinklab.config.launchers",  # hydra/launcher: the submitit plugin's schemas, its preset names
 )
 SCHEMA_NAME = "schema"  # a schema's name in its group ends so (schema, adamw_schema): `defaults: [schema, _self_]`
 

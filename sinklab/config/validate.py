@@ -17,7 +17,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from sinklab.errors import UserError
 from sinklab.model.config import ModelConfig
 
-from .claims import parse_claims
+from .claims import ColumnOwners, parse_claims
 from .messages import unknown_key_message
 from .schema import Check, choice, either, integer, is_int, not_allowed, number, show, string
 from .store import CONF_DIR
@@ -157,14 +157,14 @@ def built(cfg: DictConfig, key: str) -> Any:
         raise UserError(f"{full_key} does not resolve: {str(err).splitlines()[0]}") from None
 
 
-def _check_experiment(cfg: DictConfig) -> None:
-    """A preset's claims (`claims.parse_claims`) are well formed; a preset with labelled variants (experiment.variants,
+def _check_experiment(cfg: DictConfig, evaluations: Optional[ColumnOwners]) -> None:
+    """A preset's claims (`claims.parse_claims`, against the columns of `evaluations`) are well formed; a preset with labelled variants (experiment.variants,
     picked by experiment.variant, often per scale): the label and the scale must be among its entries."""
     exp = cfg.get("experiment")
     if not isinstance(exp, DictConfig):
         return
     # its baseline and claims (what `sinklab report` tests) are well formed
-    parse_claims(_plain(OmegaConf.masked_copy(exp, [k for k in ("baseline", "claims") if k in exp])))
+    parse_claims(_plain(OmegaConf.masked_copy(exp, [k for k in ("baseline", "claims") if k in exp])), evaluations)
     first = exp.get("first_stage")
     if first is not None and not cfg.get("init_from"):  # a second stage: its models start from the first's
         raise UserError(f"init_from is missing: experiment={exp.get('name', '?')} starts from the models of "
@@ -190,8 +190,10 @@ def _check_experiment(cfg: DictConfig) -> None:
                         f"{', '.join(f'scale={s}' for s in given)}")
 
 
-def validate_config(cfg: DictConfig) -> ModelConfig:
-    """Refuse bad training configs with one line naming the key, the value and what is allowed."""
+def validate_config(cfg: DictConfig, evaluations: Optional[ColumnOwners] = None) -> ModelConfig:
+    """Refuse bad training configs with one line naming the key, the value and what is allowed; a claim of the
+    experiment preset that names an evaluation's column is checked against `evaluations` (sinklab-train hands
+    `sinklab.evals.EVALUATIONS`)."""
     model_node = _select(cfg, "model")
     if not isinstance(model_node, DictConfig):
         raise UserError(f"model={show(_plain(model_node))} is not a model config; choose a preset: model=tiny, "
@@ -199,7 +201,7 @@ def validate_config(cfg: DictConfig) -> ModelConfig:
     unknown = [str(k) for k in cfg.keys() if str(k) not in ROOT_KEYS]
     if unknown:
         raise UserError(unknown_key_message(unknown[0], ROOT_KEYS))
-    _check_experiment(cfg)
+    _check_experiment(cfg, evaluations)
     # the hydra node (present in configs composed with return_hydra_config) is Hydra's: its sweep dir
     # interpolates hydra.job.num, which is only set inside a job, so it is not searched
     missing = sorted(OmegaConf.missing_keys(OmegaConf.masked_copy(cfg, [k for k in cfg.keys() if k != "hydra"])))

@@ -36,6 +36,7 @@ from typing import Any, ClassVar, Optional, Sequence
 
 import torch
 
+from sinklab.keys import ACT_PREFIX
 from sinklab.keys import ANY, NON_NEGATIVE, PERCENT, TRAINING_BOUNDS, UNIT  # noqa: F401  (the bounds metrics declare)
 from sinklab.registries import NameRegistry
 
@@ -174,6 +175,11 @@ METRICS = MetricRegistry()
 def per_layer(values: dict[str, list], key: str) -> dict[str, float]:
     """layer<i>/<key> for every layer's non-missing value."""
     return {f"layer{i}/{key}": float(v) for i, v in enumerate(values.get(key) or []) if v is not None}
+
+
+def layer_logs(values: dict[str, list], keys: Sequence[str]) -> dict[str, float]:
+    """act/layer<i>/<key> for every layer's non-missing value of each of `keys`: what a metric logs per layer."""
+    return {ACT_PREFIX + name: v for key in keys for name, v in per_layer(values, key).items()}
 
 
 class LayerMeans:

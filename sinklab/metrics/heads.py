@@ -47,7 +47,7 @@ from typing import Any, Optional
 import torch
 
 from sinklab.model import POSITIONS
-from sinklab.model.positional import HEAD_TYPES
+from sinklab.model.positional.base import HEAD_TYPES
 
 from .base import ANY, METRICS, NON_NEGATIVE, PERCENT, Context, Metric, cell
 from .sink import seen_column_sums, sink_rate

@@ -10,7 +10,7 @@ import torch
 from sinklab.keys import ACT_PREFIX
 
 from .activations import top_and_median
-from .base import METRICS, LayerMeans, NON_NEGATIVE, Context, Metric, layer_table, per_layer
+from .base import METRICS, LayerMeans, NON_NEGATIVE, Context, Metric, layer_logs, layer_table
 
 KEYS = ("massive_top", "massive_median", "massive_ratio", "massive_token", "massive_channel")
 
@@ -52,9 +52,7 @@ class MassiveActivations(Metric):
         if "massive_top" not in result:
             return {}
         out = {ACT_PREFIX + key: float(max(result[key])) for key in ("massive_top", "massive_ratio")}
-        for key in KEYS:
-            out.update({ACT_PREFIX + k: v for k, v in per_layer(result, key).items()})
-        return out
+        return {**out, **layer_logs(result, KEYS)}
 
     def json(self, result: dict[str, Any]) -> dict[str, Any]:
         return {key.removeprefix("massive_"): result[key] for key in KEYS}

@@ -27,7 +27,7 @@ import torch
 
 from sinklab.keys import ACT_PREFIX
 
-from .base import METRICS, NON_NEGATIVE, UNIT, Context, Metric, layer_table, per_layer
+from .base import METRICS, NON_NEGATIVE, UNIT, Context, Metric, layer_logs, layer_table
 from .outliers import lower_median
 from .secondary_sinks import ColumnMeans
 
@@ -55,7 +55,7 @@ class NoOpSignature(Metric):
         self.sums = {name: torch.zeros(ctx.n_layer, dtype=torch.float64) for name in SUMS}
 
     def update(self, layer: int, rec: dict[str, torch.Tensor]) -> None:
-        if "v" in rec:  # a Hugging Face attention layout `sinklab.targets.transformers_lm.project_qkv` does not know has none
+        if "v" in rec:  # a Hugging Face attention layout `sinklab.targets.transformers_recorder.project_qkv` does not know has none
             self.values[layer] = {"v": rec["v"].float(), "v_extra": rec.get("v_extra"),
                                   "columns": ColumnMeans(self.ctx)}
 
@@ -116,9 +116,7 @@ class NoOpSignature(Metric):
     def flatten(result: dict[str, Any]) -> dict[str, float]:
         keys = ("value_drain_ratio", "sink_query_share", "sink_output_ratio")
         out = {ACT_PREFIX + key: float(result[key]) for key in keys if result[key] is not None}
-        for key in keys:
-            out.update({ACT_PREFIX + k: v for k, v in per_layer(result["by_layer"], key).items()})
-        return out
+        return {**out, **layer_logs(result["by_layer"], keys)}
 
     @classmethod
     def text(cls, part: dict[str, Any], res: dict[str, Any]) -> list[str]:

@@ -1,8 +1,8 @@
 """The first token's norms and angles (Gu et al., ICLR 2025, section 3): per layer, means over sequences of
 h1_norm_ratio = ||h_1|| / mean_{t>1} ||h_t|| (residual stream), k1_norm_ratio and v1_norm_ratio (keys after RoPE and
 values, all heads), cos_q_k1 = mean_{t>1} cos(q_t, k_1) and cos_q_kj = mean_{t>1} mean_{1<j<=t} cos(q_t, k_j). The
-key statistics need the queries, keys and values (left out for a Hugging Face layout `sinklab.targets.transformers_lm` cannot
-reproduce). Logged: h1_norm_ratio of the last layer, the others' means over layers, and per layer all five."""
+key statistics need the queries, keys and values (left out for a Hugging Face layout `sinklab.targets.transformers_recorder`
+cannot reproduce). Logged: h1_norm_ratio of the last layer, the others' means over layers, and per layer all five."""
 from __future__ import annotations
 
 from typing import Any
@@ -13,7 +13,7 @@ import torch
 from sinklab.keys import ACT_PREFIX
 
 from .activations import h1_ratio, qkv_stats
-from .base import METRICS, LayerMeans, NON_NEGATIVE, Context, Metric, layer_table, per_layer
+from .base import METRICS, LayerMeans, NON_NEGATIVE, Context, Metric, layer_logs, layer_table
 
 NAMES = {"h1": "h1_norm_ratio", "k1": "k1_norm_ratio", "v1": "v1_norm_ratio", "cos1": "cos_q_k1", "cosj": "cos_q_kj"}
 KEYS = tuple(NAMES.values())
@@ -53,9 +53,7 @@ class FirstTokenNorms(Metric):
         for key in KEYS[1:]:
             if key in result:
                 out[ACT_PREFIX + key] = float(sum(result[key]) / len(result[key]))
-        for key in KEYS:
-            out.update({ACT_PREFIX + k: v for k, v in per_layer(result, key).items()})
-        return out
+        return {**out, **layer_logs(result, KEYS)}
 
     def json(self, result: dict[str, Any]) -> dict[str, Any]:
         return {key: result[key] for key in KEYS if key in result}

@@ -30,7 +30,7 @@ from torch import nn
 
 from sinklab.keys import ACT_PREFIX
 
-from .base import METRICS, LayerMeans, NON_NEGATIVE, Context, Metric, layer_table, per_layer
+from .base import METRICS, LayerMeans, NON_NEGATIVE, Context, Metric, layer_logs, layer_table
 
 KURTOSIS_EPS = 1e-6  # Bondarenko's
 
@@ -149,9 +149,7 @@ class Outliers(Metric):
         out = {ACT_PREFIX + key: float(max(result[key])) for key in MAX_OVER_LAYERS if key in result}
         out.update({ACT_PREFIX + key: float(sum(result[key]) / len(result[key]))
                     for key in MEAN_OVER_LAYERS if key in result})
-        for key in KEYS:
-            out.update({ACT_PREFIX + k: v for k, v in per_layer(result, key).items()})
-        return out
+        return {**out, **layer_logs(result, KEYS)}
 
     def json(self, result: dict[str, Any]) -> dict[str, Any]:
         return {key: result[key] for key in KEYS if key in result}

@@ -1,5 +1,5 @@
 """One way to record activations: forward hooks, on a sinklab model's hook points (`sinklab.model.hooks`) and
-modules, and on a Hugging Face model's decoder layers (`sinklab.targets.transformers_lm.HFRecorder`). A target runs a batch through its
+modules, and on a Hugging Face model's decoder layers (`sinklab.targets.transformers_recorder.HFRecorder`). A target runs a batch through its
 model with the hooks that the chosen metrics need and hands each metric every layer's recorded tensors as soon as
 the layer has run (`Metric.update`), then the layer's attention map in chunks of query rows (`Metric.update_maps`,
 and once more `Metric.update_maps_again` for a metric that `reads_maps_twice`); nothing is kept after the layer, so

@@ -12,7 +12,7 @@ import torch
 
 from sinklab.keys import ACT_PREFIX
 
-from .base import METRICS, LayerMeans, NON_NEGATIVE, UNIT, Context, Metric, layer_table, per_layer
+from .base import METRICS, LayerMeans, NON_NEGATIVE, UNIT, Context, Metric, layer_logs, layer_table
 from .outliers import channel_means, norm_weight_minima, residual_sink_summary
 
 PER_LAYER = ("resid_sink_top", "resid_sink_channel", "resid_sink_ratio", "attn_norm_min", "ffn_norm_min")
@@ -60,9 +60,7 @@ class ResidualSinks(Metric):
             mins.append(result["final_norm_min"])
         if mins:
             out[ACT_PREFIX + "norm_min"] = float(min(mins))
-        for key in PER_LAYER:
-            out.update({ACT_PREFIX + k: v for k, v in per_layer(result, key).items()})
-        return out
+        return {**out, **layer_logs(result, PER_LAYER)}
 
     def json(self, result: dict[str, Any]) -> dict[str, Any]:
         return {key.removeprefix("resid_sink_"): result[key] for key in JSON_KEYS if key in result}

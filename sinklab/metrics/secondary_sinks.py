@@ -29,7 +29,7 @@ import torch
 
 from sinklab.keys import ACT_PREFIX
 
-from .base import METRICS, NON_NEGATIVE, PERCENT, Context, Metric, layer_table, per_layer
+from .base import METRICS, NON_NEGATIVE, PERCENT, Context, Metric, layer_logs, layer_table
 from .sink import renormalise, seen_column_sums
 
 MIN_QUERIES = 16
@@ -114,8 +114,7 @@ class SecondarySinks(Metric):
     @staticmethod
     def flatten(result: dict[str, Any]) -> dict[str, float]:
         out = {ACT_PREFIX + key: float(result[key]) for key in ("secondary_sink_heads", "sink_positions")}
-        for key in result["by_layer"]:
-            out.update({ACT_PREFIX + k: v for k, v in per_layer(result["by_layer"], key).items()})
+        out.update(layer_logs(result["by_layer"], list(result["by_layer"])))
         for end in ("first", "last"):
             if result[f"{end}_layer"] is not None:
                 out[f"{ACT_PREFIX}secondary_sink_{end}_layer"] = float(result[f"{end}_layer"])

@@ -25,7 +25,7 @@ from .gates import G1, G2, G3, G4, G5
 from .hooks import HookPoint
 from .masks import Layout
 from .ops.base import AttentionOp
-from .positional import RotaryAt
+from .positional.rope import RotaryAt
 from .recompute import recomputed_rows
 from .registry import ATTENTION_OPS, ATTN_BIASES, GATES, HEAD_NORMS, POSITIONS, QK_NORMS, SPARSITIES
 

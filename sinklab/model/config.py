@@ -16,6 +16,8 @@ from typing import Any, Optional
 
 from sinklab.errors import word
 
+from . import knobs
+from .knobs import KNOBS
 from .layer_pattern import layer_config, layer_ops
 from .registry import (ATTENTION_OPS, ATTN_BACKENDS, ATTN_BIASES, FAMILIES, POSITIONS, ConfigError, Registry,
                        check_positive_int, import_components)
@@ -31,7 +33,7 @@ KEPT_MAPS_BUDGET = 64 * 2 ** 20  # bytes per sequence
 
 
 @dataclass
-class BaseModelConfig:
+class SizeFields:
     # sizes
     vocab_size: Optional[int] = None  # null: the data's vocabulary (padded), set when training starts
     n_layer: int = 4
@@ -41,17 +43,17 @@ class BaseModelConfig:
     head_dim: Optional[int] = None  # None = d_model // n_head
     d_ff: int = 352
     block_size: int = 64  # context length
-    # components, each chosen by name from its registry (sinklab/model/registry.py)
-    pos: str = "rope"
-    norm: str = "rms"
-    norm_position: str = "pre"
-    ffn: str = "swiglu"
-    attn_op: str = "softmax"
-    attn_bias: str = "none"
-    gate: str = "none"
-    qk_norm: str = "none"
-    sparsity: str = "none"
-    head_norm: str = "none"
+
+
+# one field per family (pos: str = "rope", norm: str = "rms", ...), in the order of FAMILIES
+ComponentFields = dataclasses.make_dataclass(
+    "ComponentFields", [(r.key, "str", dataclasses.field(default=r.default)) for r in FAMILIES], bases=(SizeFields,),
+    namespace={"__module__": __name__,
+               "__doc__": "components, each chosen by name from its registry (sinklab/model/registry.py)"})
+
+
+@dataclass
+class BaseModelConfig(ComponentFields):
     norm_eps: float = 1e-5
     tie_embeddings: bool = False  # the output head shares the token embedding's weight (an imported SmolLM2, ...)
     softmax_scale: float = 1.0  # alpha in op(alpha * q.k / sqrt(d_h))
@@ -70,34 +72,8 @@ class BaseModelConfig:
     compile: bool = False
 
 
-def knob_fields() -> dict[str, tuple[dataclasses.Field, list[Any]]]:
-    """knob name -> (its field, the component classes that declare it), over every registered component. Components
-    share a knob by declaring it with the same default; a knob named like a base field, or declared again with
-    another default, is refused in one line naming the component that declares it and the one that owns the name
-    (sinklab's own components come first, so a plugin's component is the one named as declaring it)."""
-    knobs: dict[str, tuple[dataclasses.Field, list[Any]]] = {}
-    base = {f.name for f in fields(BaseModelConfig)}
-    classes = [cls for registry in FAMILIES for cls in registry]
-    for cls in sorted(classes, key=lambda c: c.__module__.split(".")[0] != "sinklab"):  # sinklab's own first
-        for f in fields(cls.Knobs):
-            if f.name in base:
-                raise ConfigError(f"{_declared(cls)} declares the knob {f.name}, the name of ModelConfig's own field "
-                                  f"model.{f.name}; give the knob another name")
-            if f.name in knobs and knobs[f.name][0].default != f.default:
-                owner, theirs = knobs[f.name][1][0], knobs[f.name][0].default
-                raise ConfigError(f"{_declared(cls)} declares the knob {f.name} with default {f.default!r}, but "
-                                  f"{_declared(owner)} owns model.{f.name} with default {theirs!r}; give the knob "
-                                  f"another name (components share a knob only with the same default)")
-            knobs.setdefault(f.name, (f, []))[1].append(cls)
-    return knobs
-
-
-def _declared(cls: type) -> str:
-    """'module mypkg.ops.myop (model.attn_op=myop)': where a component comes from and what selects it."""
-    return f"module {cls.__module__} (model.{cls.registry.key}={cls.name})"
-
-
-KNOBS = knob_fields()
+BASE_FIELDS = frozenset(f.name for f in fields(BaseModelConfig))
+knobs.gather(BASE_FIELDS)
 
 
 class ModelConfigMethods:
@@ -300,7 +276,7 @@ KNOBS_ADDED = [0]  # how many times a component registered after ModelConfig was
 def add_knobs(cls: type) -> None:
     """A component registered after ModelConfig was built (from a user's package: sinklab.plugins): `KNOBS` gathers
     its knobs, and ModelConfig gets their fields in place, so every module that imported ModelConfig sees them."""
-    KNOBS.update(knob_fields())  # new knobs at the end, every knob's owners gathered again
+    knobs.gather(BASE_FIELDS)  # new knobs at the end, every knob's owners gathered again
     if set(KNOBS) <= {f.name for f in fields(ModelConfig)}:
         return
     fresh = _make_model_config()
@@ -335,7 +311,14 @@ def preset(name: str, **overrides: Any) -> "ModelConfig":
     return ModelConfig(**{**PRESETS[name], **overrides})
 
 
+# conf/train.yaml's entry whose defaults list holds one switch per family's config group, `model/<group>: null`
+# (model/pos=alibi, model/attn=sigmoid, ...), in the order of FAMILIES: a family's registry entry is its switch
+SWITCHES = "model_switches"
+
+
 def register(cs) -> None:
-    """The `model` group's options: one structured config per size preset."""
+    """The `model` group's options (one structured config per size preset) and the families' switches."""
     for name, sizes in PRESETS.items():
         cs.store(group="model", name=name, node=ModelConfig(**sizes))
+    groups = dict.fromkeys(registry.group for registry in FAMILIES)  # norm and norm_position share model/norm
+    cs.store(name=SWITCHES, node={"defaults": [{f"/model/{group}": None} for group in groups]})

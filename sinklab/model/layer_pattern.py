@@ -22,6 +22,7 @@ import dataclasses
 import re
 from typing import Any, Optional
 
+from .knobs import KNOBS
 from .registry import ATTENTION_OPS, Component, ConfigError
 
 GLOBAL, LOCAL = "G", "L"
@@ -119,8 +120,6 @@ def layer_config(cfg: Any, layer: int) -> Any:
     letter = layer_letter(cfg, layer)
     if letter is None:
         return cfg
-    from .config import KNOBS
-
     op = pattern_ops(cfg).get(letter, cfg.attn_op)
     own = ATTENTION_OPS.get(op)
     foreign = {key: f.default for key, (f, owners) in KNOBS.items()

@@ -21,16 +21,13 @@ def import_components() -> None:
     """Import every module of `sinklab.model` (`sinklab.registries.discover`) but those that import the config
     themselves (they build on it, e.g. compile.py); ops/ imports its own modules. Each registers its components when
     it is imported, so a new component module needs no import list. `sinklab.model.config` calls it before it
-    gathers the knobs, which is why a module that imports the config at its top is left to be imported after it:
-    its source says so (`builds_on_config`). transformer.py and layer_pattern.py, imported so, import the config
-    back inside functions: the one import cycle of the package, and it stays, since the config's fields are the
-    registered components' knobs and the model is built from the config."""
+    gathers the knobs (`sinklab.model.knobs`); no module imported so imports the config."""
     discover(__name__.rpartition(".")[0], keep=lambda name: not builds_on_config(name))
 
 
 def builds_on_config(module: str) -> bool:
     """Whether a module of `sinklab.model` imports the model config at its top (read from its source: importing it
-    while the config is being built would be the cycle `import_components` avoids)."""
+    while the config is being built would be a cycle)."""
     spec = importlib.util.find_spec(module)
     return spec.submodule_search_locations is None and bool(
         _IMPORTS_CONFIG.search(Path(spec.origin).read_text(encoding="utf-8")))
@@ -119,15 +116,25 @@ C = TypeVar("C", bound=type)
 class Registry(Generic[C]):
     """name -> component class for one family, selected by the config key `key`.
 
+    Declaring a family is this one entry: it gives `ModelConfig` its field `key` (a string, `default` unless set;
+    sinklab.model.config) and takes its place in `FAMILIES`, in the order of declaration (that of the config's
+    fields, the knobs and the reference pages); `family=False` declares a registry that is no architecture family
+    (`ATTN_BACKENDS`: its field is the config's own). Its config group `conf/model/<group>/` selects an option.
+
     `listeners` are called with each class registered after them (sinklab.model.config gives `ModelConfig` the
     knobs of a component registered from a user's package, sinklab.plugins)."""
 
     listeners: ClassVar[list[Callable[[type], None]]] = []
 
-    def __init__(self, key: str, what: str, llama: str, group: str):
-        # llama: the option LLaMA has; group: the config group whose files select an option (conf/model/<group>/)
+    def __init__(self, key: str, what: str, llama: str, group: str, default: Optional[str] = None,
+                 family: bool = True):
+        # llama: the option LLaMA has; group: the config group whose files select an option (conf/model/<group>/);
+        # default: the option a config selects unless told otherwise (LLaMA's unless given)
         self.key, self.what, self.llama, self.group = key, what, llama, group
+        self.default = llama if default is None else default
         self._classes: dict[str, C] = {}
+        if family:
+            FAMILIES.append(self)
 
     def register(self, name: str) -> Callable[[C], C]:
         def add(cls: C) -> C:
@@ -166,18 +173,18 @@ class Registry(Generic[C]):
         return name in self._classes
 
 
-ATTENTION_OPS: Registry = Registry("attn_op", "attention operation", llama="softmax", group="attn")
+# The architecture families, each selected by its model.<key>, in the order of ModelConfig's fields
+FAMILIES: list[Registry] = []
+
 POSITIONS: Registry = Registry("pos", "positional encoding", llama="rope", group="pos")
 NORMS: Registry = Registry("norm", "norm", llama="rms", group="norm")
 NORM_POSITIONS: Registry = Registry("norm_position", "block layout", llama="pre", group="norm")
 FFNS: Registry = Registry("ffn", "feed-forward network", llama="swiglu", group="ffn")
-GATES: Registry = Registry("gate", "attention-output gate", llama="none", group="gate")
+ATTENTION_OPS: Registry = Registry("attn_op", "attention operation", llama="softmax", group="attn")
 ATTN_BIASES: Registry = Registry("attn_bias", "attention bias", llama="none", group="bias")
+GATES: Registry = Registry("gate", "attention-output gate", llama="none", group="gate")
 QK_NORMS: Registry = Registry("qk_norm", "query/key norm", llama="none", group="qk_norm")
 SPARSITIES: Registry = Registry("sparsity", "sparse attention pattern", llama="none", group="sparsity")
 HEAD_NORMS: Registry = Registry("head_norm", "per-head output norm", llama="none", group="head_norm")
-
-FAMILIES: tuple[Registry, ...] = (POSITIONS, NORMS, NORM_POSITIONS, FFNS, ATTENTION_OPS, ATTN_BIASES, GATES, QK_NORMS,
-                                  SPARSITIES, HEAD_NORMS)
 # how attention runs, not what it computes (an execution choice, like model.compile): not an architecture family
-ATTN_BACKENDS: Registry = Registry("attn_backend", "attention backend", llama="sdpa", group="backend")
+ATTN_BACKENDS: Registry = Registry("attn_backend", "attention backend", llama="sdpa", group="backend", family=False)

@@ -30,7 +30,8 @@ from torch import nn
 
 from sinklab.errors import word
 
-from .config import KNOBS, BaseModelConfig, ModelConfig
+from .config import BaseModelConfig, ModelConfig
+from .knobs import KNOBS
 from .registry import FAMILIES
 
 # base fields a retrofit may add: key -> (how it starts, whether it is the identity under a config)

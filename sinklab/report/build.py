@@ -9,6 +9,7 @@ from omegaconf import OmegaConf
 from sinklab.config.claims import parse_claims
 from sinklab.config.store import CONF_DIR
 from sinklab.errors import UserError
+from sinklab.evals import EVALUATIONS
 from sinklab.report.baseline import check_baseline, choose_baseline
 from sinklab.report.jobs import STALE_MINUTES, Sweep, load_sweeps, select
 from sinklab.report.paper import load_paper_tables
@@ -87,7 +88,7 @@ def build_report(sweep_dir, out_dir=None, *, paper_tables: Optional[Path] = None
     if baseline:
         check_baseline(sweep, baseline)
     source, spec = sweep_claims(sweep, claims_from)
-    preset_baseline, claims = parse_claims(spec)
+    preset_baseline, claims = parse_claims(spec, EVALUATIONS)
     tables = load_paper_tables(paper_tables)
     try:
         out_dir.mkdir(parents=True, exist_ok=True)

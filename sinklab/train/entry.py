@@ -18,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from sinklab.config import CONF_DIR, check_devices, validate_config
 from sinklab.config.messages import instantiate_user
 from sinklab.errors import UserError
+from sinklab.evals import EVALUATIONS
 from sinklab.train.jobs import log_failure, run_job
 from sinklab.train.record import RunRecord
 from sinklab.train.runtime import group_choices, output_dir_of
@@ -49,7 +50,9 @@ def train(cfg: DictConfig, record: Optional[RunRecord] = None) -> dict[str, Any]
     out = output_dir_of(cfg)
     out.mkdir(parents=True, exist_ok=True)
     OmegaConf.update(cfg, "paths.output_dir", str(out), force_add=True)
-    model_cfg = validate_config(cfg)  # the whole config, and the model's, once, before any data is loaded
+    # the whole config, and the model's, once, before any data is loaded (the preset's claims: against the
+    # evaluations' columns)
+    model_cfg = validate_config(cfg, EVALUATIONS)
     check_devices(cfg)
     check_wandb_installed(cfg)
     ckpt = resolve_ckpt_path(cfg.get("ckpt_path"), out)

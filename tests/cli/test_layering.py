@@ -1,5 +1,6 @@
-"""The import graph of sinklab/: commands sit on a shared base and never import each other, the library never imports
-a command, and what evaluates a model sits below training (no Lightning for `sinklab quant` and `sinklab eval`).
+"""The import graph of sinklab/: its packages stand on floors (`FLOORS`: no import from a floor above, no cycle);
+commands sit on a shared base and never import each other, the library never imports a command, and what evaluates a
+model sits below training (no Lightning for `sinklab quant` and `sinklab eval`).
 
 Imports are read from the source (ast), wherever they are in a module (module level or inside a function), except
 a module's `if __name__ == "__main__":` block: `python -m sinklab.analysis.measurement` running `sinklab.cli.measure` is a
@@ -258,3 +259,45 @@ def test_quant_and_streaming_run_without_lightning(tmp_path):
     assert (q, s) == (0, 0)
     assert set(json.loads(lines[0])["schemes"]) == {"fp32", "w8a8"}
     assert json.loads(lines[1])["settings"][0]["name"] == "x=1 y=8"
+
+
+# the packages of sinklab/ from the ground up: a module imports from its own floor and below only (the root's facade,
+# sinklab/__init__.py, excepted: `sinklab.load_model` hands on sinklab.runs' own)
+FLOORS = (("sinklab.errors", "sinklab.keys", "sinklab.registries"), ("sinklab.model", "sinklab.plugins", "sinklab.io"),
+          ("sinklab.metrics", "sinklab.quant"), ("sinklab.config",), ("sinklab.contracts", "sinklab.data"),
+          ("sinklab.runs",), ("sinklab.targets",), ("sinklab.evals",), ("sinklab.report",), ("sinklab.analysis",),
+          ("sinklab.export", "sinklab.train"), ("sinklab.cli", "sinklab.__main__"))
+
+
+def floor(module: str) -> int:
+    found = [i for i, names in enumerate(FLOORS) for name in names if module == name or module.startswith(name + ".")]
+    assert found, f"{module} is on no floor of FLOORS: add its package there"
+    return found[0]
+
+
+def test_no_module_imports_from_a_floor_above_its_own():
+    for module, deps in graph().items():
+        if module == "sinklab":
+            continue
+        up = sorted(m for m in deps if m in graph() and m != "sinklab" and floor(m) > floor(module))
+        assert not up, f"{module} imports {up}, from above its floor: move the shared piece down, or have the " \
+                       "caller hand it in"
+
+
+def test_no_import_cycle():
+    """No circle of imports between modules (a package's `__init__` handing on its modules' names is not one)."""
+    g = graph()
+    own = {m: {d for d in deps if d in g and d != m and not m.startswith(d + ".")} for m, deps in g.items()}
+    done: set[str] = set()
+
+    def visit(module: str, path: tuple[str, ...]) -> None:
+        if module in path:
+            raise AssertionError("import cycle: " + " -> ".join(path[path.index(module):] + (module,)))
+        if module in done:
+            return
+        for dep in sorted(own[module]):
+            visit(dep, path + (module,))
+        done.add(module)
+
+    for module in sorted(g):
+        visit(module, ())

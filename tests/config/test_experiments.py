@@ -40,6 +40,7 @@ from sinklab.config import CONF_DIR, validate_config
 from sinklab.data.controls import BlockControls
 from sinklab.config.claims import parse_claims
 from sinklab.errors import UserError
+from sinklab.evals import EVALUATIONS
 from sinklab.report import build_report, load_paper_tables, match_paper_row
 from sinklab.report.paper import values_match
 from tests.helpers import REPO, configs, run_cli
@@ -327,7 +328,7 @@ def test_claims_name_settings_of_the_preset_sweep(name):
                                                                              if k in cfg.experiment]))
         values = {k: list(parser.parse_override(f"{k}={v}").sweep_iterator())
                   for k, v in sweep_params(name, scale).items()}
-        baseline, claims = parse_claims(exp)
+        baseline, claims = parse_claims(exp, EVALUATIONS)
         assert bool(claims) == (name in WITH_CLAIMS)
         for claim in claims:
             assert claim.text, claim.id

@@ -118,9 +118,9 @@ def test_claims_on_evaluation_columns_are_checked_against_the_registry():
                                                                  "metric": metric, "direction": "lower"}]}
 
     for metric in ("quant/w4a4_gap", "streaming/x0_y60_ppl", "intervene/mask_first_dppl", "sink/sink1", "val/loss"):
-        assert parse_claims(claim(metric))[1][0].metric == metric
+        assert parse_claims(claim(metric), EVALUATIONS)[1][0].metric == metric
     with pytest.raises(UserError) as err:
-        parse_claims(claim("quant/w4a4_gpa"))
+        parse_claims(claim("quant/w4a4_gpa"), EVALUATIONS)
     assert str(err.value).startswith("experiment.claims[0] (a).metric='quant/w4a4_gpa' is not allowed; allowed: a "
                                      "column of the quant evaluation: quant/<a name matching ")
 
@@ -197,10 +197,10 @@ def test_a_registered_evaluation_reaches_the_report_within_its_bounds(capsys, tm
     assert [r["share/count"] for r in rows] == [40.0, 250.0]
     assert [r["share/share"] for r in rows] == [0.4, None]  # 2.5 is outside [0, 1]
     assert parse_claims({"baseline": {"optim.weight_decay": 0.1}, "claims": [
-        {"id": "s", "setting": {"optim.weight_decay": 0.2}, "metric": "share/share", "direction": "higher"}]})
+        {"id": "s", "setting": {"optim.weight_decay": 0.2}, "metric": "share/share", "direction": "higher"}]}, EVALUATIONS)
     with pytest.raises(UserError, match="share/ratio"):
         parse_claims({"baseline": {"optim.weight_decay": 0.1}, "claims": [
-            {"id": "s", "setting": {"optim.weight_decay": 0.2}, "metric": "share/ratio", "direction": "higher"}]})
+            {"id": "s", "setting": {"optim.weight_decay": 0.2}, "metric": "share/ratio", "direction": "higher"}]}, EVALUATIONS)
 
 
 def test_a_rerun_merges_into_the_jobs_earlier_result_or_keeps_it_apart(capsys, sweep):

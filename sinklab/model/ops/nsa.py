@@ -60,7 +60,7 @@ from torch import nn
 
 from ..hooks import HookPoint
 from ..masks import Layout
-from ..positional import RotaryAt
+from ..positional.rope import RotaryAt
 from ..registry import ATTENTION_OPS, POSITIONS, ConfigError, check_positive_int
 from .base import AttentionOp
 

@@ -8,7 +8,7 @@ against the plugin's node of that name, Hydra's "automatic schema matching", whi
 import importlib.util
 from typing import Optional
 
-from sinklab.config.store import SCHEMA_NAME
+from .store import SCHEMA_NAME
 from sinklab.errors import missing_package
 
 GROUP = "hydra/launcher"

@@ -9,14 +9,14 @@ from typing import Optional
 
 from omegaconf import OmegaConf
 
+from sinklab.model import FAMILIES
+from sinklab.model.knobs import KNOBS
+
+from .store import CONF_DIR, plugin_options
+
 
 def catalog(conf_dir: Optional[Path] = None) -> list[dict]:
     """One entry per registered component, in registry order."""
-    from sinklab.config import CONF_DIR
-    from sinklab.model import FAMILIES
-    from sinklab.model.config import KNOBS
-    from sinklab.config.store import plugin_options
-
     conf = (conf_dir or CONF_DIR) / "model"
     entries = []
     for registry in FAMILIES:
