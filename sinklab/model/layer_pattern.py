@@ -32,9 +32,11 @@ class LayerPattern(Component):
 
     @dataclasses.dataclass
     class Knobs:
-        # the contract tests try: every layer alike, a local and a global layer, a kernel layer among softmax ones
+        # the contract tests try: every layer alike, a local and a global layer, a kernel or Gated DeltaNet layer
+        # among softmax ones
         layer_pattern: Optional[str] = dataclasses.field(default=None, metadata={"cases": (None, "LG", "GK")})
-        pattern_ops: Optional[str] = dataclasses.field(default=None, metadata={"cases": (None, "K:kernel")})
+        pattern_ops: Optional[str] = dataclasses.field(
+            default=None, metadata={"cases": (None, "K:kernel", "K:gated_deltanet")})
 
     llama_knobs = {"layer_pattern": None, "pattern_ops": None}
 
