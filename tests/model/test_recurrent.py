@@ -164,3 +164,22 @@ def test_an_intervention_mask_is_refused():
     m = hybrid(layer_pattern=None, pattern_ops=None, attn_op="gated_deltanet")
     with pytest.raises(UserError, match="gated_deltanet runs its recurrence"):
         m(torch.zeros(1, 8, dtype=torch.long), extra_mask=lambda b, h, q, kv: kv != 1)
+
+
+def test_retrievals_kept_sets_are_the_softmax_layers():
+    """`sinklab eval retrieval`'s kept sets: the layers that hold keys; a model of recurrent layers only has every
+    token it read (its memory is never evicted)."""
+    from sinklab.model.cache_policies import Streaming
+    from sinklab.targets.native import SinklabDecoder
+
+    idx = torch.randint(0, 97, (2, 40), generator=torch.Generator().manual_seed(2))
+    dec = SinklabDecoder(hybrid(), Streaming(8, first=2), "decoding")
+    dec(idx[:, :30])
+    kept = dec.kept()
+    assert len(kept) == 2 and all(k.shape == (2, 4, 8) for k in kept)  # layers 0 and 2, 2 first + 6 recent
+    assert kept[0][0, 0].tolist() == [0, 1, 24, 25, 26, 27, 28, 29]
+    linear = SinklabDecoder(hybrid(layer_pattern=None, pattern_ops=None, attn_op="gated_deltanet"),
+                            Streaming(8, first=2), "decoding")
+    linear(idx[:, :30])
+    (every,) = linear.kept()
+    assert every.shape == (2, 1, 30) and every[1, 0].tolist() == list(range(30))
