@@ -11,7 +11,7 @@ import torch
 
 from sinklab.errors import UserError
 from sinklab.model import ConfigError, ModelConfig, Transformer
-from sinklab.model.cache_policies import SnapKV
+from sinklab.model.cache_policies import CACHE_POLICIES, SnapKV, build
 from sinklab.model.ops.recurrent import (chunked_gated_delta, effective_attention, l2_normalise,
                                          recurrent_gated_delta)
 
@@ -139,6 +139,23 @@ def test_hybrid_decodes_under_eviction_with_the_memory_kept():
             torch.testing.assert_close(logits, full, atol=2e-5, rtol=1e-5)
         else:
             assert cache.length < 16 + 32 and (logits - full).abs().max() > 1e-4  # the softmax layers evicted
+
+
+@pytest.mark.parametrize("name", CACHE_POLICIES.names())
+def test_every_cache_policy_decodes_a_hybrid(name):
+    """Each registered policy evicts or masks the softmax layers' keys of a hybrid (a layer pattern that puts the
+    recurrent layer first and last) and leaves the recurrent layers' memory whole: finite logits, no keys held by a
+    recurrent layer, its memory the same size at every step."""
+    m = hybrid(layer_pattern="DGGD")
+    policy = build(name, None if name in ("dense", "duo") else 12)
+    cache = m.new_cache(policy=policy)
+    idx = torch.randint(0, 97, (1, 40), generator=torch.Generator().manual_seed(3))
+    steps = [m(idx[:, :16], cache=cache)]
+    for i in range(16, 40):
+        steps.append(m(idx[:, i:i + 1], cache=cache))
+        assert cache.recurrent[0]["memory"].shape == cache.recurrent[3]["memory"].shape == (1, 4, 8, 8)
+    assert cache.k[0] is None and cache.k[3] is None and cache.k[1] is not None
+    assert torch.isfinite(torch.cat(steps, dim=1)).all()
 
 
 def test_an_all_recurrent_model_decodes():
