@@ -263,20 +263,25 @@ class RecurrentOp(AttentionOp):
         cache = layout.cache
         state = cache.recurrent_state(self.layer, q.shape[2]) if cache is not None else None
         memory = state.get("memory") if state is not None else None
+        # in float32 whatever the autocast (the triangular solve and the decays' exponentials, as transformers' and
+        # flash-linear-attention's kernels do); the memory is kept in float32
+        args = [t.float() if t is not None else None for t in (q * scale, k, v, decay, beta)]
         if state is not None and q.shape[2] < self.chunk:
-            o, memory = recurrent_gated_delta(q * scale, k, v, decay, beta, memory)
+            o, memory = recurrent_gated_delta(*args, memory)
         else:
-            o, memory = chunked_gated_delta(q * scale, k, v, decay, beta, self.chunk, memory)
+            o, memory = chunked_gated_delta(*args, self.chunk, memory)
         if state is not None:
             state["memory"] = memory
-        return self.gated_norm(o, extra["gate"])
+        return self.gated_norm(o.to(v.dtype), extra["gate"])
 
     def probs(self, q: torch.Tensor, k: torch.Tensor, layout: Layout, rows: torch.Tensor, scale: float,
               extra: Optional[dict[str, torch.Tensor]] = None) -> torch.Tensor:
         """The effective attention of query rows (`effective_attention`): (B, H, R, n_keys)."""
         self.check_layout(layout, explicit=True)
         decay, beta = self.gates(extra)
-        return effective_attention(q * scale, k, decay, beta, rows)
+        M = effective_attention((q * scale).float(), k.float(), decay.float(),
+                                beta.float() if beta is not None else None, rows)
+        return M.to(q.dtype)
 
     def attend(self, q, k, v, layout, rows, scale, extra):
         """The output of query rows through the effective attention (the explicit path): M @ v, gated and normed."""
