@@ -203,8 +203,8 @@ def test_retrievals_kept_sets_are_the_softmax_layers():
 
 
 def test_bfloat16_autocast_runs_the_recurrence_in_float32():
-    """Under bf16 autocast the chunked form still runs in float32 (the triangular solve has no bf16 kernel on every
-    device): finite logits near the float32 ones, a gradient for every parameter."""
+    """Under bf16 autocast the chunked form still runs in float32 (its triangular solve and the decays' products want
+    it): finite logits near the float32 ones, a gradient for every parameter."""
     m = hybrid(block_size=80).train()
     idx = torch.randint(0, 97, (2, 70), generator=torch.Generator().manual_seed(4))
     want = m(idx).detach()
