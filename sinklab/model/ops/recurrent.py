@@ -4,7 +4,7 @@ layer pattern mixes them with any softmax variant (`model.layer_pattern=GDDD mod
 Gated DeltaNet (Yang, Kautz, Hatamizadeh 2024, "Gated Delta Networks", arXiv 2412.06464): each head keeps a matrix
 memory S (d_k x d_v) that every token decays and corrects by the delta rule,
 
-    S_t = alpha_t S_{t-1} (I - beta_t k_t k_t^T) + beta_t k_t v_t^T,        o_t = S_t^T q_t / sqrt(d_k),
+    S_t = alpha_t (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T,        o_t = S_t^T q_t / sqrt(d_k),
 
 beta_t = sigmoid(b(x_t)) the writing strength, alpha_t = exp(-A softplus(a(x_t) + dt_bias)) the decay (A > 0 per
 head, Mamba-2's parametrisation), q, k, v after a short causal depthwise convolution (kernel `model.conv_size`) and
