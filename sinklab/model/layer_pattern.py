@@ -2,7 +2,8 @@
 
 - `G`: a global layer, the model's `attn_op` over the full (causal / prefix) mask;
 - `L`: a local layer, the model's `attn_op` under the sliding window `model.window`;
-- any other capital letter X: a global layer running the attention operation `model.pattern_ops` names for it,
+- any other capital letter X: a global layer running the attention operation `model.pattern_ops` names for it
+  (a recurrent one, Gated DeltaNet, without `model.gate`: it has its own output gate),
   "X:op" (several: "X:op,Y:op", quoted on the command line), with the model-wide knobs of that op; e.g. a hybrid
   of linear attention with a softmax layer every fourth: `model.attn_op=kernel model.layer_pattern=GGGS
   model.pattern_ops=S:softmax`.
@@ -22,7 +23,7 @@ import dataclasses
 import re
 from typing import Any, Optional
 
-from .registry import ATTENTION_OPS, Component, ConfigError
+from .registry import ATTENTION_OPS, GATES, Component, ConfigError
 
 GLOBAL, LOCAL = "G", "L"
 
@@ -117,7 +118,8 @@ def layer_ops(cfg: Any) -> set[str]:
 def layer_config(cfg: Any, layer: int) -> Any:
     """The config layer `layer`'s attention is built from: `cfg` itself without a pattern; else `cfg` with the
     layer's op (its knobs as configured, the other ops' knobs at their defaults) and window (model.window for L, none
-    otherwise), and no pattern."""
+    otherwise), and no pattern; a recurrent op's layer (Gated DeltaNet) without model.gate, which gates the softmax
+    layers only (the recurrent layer has its own output gate)."""
     letter = layer_letter(cfg, layer)
     if letter is None:
         return cfg
@@ -127,5 +129,8 @@ def layer_config(cfg: Any, layer: int) -> Any:
     own = ATTENTION_OPS.get(op)
     foreign = {key: f.default for key, (f, owners) in KNOBS.items()
                if owners[0].registry is ATTENTION_OPS and own not in owners}
+    if own.recurrent:  # a recurrent layer has its own output gate: model.gate gates the softmax layers
+        foreign.update({key: f.default for key, (f, owners) in KNOBS.items() if owners[0].registry is GATES},
+                       gate="none")
     return dataclasses.replace(cfg, **foreign, attn_op=op, window=cfg.window if letter == LOCAL else None,
                                layer_pattern=None, pattern_ops=None)

@@ -177,6 +177,14 @@ def test_bad_settings_are_one_line_errors(key, value, allowed):
     assert f"model.{key}=" in str(err.value) and allowed in str(err.value) and "\n" not in str(err.value)
 
 
+def test_a_gate_gates_the_softmax_layers_of_a_pattern_only():
+    m = hybrid(layer_pattern="DDDG", gate="elementwise", gate_act="scaled_sigmoid")
+    assert [type(b.attn.gate_proj).__name__ for b in m.blocks] == ["NoGate", "NoGate", "NoGate", "ElementwiseGate"]
+    with pytest.raises(ConfigError, match=r"^model.gate=headwise does not apply to model.attn_op=gated_deltanet; "
+                                          r"allowed: none"):
+        hybrid(layer_pattern=None, pattern_ops=None, attn_op="gated_deltanet", gate="headwise")
+
+
 def test_an_intervention_mask_is_refused():
     m = hybrid(layer_pattern=None, pattern_ops=None, attn_op="gated_deltanet")
     with pytest.raises(UserError, match="gated_deltanet runs its recurrence"):

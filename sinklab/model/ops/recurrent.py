@@ -195,6 +195,8 @@ class RecurrentOp(AttentionOp):
             ("prefix_len", cfg.prefix_len, "0 (it is causal only)"),
             ("attn_bias", cfg.attn_bias, "none"),
             ("sparsity", cfg.sparsity, "none"),
+            ("gate", cfg.gate, "none (it has its own SiLU output gate; in a layer pattern model.gate gates the softmax "
+                               "layers only)"),
         ) if value not in (None, 0, "none")]
         if refused:
             key, value, allowed = refused[0]
