@@ -177,10 +177,12 @@ class Attention(nn.Module):
         o = self.hooked_map(q, k, v, layout, extra) if self.map_hooked else None
         # a recurrent op decodes from its memory in a KV cache, whichever path: its fused form reads it
         if o is None and (self.use_fused or (self.op.recurrent and layout.cache is not None)):
-            o = self.op.fused(q, k, v, self.own(layout), self.scale, self.backend, **({"extra": extra} if extra else {}))
+            own, more = self.own(layout), ({"extra": extra} if extra else {})  # an op's own tensors, where it has them
+            o = self.op.fused(q, k, v, own, self.scale, self.backend, **more)
         if o is None:
             o = self.explicit(q, k, v, layout, extra)
-        if layout.cache is not None and layout.cache.wants_maps and not self.op.recurrent:  # an attention-based cache policy's scores
+        # an attention-based cache policy's scores (a recurrent layer holds no keys to score)
+        if layout.cache is not None and layout.cache.wants_maps and not self.op.recurrent:
             layout.cache.observe(self.layer, self.probs(q, k, layout, layout.rows())[..., self.attn_bias.n_slots:])
         if self.training and torch.is_grad_enabled():
             for name, loss in self.op.aux_losses(q, k, self.own(layout), self.scale, extra, self.row_chunk).items():

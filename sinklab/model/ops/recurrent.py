@@ -241,8 +241,8 @@ class RecurrentOp(AttentionOp):
         (B, H, N, 1) with the delta rule}."""
         B, N, _ = x.shape
         decay = -self.A_log.exp() * F.softplus(self.a_proj(x) + self.dt_bias)  # (B, N, H)
-        out = {"decay": decay.transpose(1, 2)[..., None],
-               "gate": self.g_proj(x).view(B, N, self.n_head, self.hd).transpose(1, 2)}  # (B, N, H * hd) -> (B, H, N, hd)
+        gate = self.g_proj(x).view(B, N, self.n_head, self.hd).transpose(1, 2)  # (B, N, H * hd) -> (B, H, N, hd)
+        out = {"decay": decay.transpose(1, 2)[..., None], "gate": gate}  # decay (B, N, H) -> (B, H, N, 1)
         if self.delta:
             out["beta"] = torch.sigmoid(self.b_proj(x)).transpose(1, 2)[..., None]  # (B, N, H) -> (B, H, N, 1)
         return out
