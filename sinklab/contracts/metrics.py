@@ -117,8 +117,9 @@ def streamed_equals_direct(switch: str, names: Optional[Sequence[str]] = None) -
 
 
 # the models a metric's records and JSON are checked on: the first it applies to (a gate's scores and a bias slot's
-# values recorded; the window for a metric of sparse attention only)
-RECORDS_CASES = ({"gate": "elementwise", "attn_bias": "k"}, {"gate": "elementwise", "attn_bias": "k", "window": 5})
+# values recorded; the window for a metric of sparse attention only, a Gated DeltaNet layer for one of recurrent layers)
+RECORDS_CASES = ({"gate": "elementwise", "attn_bias": "k"}, {"gate": "elementwise", "attn_bias": "k", "window": 5},
+                 {"gate": "elementwise", "layer_pattern": "GK", "pattern_ops": "K:gated_deltanet"})
 
 
 def records_only_what_it_declares_and_writes_strict_json(name: str) -> None:

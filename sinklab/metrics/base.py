@@ -5,8 +5,10 @@ A metric is one module (`sinklab/metrics/<name>.py`) with one class registered h
   keys and values as the operation sees them: after RoPE, the kv heads repeated to H), `v_extra` (the values of
   the extra keys, bias slot then learned sink tokens, (B, H, n_extra, hd); absent without them), `attn` (the attention
   module's output, (B, T, d)), `h` (the residual stream leaving the layer, (B, T, d)), `gate` (a gated model's
-  scores, (B, T, width)) and `maps` (the attention map in chunks of query rows, (B, H, R, n_extra + T), the extra
-  key columns first: the bias slot, then learned sink tokens);
+  scores, (B, T, width)), `op_tensors` (the attention op's own per-token tensors, `AttentionOp.project`, over the
+  real tokens: {name: (B, h, T, w)}, e.g. a recurrent layer's decay and beta; {} for most ops) and `maps` (the
+  attention map in chunks of query rows, (B, H, R, n_extra + T), the extra key columns first: the bias slot, then
+  learned sink tokens);
 - how it reduces: `update(layer, rec)` and `update_maps(layer, rows, maps)` per layer and batch, `end_batch()`,
   `result()` per layer (lists indexed by layer) and overall; with `reads_maps_twice`, each layer's chunks come again
   to `update_maps_again` once all of them were seen (a statistic of each query row that needs the column sums);
@@ -40,7 +42,7 @@ from sinklab.keys import ACT_PREFIX
 from sinklab.keys import ANY, NON_NEGATIVE, PERCENT, TRAINING_BOUNDS, UNIT  # noqa: F401  (the bounds metrics declare)
 from sinklab.registries import NameRegistry
 
-RECORDABLE = frozenset({"q", "k", "v", "v_extra", "attn", "h", "gate", "maps"})
+RECORDABLE = frozenset({"q", "k", "v", "v_extra", "attn", "h", "gate", "op_tensors", "maps"})
 
 
 @dataclass

@@ -63,7 +63,8 @@ class SinklabRecorder:
         for i, block in enumerate(self.model.blocks):
             attn = block.attn
             wanted = ((attn.hook_q, "q", queries), (attn.hook_k, "k", keys), (attn.hook_v, "v", keys),
-                      (attn.hook_v, "v_extra", extra), (attn, "attn", tokens))
+                      (attn.hook_v, "v_extra", extra), (attn, "attn", tokens),
+                      (attn.hook_extra, "op_tensors", lambda d: {n: queries(t) for n, t in d.items()}))
             for module, name, trim in wanted:
                 if name in names:
                     handles.append(module.register_forward_hook(keep(name, trim)))

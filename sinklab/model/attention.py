@@ -55,7 +55,8 @@ class Attention(nn.Module):
         # whether the op's fused path runs at all: its fusable(cfg), the one place that says "no fused path"
         self.use_fused = self.backend.fuses and self.op.fusable(cfg)
         self.recompute = cfg.memory == "linear"
-        self.rotates = POSITIONS.selected(cfg).rotates(cfg, layer)  # False in a NoPE layer (model.nope_every)
+        # False in a NoPE layer (model.nope_every) and for an op that takes no RoPE (a recurrent mixer)
+        self.rotates = POSITIONS.selected(cfg).rotates(cfg, layer) and self.op.takes_rope
         self.layer = layer  # its index in a KV cache
         self.local = local  # a local layer of model.layer_pattern: it attends through the layout's windowed mask
         self.qk_norm = QK_NORMS.selected(cfg)(cfg)  # before RoPE (model.qk_norm)
@@ -79,6 +80,8 @@ class Attention(nn.Module):
         take this forward's RoPE, then a KV cache adds its earlier positions' (a dense cache; one that evicts would
         have to re-derive them at new places, and is refused)."""
         extra = self.op.project(x)
+        if self.op.recurrent:  # gates of the new positions only: its memory, in the cache, holds the past
+            return self.hook_extra(extra)
         cache = layout.cache
         if extra and cache is not None and cache.policy.budget is not None:
             raise UserError(f"model.attn_op={self.op.name} keeps per-token tensors of its own in the KV cache: a cache "
@@ -106,7 +109,9 @@ class Attention(nn.Module):
                    for hook, t in ((self.hook_q_in, q), (self.hook_k_in, k), (self.hook_v_in, v)))
         rope = layout.rope if self.rotates else None
         cache = layout.cache
-        if cache is not None and cache.stores_rotated:  # a dense cache: keys keep their place, rotated once
+        if self.op.recurrent:  # the new positions only, through the op's convolutions; the cache keeps its memory
+            q, k, v = self.op.prepare(q, k, v, cache)
+        elif cache is not None and cache.stores_rotated:  # a dense cache: keys keep their place, rotated once
             if rope is not None:
                 q, k = rope(q), rope(k)
             k, v = cache.extend(self.layer, k, v)  # (B, Hkv, start + N, hd)
@@ -170,11 +175,14 @@ class Attention(nn.Module):
         extra = self.extras(x, layout)
         q, k, v = self.qkv(x, layout)
         o = self.hooked_map(q, k, v, layout, extra) if self.map_hooked else None
-        if o is None and self.use_fused:
-            o = self.op.fused(q, k, v, self.own(layout), self.scale, self.backend)
+        # a recurrent op decodes from its memory in a KV cache, whichever path: its fused form reads it
+        if o is None and (self.use_fused or (self.op.recurrent and layout.cache is not None)):
+            own, more = self.own(layout), ({"extra": extra} if extra else {})  # an op's own tensors, where it has them
+            o = self.op.fused(q, k, v, own, self.scale, self.backend, **more)
         if o is None:
             o = self.explicit(q, k, v, layout, extra)
-        if layout.cache is not None and layout.cache.wants_maps:  # an attention-based cache policy's scores
+        # an attention-based cache policy's scores (a recurrent layer holds no keys to score)
+        if layout.cache is not None and layout.cache.wants_maps and not self.op.recurrent:
             layout.cache.observe(self.layer, self.probs(q, k, layout, layout.rows())[..., self.attn_bias.n_slots:])
         if self.training and torch.is_grad_enabled():
             for name, loss in self.op.aux_losses(q, k, self.own(layout), self.scale, extra, self.row_chunk).items():

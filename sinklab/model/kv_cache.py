@@ -22,6 +22,10 @@ streaming heads (its keys never move). Attention-based policies get each forward
 
 An attention operation with per-token tensors of its own (`AttentionOp.project`: NSA's branch keys, DSA's indexer)
 keeps them here too, per layer and name (`extend_extra`), in a dense cache only.
+
+A recurrent layer (`AttentionOp.recurrent`: Gated DeltaNet, gated linear attention) holds no keys: its memory (the
+short convolutions' last inputs, the matrix memory) is `recurrent_state(layer)`, a fixed size whatever the context,
+and no policy ever evicts it; the policies evict and mask the keys of the other layers only.
 """
 from __future__ import annotations
 
@@ -67,6 +71,8 @@ class KVCache:
         self.extra: list[dict[str, torch.Tensor]] = [{} for _ in range(n_layer)]
         # per layer, the policy's state over the text keys (`CachePolicy.observe`): name -> (..., L - n_sink)
         self.state: list[dict] = [{} for _ in range(n_layer)]
+        # per layer, a recurrent op's memory (`recurrent_state`): name -> tensor, never evicted
+        self.recurrent: list[dict] = [{} for _ in range(n_layer)]
         # per layer, where each key came from (B, Hkv, L): the text token's index, -1 for a sink token (evicting
         # policies only: a dense cache's is its place)
         self.origin: list[Optional[torch.Tensor]] = [None] * n_layer
@@ -144,6 +150,16 @@ class KVCache:
         per_kv = probs.detach().float().view(B, Hkv, H // Hkv, N, L).sum(2)  # (B, Hkv, N, L)
         self.policy.observe(self.state[layer], per_kv[..., self.n_sink:])
 
+    def recurrent_state(self, layer: int, n_new: int) -> dict:
+        """The memory of a recurrent layer (name -> tensor, the op reads and replaces its entries), in a forward of
+        n_new positions: counted as held, as `extend` counts a softmax layer's keys."""
+        self._filled = self.length + n_new
+        return self.recurrent[layer]
+
+    def key_layers(self) -> list[int]:
+        """The layers that hold keys (not recurrent ones): those a policy evicts or masks."""
+        return [layer for layer in range(self.n_layer) if self.k[layer] is not None]
+
     def extend_extra(self, layer: int, name: str, t: torch.Tensor) -> torch.Tensor:
         """Append a forward's per-token tensor `name` of the layer's operation (`AttentionOp.project`), (B, h, N, w),
         to the positions held; return all of them (a view). Only a dense cache holds them (the attention refuses an
@@ -190,7 +206,7 @@ class KVCache:
             return
         if self.choice is None:
             self.choice = self.policy.choose(self.state)
-        for layer in range(self.n_layer):
+        for layer in self.key_layers():
             keys = self.text_keys(layer)
             B, Hkv = keys.shape[:2]
             sinks = torch.ones(B, Hkv, self.n_sink, dtype=torch.bool, device=keys.device)
@@ -200,12 +216,12 @@ class KVCache:
         """Keep each layer's picked text keys (and the sink tokens), moved to the front in their order; a layer that
         keeps fewer than the largest has free slots first, masked."""
         n_text = self.length - self.n_sink
-        caps = [min(self.policy.capacity(layer, self.n_layer, n_text), n_text) for layer in range(self.n_layer)]
-        width = max(caps)
-        if min(caps) >= n_text:
+        caps = {layer: min(self.policy.capacity(layer, self.n_layer, n_text), n_text) for layer in self.key_layers()}
+        if not caps or min(caps.values()) >= n_text:  # nothing to evict (or only recurrent layers)
             return
+        width = max(caps.values())
         S = self.n_sink
-        for layer, n in enumerate(caps):
+        for layer, n in caps.items():
             keys = self.text_keys(layer)
             B, Hkv, _, hd = keys.shape
             idx = self.policy.keep(self.state[layer], keys, layer, n)  # (B, Hkv, n), text indices ascending

@@ -2,7 +2,8 @@
 
 - `G`: a global layer, the model's `attn_op` over the full (causal / prefix) mask;
 - `L`: a local layer, the model's `attn_op` under the sliding window `model.window`;
-- any other capital letter X: a global layer running the attention operation `model.pattern_ops` names for it,
+- any other capital letter X: a global layer running the attention operation `model.pattern_ops` names for it
+  (a recurrent one, Gated DeltaNet, without `model.gate`: it has its own output gate),
   "X:op" (several: "X:op,Y:op", quoted on the command line), with the model-wide knobs of that op; e.g. a hybrid
   of linear attention with a softmax layer every fourth: `model.attn_op=kernel model.layer_pattern=GGGS
   model.pattern_ops=S:softmax`.
@@ -23,7 +24,7 @@ import re
 from typing import Any, Optional
 
 from .knobs import KNOBS
-from .registry import ATTENTION_OPS, Component, ConfigError
+from .registry import ATTENTION_OPS, GATES, Component, ConfigError
 
 GLOBAL, LOCAL = "G", "L"
 
@@ -33,9 +34,11 @@ class LayerPattern(Component):
 
     @dataclasses.dataclass
     class Knobs:
-        # the contract tests try: every layer alike, a local and a global layer, a kernel layer among softmax ones
+        # the contract tests try: every layer alike, a local and a global layer, a kernel or Gated DeltaNet layer
+        # among softmax ones
         layer_pattern: Optional[str] = dataclasses.field(default=None, metadata={"cases": (None, "LG", "GK")})
-        pattern_ops: Optional[str] = dataclasses.field(default=None, metadata={"cases": (None, "K:kernel")})
+        pattern_ops: Optional[str] = dataclasses.field(
+            default=None, metadata={"cases": (None, "K:kernel", "K:gated_deltanet")})
 
     llama_knobs = {"layer_pattern": None, "pattern_ops": None}
 
@@ -116,7 +119,8 @@ def layer_ops(cfg: Any) -> set[str]:
 def layer_config(cfg: Any, layer: int) -> Any:
     """The config layer `layer`'s attention is built from: `cfg` itself without a pattern; else `cfg` with the
     layer's op (its knobs as configured, the other ops' knobs at their defaults) and window (model.window for L, none
-    otherwise), and no pattern."""
+    otherwise), and no pattern; a recurrent op's layer (Gated DeltaNet) without model.gate, which gates the softmax
+    layers only (the recurrent layer has its own output gate)."""
     letter = layer_letter(cfg, layer)
     if letter is None:
         return cfg
@@ -124,5 +128,8 @@ def layer_config(cfg: Any, layer: int) -> Any:
     own = ATTENTION_OPS.get(op)
     foreign = {key: f.default for key, (f, owners) in KNOBS.items()
                if owners[0].registry is ATTENTION_OPS and own not in owners}
+    if own.recurrent:  # a recurrent layer has its own output gate: model.gate gates the softmax layers
+        foreign.update({key: f.default for key, (f, owners) in KNOBS.items() if owners[0].registry is GATES},
+                       gate="none")
     return dataclasses.replace(cfg, **foreign, attn_op=op, window=cfg.window if letter == LOCAL else None,
                                layer_pattern=None, pattern_ops=None)

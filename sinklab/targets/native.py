@@ -187,7 +187,13 @@ class SinklabDecoder(Decoder):
         self.cache.compress()
 
     def kept(self) -> list[torch.Tensor]:
-        return [self.cache.origins(layer) for layer in range(self.cache.n_layer)]
+        """The kept sets of the layers that hold keys; a recurrent layer (Gated DeltaNet) holds a memory that no
+        policy evicts, so a model of recurrent layers only has every text token it read (B, 1, seen)."""
+        layers = self.cache.key_layers()
+        if not layers:
+            B = next(t for t in self.cache.recurrent[0].values()).shape[0]
+            return [torch.arange(self.cache.seen).expand(B, 1, -1)]
+        return [self.cache.origins(layer) for layer in layers]
 
 
 def no_run_config(name: str) -> str:

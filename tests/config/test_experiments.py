@@ -314,7 +314,7 @@ def test_preset_sweep_composes_validates_and_covers_the_paper_table(name, scale)
 # the presets of other papers' claims state them (issue 28)
 WITH_CLAIMS = {"gate_positions", "outliers_quant", "residual_sinks", "sink_uses", "value_gates", "diff_attention",
                "muon", "qk_norm", "layer_patterns", "sparse_attention", "head_positions", "head_geometry", "retrieval",
-               "retrieval_128", "retrieval_warm", "dsa_retrofit", "retrofit"}
+               "retrieval_128", "retrieval_warm", "dsa_retrofit", "retrofit", "hybrids"}
 
 
 @pytest.mark.parametrize("name", PRESETS)

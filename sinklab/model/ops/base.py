@@ -35,6 +35,12 @@ class AttentionOp(Component, torch.nn.Module):
       attend(...)          the output of query rows (map @ v unless its branches have values of their own)
       aux_losses(...)      losses it adds to the training loss during a training forward (an indexer's KL)
       set_step(step)       told the training step before each training forward (a warm-up)
+
+    A recurrent operation (`recurrent`: a linear recurrent mixer, `ops/recurrent.py`) keeps a memory instead of
+    keys: the layer hands `prepare(q, k, v, cache)` the projections of the new positions only (no RoPE unless
+    `takes_rope`, nothing appended to the cache's keys), the op keeps its memory in the cache
+    (`KVCache.recurrent_state`, never evicted) and `fused(..., extra)` computes the output; `probs` is its effective
+    attention, what the metrics score.
     """
 
     has_logits: ClassVar[bool] = True
@@ -47,6 +53,9 @@ class AttentionOp(Component, torch.nn.Module):
     rows_sum_to_one: ClassVar[bool] = False  # what row_normalised says unless a knob decides
     # the tensors of `project` that take RoPE as the keys do (on their first min(width, head width) channels)
     rotated: ClassVar[tuple[str, ...]] = ()
+    # a recurrent mixer (class docstring): its memory, not keys, in a KV cache; `prepare` transforms q, k, v
+    recurrent: ClassVar[bool] = False
+    takes_rope: ClassVar[bool] = True  # the layer rotates q and k (under a RoPE model.pos)
 
     def __init__(self, cfg: Any):
         super().__init__()
@@ -75,6 +84,13 @@ class AttentionOp(Component, torch.nn.Module):
 
     def bind_layer(self, layer: int) -> None:
         """The index of the layer this op belongs to (from 0); most ops do not depend on it."""
+
+    def prepare(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                cache: Optional[Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A recurrent op's own transform of the projections of the new positions, q (B, H, N, hd), k and v
+        (B, Hkv, N, hd), before the hook points (short convolutions, whose earlier inputs a KV cache keeps); called
+        only where `recurrent`."""
+        return q, k, v
 
     def project(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
         """x (B, N, d), the layer's (normed) input -> per-token tensors of the op's own, {name: (B, h, N, w)}, time on
