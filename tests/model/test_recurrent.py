@@ -11,7 +11,8 @@ import torch
 
 from sinklab.errors import UserError
 from sinklab.model import ConfigError, ModelConfig, Transformer
-from sinklab.model.cache_policies import CACHE_POLICIES, SnapKV, build
+from sinklab.model.cache_policies import CACHE_POLICIES, build
+from sinklab.model.cache_policies.snapkv import SnapKV
 from sinklab.model.ops.recurrent import (chunked_gated_delta, effective_attention, l2_normalise,
                                          recurrent_gated_delta)
 
