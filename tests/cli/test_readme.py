@@ -109,8 +109,8 @@ def test_every_documented_training_command_composes_and_validates(command):
 # Each command of the README, by the prefix it starts with, and the test that runs it: the file, and a string that
 # file holds (the prefix it reads the documentation's lines by, or the line CI runs).
 RUNNERS = (
-    ("sinklab-train experiment=retrofit", "tests/real/test_retrofit.py", '"sinklab-train experiment=retrofit"'),
-    ("sinklab measure runs/smollm2_gate", "tests/real/test_retrofit.py", 'f"sinklab measure {out_dir}"'),
+    ("sinklab-train experiment=retrofit", "tests/real/test_smollm2_retrofit.py", '"sinklab-train experiment=retrofit"'),
+    ("sinklab measure runs/smollm2_gate", "tests/real/test_smollm2_retrofit.py", 'f"sinklab measure {out_dir}"'),
     ("sinklab-train", "tests/cli/test_readme.py", "training_commands()"),  # composed and validated, above
     ("sinklab measure --hf-model path/to/SmolLM2", "tests/real/test_smollm2.py", '"sinklab measure --hf-model"'),
     ("sinklab measure --hf-model", "tests/evals/test_model_table.py", '"sinklab measure --hf-model"'),
