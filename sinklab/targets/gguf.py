@@ -35,6 +35,10 @@ from typing import Optional
 from sinklab.errors import UserError
 
 INSTALL_HINT = "--hf-model {name} needs the gguf extra: pip install 'sinklab[gguf]'"
+# the gguf extra's transformers minimum (pyproject.toml): 5.5, the hf extra's, reads a LLaMA-architecture GGUF with a
+# BPE tokenizer (SmolLM2's layout) into a tokenizer that fails on every text ("Unk token `None` not found"); 5.24 is
+# the release the GGUF tests pass on (.ci/run: the newest)
+MIN_TRANSFORMERS = "5.24"
 RECORD = "sinklab_gguf"  # the key of config.json that records where the converted weights came from
 CONVERSION = 1  # the layout of a converted directory; a new one converts again
 log = logging.getLogger(__name__)
@@ -98,12 +102,19 @@ def cache_key(file: Path) -> str:
 
 
 def require(name: str) -> None:
-    """gguf and accelerate importable (transformers' GGUF reader needs both), or one line saying what to install."""
+    """gguf and accelerate importable (transformers' GGUF reader needs both) and transformers at least the gguf
+    extra's minimum (MIN_TRANSFORMERS), or one line saying what to install."""
     try:
         import accelerate  # noqa: F401
         import gguf  # noqa: F401
     except ImportError:
         raise UserError(INSTALL_HINT.format(name=name)) from None
+    import transformers
+    from packaging.version import Version
+
+    if Version(transformers.__version__) < Version(MIN_TRANSFORMERS):
+        raise UserError(f"--hf-model {name}: GGUF files need transformers >= {MIN_TRANSFORMERS}, this is "
+                        f"{transformers.__version__}; pip install 'sinklab[gguf]'")
 
 
 def remove_stale_partials(dest: Path) -> None:

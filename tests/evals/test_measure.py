@@ -208,10 +208,11 @@ def test_the_text_shows_every_metric_with_its_json_values(capsys, planted_ckpt):
               "residual_sinks": "residual sinks per layer", "heads": "head types: the sink and the largest q / k"}
     assert res["gates"] == {} and "gate scores" not in text
     assert "sparse" not in res and "sparse attention" not in text  # a dense model: the sparse metric does not apply
-    shown = [name for name in METRICS.names() if name not in ("gates", "sparse")]
+    assert "recurrence" not in res  # nor the recurrence metric: no recurrent layer
+    shown = [name for name in METRICS.names() if name not in ("gates", "sparse", "recurrence")]
     starts = [next(i for i, line in enumerate(lines) if line.startswith(titles[name]) and lines[i - 1] == "")
               for name in shown]
-    assert starts == sorted(starts) and len(starts) == len(METRICS.names()) - 2
+    assert starts == sorted(starts) and len(starts) == len(METRICS.names()) - 3
     e = res["entropy"]
     planted_head = e["by_head"][PLANT_LAYER][PLANT_HEAD]
     assert planted_head < 0.01 and planted_head == min(min(layer) for layer in e["by_head"])  # all on token 1

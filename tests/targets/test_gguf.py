@@ -161,6 +161,22 @@ def test_without_the_gguf_package_one_line_says_what_to_install(files, cache, tm
                           starts="sinklab measure: error: ")
 
 
+def test_an_older_transformers_is_refused_in_one_line(files, cache, tmp_path):
+    """transformers below the gguf extra's minimum (5.5, the hf extra's, tokenizes a LLaMA GGUF's BPE into a tokenizer
+    that fails on every text): a process whose transformers says 5.5.0 is refused before any conversion."""
+    from sinklab.targets.gguf import MIN_TRANSFORMERS
+
+    block = tmp_path / "old_transformers"
+    block.mkdir()
+    (block / "sitecustomize.py").write_text("import transformers\ntransformers.__version__ = '5.5.0'\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(block), os.environ.get("PYTHONPATH")]))}
+    rc, out, err = run_cli("sinklab", "measure", "--hf-model", str(files["llama"]), "--input", "random", process=True,
+                           env=env)
+    assert rc == 2, err
+    assert_one_line_error(err, f"--hf-model {files['llama']}: GGUF files need transformers >= {MIN_TRANSFORMERS}, "
+                          "this is 5.5.0; pip install 'sinklab[gguf]'", starts="sinklab measure: error: ")
+
+
 def test_a_killed_conversion_is_never_read(files, cache, capsys):
     """A conversion is written into <dir>.partial-<pid> and renamed when complete: the half directory of a process
     that is gone is neither read nor left behind; one of a live process (converting now) is left alone."""
