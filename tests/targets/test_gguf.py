@@ -148,14 +148,19 @@ def test_refusals_are_one_line(files, cache, capsys, tmp_path):
     assert not list((cache / "gguf").glob("*"))  # nothing half-written is left
 
 
+def measure_in_a_process(path, tmp_path, sitecustomize: str):
+    """`sinklab measure --hf-model PATH` in a process that first runs `sitecustomize` (what a user's environment
+    would be: a package missing, another version)."""
+    block = tmp_path / "site"
+    block.mkdir()
+    (block / "sitecustomize.py").write_text(sitecustomize)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(block), os.environ.get("PYTHONPATH")]))}
+    return run_cli("sinklab", "measure", "--hf-model", str(path), "--input", "random", process=True, env=env)
+
+
 def test_without_the_gguf_package_one_line_says_what_to_install(files, cache, tmp_path):
     """A user without the extra: a process in which `import gguf` fails (as where it is not installed)."""
-    block = tmp_path / "no_gguf"
-    block.mkdir()
-    (block / "sitecustomize.py").write_text("import sys\nsys.modules['gguf'] = None\n")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(block), os.environ.get("PYTHONPATH")]))}
-    rc, out, err = run_cli("sinklab", "measure", "--hf-model", str(files["llama"]), "--input", "random", process=True,
-                           env=env)
+    rc, out, err = measure_in_a_process(files["llama"], tmp_path, "import sys\nsys.modules['gguf'] = None\n")
     assert rc == 2, err
     assert_one_line_error(err, f"--hf-model {files['llama']} needs the gguf extra: pip install 'sinklab[gguf]'",
                           starts="sinklab measure: error: ")
@@ -166,12 +171,8 @@ def test_an_older_transformers_is_refused_in_one_line(files, cache, tmp_path):
     that fails on every text): a process whose transformers says 5.5.0 is refused before any conversion."""
     from sinklab.targets.gguf import MIN_TRANSFORMERS
 
-    block = tmp_path / "old_transformers"
-    block.mkdir()
-    (block / "sitecustomize.py").write_text("import transformers\ntransformers.__version__ = '5.5.0'\n")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(block), os.environ.get("PYTHONPATH")]))}
-    rc, out, err = run_cli("sinklab", "measure", "--hf-model", str(files["llama"]), "--input", "random", process=True,
-                           env=env)
+    rc, out, err = measure_in_a_process(files["llama"], tmp_path,
+                                        "import transformers\ntransformers.__version__ = '5.5.0'\n")
     assert rc == 2, err
     assert_one_line_error(err, f"--hf-model {files['llama']}: GGUF files need transformers >= {MIN_TRANSFORMERS}, "
                           "this is 5.5.0; pip install 'sinklab[gguf]'", starts="sinklab measure: error: ")
