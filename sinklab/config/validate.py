@@ -158,8 +158,9 @@ def built(cfg: DictConfig, key: str) -> Any:
 
 
 def _check_experiment(cfg: DictConfig, evaluations: Optional[ColumnOwners]) -> None:
-    """A preset's claims (`claims.parse_claims`, against the columns of `evaluations`) are well formed; a preset with labelled variants (experiment.variants,
-    picked by experiment.variant, often per scale): the label and the scale must be among its entries."""
+    """A preset's claims (`claims.parse_claims`, against the columns of `evaluations`) are well formed; a preset
+    with labelled variants (experiment.variants, picked by experiment.variant, often per scale): the label and the
+    scale must be among its entries."""
     exp = cfg.get("experiment")
     if not isinstance(exp, DictConfig):
         return
