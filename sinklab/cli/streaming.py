@@ -5,7 +5,7 @@ baselines: dense attention and sliding window with re-computation.
     sinklab eval streaming RUN_DIR_OR_CKPT [--first 0,1,4] [--recent 16,32,60] [--n-tokens 10000] [--json]
     sinklab eval streaming CKPT --data RUN_DIR | --tokens FILE.npy      (another run's text, or one text (N,))
     sinklab eval streaming --hf-model NAME_OR_DIR (--data RUN_DIR | --tokens FILE.npy)   (a transformers RoPE model)
-    ... [--baselines dense,recompute | none] [--bucket 256] [--plot FILE.png]
+    ... [--baselines dense,recompute | none] [--window L,...] [--bucket 256] [--plot FILE.png]
     ... [--policies h2o,snapkv,... --budgets 32,60]   (other cache policies, sinklab.model.cache_policies)
     sinklab eval streaming --sweep SWEEP_DIR [--jobs 0 1 ...] [options]   (every finished job of a sweep, one CSV)
 
@@ -98,6 +98,9 @@ def build_parser() -> OneLineParser:
     ap.add_argument("--baselines", type=baseline_list, default=list(BASELINES), metavar="B,...",
                     help="dense (a cache that never evicts, past the context) and/or recompute (each token from the "
                          "last `context` tokens recomputed), or none (default dense,recompute)")
+    ap.add_argument("--window", type=int_list, default=None, metavar="L,...",
+                    help="the recompute baseline's windows: each token predicted from the last L tokens recomputed "
+                         "(default: the model context; the paper compares with L = the cache's x + y)")
     ap.add_argument("--policies", type=name_list("cache policies, e.g. h2o,snapkv"), default=[], metavar="P,...",
                     help=f"cache policies to run besides StreamingLLM's x + y, of: {CACHE_POLICIES.allowed()} "
                          "(sinklab.model.cache_policies), each at every --budgets")
@@ -159,6 +162,20 @@ def grid(args, context: Optional[int]) -> list[tuple[int, int]]:
     return [(x, y) for x in args.first for y in recent]
 
 
+def recompute_windows(args, context: Optional[int]) -> list[int]:
+    """The recompute baseline's windows L (--window, default the model context; [] without one or the baseline),
+    checked against the model context before any work."""
+    if args.window is not None and "recompute" not in args.baselines:
+        raise UserError("--window goes with the recompute baseline: --baselines recompute (or dense,recompute)")
+    if "recompute" not in args.baselines:
+        return []
+    for w in args.window or []:
+        if w < 2 or (context is not None and w > context):
+            raise UserError(f"--window {w}: allowed: 2 <= L <= {context if context is not None else 'the context'} "
+                            "(the model context: a window is recomputed in one forward)")
+    return args.window or ([context] if context is not None else [])
+
+
 def policy_settings(args, context: Optional[int]) -> list:
     """--policies x --budgets as built cache policies (a bad name or budget: one line, before any work)."""
     from sinklab.model.cache_policies import build
@@ -194,6 +211,7 @@ def run(args) -> dict:
     refuse_prefix_lm(meta, "stream")
     settings = grid(args, meta.context)
     policies = policy_settings(args, meta.context)
+    windows = recompute_windows(args, meta.context)
     tokens, kind, where, per_token = choose_text(args, meta.vocab_size, meta.run_dir)
     target.check_stream()  # refuse what cannot be re-rotated before any work
     tokens = tokens.to(device)
@@ -215,11 +233,9 @@ def run(args) -> dict:
         else:
             runs.append(("dense", "dense", {"first": None, "recent": None, "keys": res["targets"]}))
     if "recompute" in args.baselines:
-        if meta.context is None:
-            res["notes"].append("recompute: skipped: the model config has no context length")
-        else:
-            runs.append((f"recompute {meta.context}", "recompute",
-                         {"first": None, "recent": None, "keys": meta.context}))
+        if not windows:
+            res["notes"].append("recompute: skipped: the model config has no context length (pass --window L)")
+        runs += [(f"recompute {w}", "recompute", {"first": None, "recent": None, "keys": w}) for w in windows]
     with torch.no_grad():
         for name, kind, extra in runs:
             scored = score(args, name, kind, tokens, target, extra, res["bucket_ends"])

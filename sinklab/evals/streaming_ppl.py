@@ -90,14 +90,15 @@ def bucket_ppl(nll: torch.Tensor, ends: list[int]) -> list[float]:
 
 
 # ----------------------------------------------------------------------------------------------------- in sweeps
-_SETTING = r"(x\d+_y\d+|[a-z0-9]+_b\d+|dense|recompute)"
+_SETTING = r"(x\d+_y\d+|[a-z0-9]+_b\d+|dense|recompute(_w\d+)?)"
 
 
 @EVALUATIONS.register("streaming")
 class StreamingPerplexity(Evaluation):
     """`sinklab eval streaming`; in a sweep's streaming.csv: for each setting <setting>_ppl, <setting>_bpb (bits per
     byte) and <setting>_keys (the setting: x4_y60 for a cache of the first 4 + 60 recent tokens, h2o_b32 for a cache
-    policy at a budget of 32 keys, dense and recompute for the baselines), then n_tokens."""
+    policy at a budget of 32 keys, dense and recompute for the baselines, recompute_w128 for a recompute window of 128
+    tokens other than the model context), then n_tokens."""
 
     command = "sinklab.cli.streaming"
     summary = "perplexity over a long text with a KV cache of x first + y recent tokens"
@@ -110,6 +111,8 @@ class StreamingPerplexity(Evaluation):
         def setting(s: dict) -> str:
             if s["kind"] == "policy":
                 return f"{s['policy']}_b{s['budget']}"
+            if s["kind"] == "recompute" and s["keys"] != result["context"]:
+                return f"recompute_w{s['keys']}"  # --window L: a window other than the model context's
             return f"x{s['first']}_y{s['recent']}" if s["kind"] == "streaming" else s["kind"]
 
         row = {f"{setting(s)}_{k}": s.get(k) for s in result["settings"] for k in ("ppl", "bpb", "keys")}

@@ -161,6 +161,43 @@ def test_transformers_cache_evicts_and_rerotates_as_the_sinklab_cache(capsys, mo
     assert abs(unrotated - exact) > 1e-3 * exact
 
 
+def test_recompute_windows_other_than_the_context(capsys, tmp_path):
+    """--window L,...: the recompute baseline from the last L tokens (the paper's L = the cache's x + y), each
+    window's number the function's; the sweep row names a window other than the context's recompute_w<L>."""
+    model = small_model(block_size=64)
+    ckpt = save_ckpt(model, tmp_path / "m.ckpt")
+    tokens = token_ids(B=1, T=120, vocab=97)[0]
+    np.save(tmp_path / "t.npy", tokens.numpy())
+    res = streaming_json(capsys, str(ckpt), "--tokens", str(tmp_path / "t.npy"), "--first", "4", "--recent", "12",
+                         "--baselines", "recompute", "--window", "16,64")
+    by_name = {s["name"]: s for s in res["settings"]}
+    assert list(by_name) == ["x=4 y=12", "recompute 16", "recompute 64"]
+    with torch.no_grad():
+        for w in (16, 64):
+            direct = pp.perplexity(pp.recompute_nll(SinklabTarget.of_model(model), tokens, w))
+            assert by_name[f"recompute {w}"]["ppl"] == pytest.approx(direct, rel=1e-5)
+            assert by_name[f"recompute {w}"]["keys"] == w
+    assert by_name["recompute 16"]["ppl"] != pytest.approx(by_name["recompute 64"]["ppl"], rel=1e-4)
+    row = pp.StreamingPerplexity.row(res)
+    assert row["recompute_w16_ppl"] == by_name["recompute 16"]["ppl"]
+    assert row["recompute_ppl"] == by_name["recompute 64"]["ppl"]  # the context's window keeps its old column
+    assert all(pp.StreamingPerplexity.column_bounds(c) is not None for c in row), row  # every column has bounds
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--window", "65"], "--window 65: allowed: 2 <= L <= 64"),
+    (["--window", "1"], "--window 1: allowed: 2 <= L <= 64"),
+    (["--baselines", "dense", "--window", "16"], "--window goes with the recompute baseline"),
+])
+def test_bad_windows_are_refused_in_one_line(capsys, tmp_path, args, message):
+    ckpt = save_ckpt(small_model(block_size=64), tmp_path / "m.ckpt")
+    np.save(tmp_path / "t.npy", token_ids(B=1, T=50, vocab=97)[0].numpy())
+    rc, out, err = run_cli("sinklab", "eval", "streaming", str(ckpt), "--tokens", str(tmp_path / "t.npy"), *args,
+                           capsys=capsys)
+    assert rc == 2 and out == ""
+    assert_one_line_error(err, message)
+
+
 def test_dense_is_skipped_with_a_note_for_absolute_positions(capsys, tmp_path):
     model = small_model(pos="learnable", vocab_size=97)  # 24 positions
     ckpt = save_ckpt(model, tmp_path / "m.ckpt")
