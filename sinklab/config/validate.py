@@ -166,15 +166,17 @@ def _check_experiment(cfg: DictConfig, evaluations: Optional[ColumnOwners]) -> N
         return
     # its baseline and claims (what `sinklab report` tests) are well formed
     parse_claims(_plain(OmegaConf.masked_copy(exp, [k for k in ("baseline", "claims") if k in exp])), evaluations)
-    first = exp.get("first_stage")
-    if first is not None and not cfg.get("init_from"):  # a second stage: its models start from the first's
-        raise UserError(f"init_from is missing: experiment={exp.get('name', '?')} starts from the models of "
-                        f"experiment={first}; allowed: init_from=SWEEP_DIR of `sinklab-train -m experiment={first}` "
-                        "(each job starts from the job with its settings and seed), or a run dir or .ckpt")
-    source = exp.get("starts_from")
-    if source is not None and not cfg.get("init_from"):  # its models start from one that no preset trains
-        raise UserError(f"init_from is missing: experiment={exp.get('name', '?')} starts from {source}; allowed: "
-                        "init_from=RUN_DIR of that model")
+    # a preset whose models start from others' (a second stage's from a first stage's sweep, or from a model no
+    # preset trains: experiment.starts_from says which) needs init_from
+    starts = {"first_stage": lambda v: (f"the models of experiment={v}", f"init_from=SWEEP_DIR of `sinklab-train -m "
+                                        f"experiment={v}` (each job starts from the job with its settings and seed), "
+                                        "or a run dir or .ckpt"),
+              "starts_from": lambda v: (str(v), "init_from=RUN_DIR of that model")}
+    for key, words in starts.items():
+        if exp.get(key) is not None and not cfg.get("init_from"):
+            source, allowed = words(exp.get(key))
+            raise UserError(f"init_from is missing: experiment={exp.get('name', '?')} starts from {source}; "
+                            f"allowed: {allowed}")
     variants = exp.get("variants")
     if not isinstance(variants, DictConfig):
         return
