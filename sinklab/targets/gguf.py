@@ -38,7 +38,7 @@ INSTALL_HINT = "--hf-model {name} needs the gguf extra: pip install 'sinklab[ggu
 # the gguf extra's transformers minimum (pyproject.toml): 5.5, the hf extra's, reads a LLaMA-architecture GGUF with a
 # BPE tokenizer (SmolLM2's layout) into a tokenizer that fails on every text ("Unk token `None` not found"); 5.24 is
 # the release the GGUF tests pass on (.ci/run: the newest)
-MIN_TRANSFORMERS = "5.24"
+MIN_TRANSFORMERS = "5.24"  # the gguf extra's pin (tests/targets/test_targets.py checks that they agree)
 RECORD = "sinklab_gguf"  # the key of config.json that records where the converted weights came from
 CONVERSION = 1  # the layout of a converted directory; a new one converts again
 log = logging.getLogger(__name__)

@@ -133,3 +133,24 @@ def test_kept_checkpoints_belong_to_their_run(tmp_path):
     kept.parent.mkdir(parents=True)
     assert run_dir_of(kept) == tmp_path and run_dir_of(tmp_path / "checkpoints" / "last.ckpt") == tmp_path
     assert run_dir_of(Path("/nonexistent/x/y/z.ckpt")) is None
+
+
+def test_the_gguf_minimum_is_the_gguf_extras():
+    """sinklab.targets.gguf.MIN_TRANSFORMERS (the one-line refusal's) is the transformers minimum that pyproject.toml's
+    `gguf` extra installs, and above the `hf` extra's (the reason it exists)."""
+    import tomllib
+
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+
+    from sinklab.targets.gguf import MIN_TRANSFORMERS
+
+    extras = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+
+    def minimum(extra: str) -> Version:
+        (req,) = [r for r in map(Requirement, extras[extra]) if r.name == "transformers"]
+        (spec,) = [s for s in req.specifier if s.operator == ">="]
+        return Version(spec.version)
+
+    assert minimum("gguf") == Version(MIN_TRANSFORMERS)
+    assert minimum("gguf") > minimum("hf")
