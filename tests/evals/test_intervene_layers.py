@@ -10,6 +10,7 @@ from sinklab.errors import UserError
 from sinklab.evals.interventions import drop_first_key
 from sinklab.metrics import attention_maps
 from sinklab.metrics.record import measure_model
+from sinklab.model import Transformer
 from sinklab.model.masks import LayerMask
 from sinklab.targets import SinklabTarget
 from tests.helpers import layer_records, small_model, token_ids
@@ -94,3 +95,123 @@ def test_a_recurrent_layer_refuses_a_mask_in_one_line():
             m(idx, extra_mask=mask)
         assert "a mask of an intervention (a key dropped) does not apply to it" in str(err.value)
         assert "\n" not in str(err.value)
+
+
+# ------------------------------------------------------------------------------------------------- zero_value_first
+@pytest.mark.parametrize("case", [{}, {"n_sink_tokens": 1, "attn_bias": "kv"}, {"n_kv_head": 2}],
+                         ids=["plain", "sinks_kv_bias", "gqa"])
+def test_zero_value_first_is_the_attention_output_with_that_value_zeroed_by_hand(case):
+    """Layer 1's attention output under zero_value(layer 1, the first text token) is A @ v with that token's value
+    row set to 0 in every head (A the unchanged map, which stays as it was); layer 0 is untouched."""
+    m = small_model(n_layer=3, **case)
+    target = SinklabTarget.of_model(m)
+    idx, S, attn = token_ids(B=2, T=12), m.cfg.n_sink_tokens, m.blocks[1].attn
+    outputs = []
+    handle = attn.register_forward_hook(lambda _m, _i, out: outputs.append(out))
+    try:
+        with torch.no_grad():
+            before, maps_before = layer_records(m, idx), attention_maps(m, idx)
+            with target.zero_value([1], S):
+                after, maps_after = layer_records(m, idx), attention_maps(m, idx)
+    finally:
+        handle.remove()
+
+    def by_hand(v: torch.Tensor) -> torch.Tensor:  # (B, H, n_keys, hd) -> the attention output (B, N, d)
+        o = maps_before[1] @ v  # (B, H, N, hd)
+        return attn.o_proj(o.transpose(1, 2).flatten(2))
+
+    v = before[1]["v"].clone()
+    with torch.no_grad():
+        torch.testing.assert_close(outputs[0], by_hand(v), atol=1e-5, rtol=1e-5)  # the hand computation is the layer's
+        v[:, :, m.cfg.n_slots + S] = 0
+        torch.testing.assert_close(outputs[2], by_hand(v), atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(outputs[2], outputs[0], atol=1e-4)
+    assert (after[1]["v"][:, :, m.cfg.n_slots + S] == 0).all() and torch.equal(after[0]["v"], before[0]["v"])
+    assert torch.equal(after[0]["h"], before[0]["h"]) and torch.equal(maps_after[1], maps_before[1])
+    assert not torch.allclose(after[2]["h"], before[2]["h"], atol=1e-4)
+    with torch.no_grad():
+        torch.testing.assert_close(layer_records(m, idx)[2]["h"], before[2]["h"], atol=0, rtol=0)  # nothing stays
+
+
+# ------------------------------------------------------------------------------------------------ transformers models
+def imported_llama() -> tuple:
+    """A tiny random transformers LLaMA and the same model imported into sinklab (`sinklab import-hf`'s conversion),
+    as the two targets."""
+    pytest.importorskip("transformers")
+    from sinklab.export.hf_import import model_config, sinklab_state_dict
+    from sinklab.targets import TransformersTarget
+    from tests.helpers.hf_models import build, sharpen
+
+    torch.manual_seed(0)
+    hf = build("llama")
+    sharpen("llama", hf)
+    hf.eval().set_attn_implementation("eager")
+    cfg = model_config(hf.config, 128)
+    ours = Transformer(cfg).eval()
+    ours.load_state_dict(sinklab_state_dict(hf.state_dict(), cfg.n_layer, cfg.tie_embeddings))
+    return SinklabTarget.of_model(ours), TransformersTarget.of_model(hf, "llama")
+
+
+@pytest.mark.parametrize("layer", [0, 1])
+def test_sinklab_and_transformers_agree_on_each_intervention_in_one_layer(layer):
+    """mask_first in one layer, in two of its query heads (of different kv heads), and zero_value_first in one layer:
+    the same logits from the imported model as from transformers', and the same alpha_1 per head in the maps their
+    metrics read."""
+    ours, theirs = imported_llama()
+    idx = token_ids(B=2, T=16, vocab=128)
+    interventions = {"mask_first": lambda t: t.masked(LayerMask(drop_first_key(0), [layer])),
+                     "mask_first_heads": lambda t: t.masked(LayerMask(drop_first_key(0), [layer], [1, 2])),
+                     "zero_value_first": lambda t: t.zero_value([layer], 0)}
+    with torch.no_grad():
+        plain = ours.logits(idx)
+        torch.testing.assert_close(theirs.logits(idx), plain, atol=1e-5, rtol=1e-5)
+        for name, opened in interventions.items():
+            with opened(ours), opened(theirs):
+                a, b = ours.logits(idx), theirs.logits(idx)
+                (sink_a,), (sink_b,) = ours.measure(idx, ["sink"], k=1), theirs.measure(idx, ["sink"], k=1)
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=name)
+            assert not torch.allclose(a, plain, atol=1e-3), name
+            alpha_a, alpha_b = sink_a.scores().alpha[..., 0], sink_b.scores().alpha[..., 0]  # (N, L, H)
+            torch.testing.assert_close(alpha_a, alpha_b, atol=1e-5, rtol=1e-5, msg=name)
+            if name == "mask_first_heads":
+                torch.testing.assert_close(alpha_b[:, layer, 1:3], torch.full_like(alpha_b[:, layer, 1:3], 1 / 16))
+                assert (alpha_b[:, layer, [0, 3]] > 1.5 / 16).all()
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_transformers_zero_value_is_the_value_projection_zeroed(kind):
+    """zero_value through the attention interface equals the value projection's output row set to 0 by a hook:
+    LLaMA's v_proj, GPT-2's fused c_attn (its last third)."""
+    pytest.importorskip("transformers")
+    from sinklab.targets import TransformersTarget
+    from tests.helpers.hf_models import build, sharpen
+
+    torch.manual_seed(0)
+    hf = build(kind)
+    sharpen(kind, hf)
+    hf.eval().set_attn_implementation("eager")
+    target = TransformersTarget.of_model(hf, kind)
+    if kind == "llama":
+        projection, values = hf.model.layers[1].self_attn.v_proj, slice(None)
+    else:
+        projection, values = hf.transformer.h[1].attn.c_attn, slice(2 * hf.config.n_embd, None)
+
+    def zeroed(_module, _inputs, out):
+        out = out.clone()
+        out[:, 3, values] = 0
+        return out
+
+    idx = token_ids(B=2, T=12, vocab=128)
+    with torch.no_grad():
+        plain = target.logits(idx)
+        with target.zero_value([1], 3):
+            ours = target.logits(idx)
+        handle = projection.register_forward_hook(zeroed)
+        try:
+            by_hand = target.logits(idx)
+        finally:
+            handle.remove()
+    torch.testing.assert_close(ours, by_hand, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(ours[:, :3], plain[:, :3])  # causal: the queries before position 3 never see it
+    assert not torch.allclose(ours[:, 3:], plain[:, 3:], atol=1e-4)
+    assert hf.config._attn_implementation == "eager"
