@@ -3,6 +3,9 @@ first token's value set to 0 act where they say and nowhere else, on every atten
 read, and alike in sinklab's model and in transformers'; --layers, --per-layer and --per-head end to end."""
 from __future__ import annotations
 
+import json
+import shutil
+
 import pytest
 import torch
 
@@ -13,7 +16,7 @@ from sinklab.metrics.record import measure_model
 from sinklab.model import Transformer
 from sinklab.model.masks import LayerMask
 from sinklab.targets import SinklabTarget
-from tests.helpers import layer_records, small_model, token_ids
+from tests.helpers import assert_one_line_error, layer_records, run_cli, small_model, token_ids
 
 
 @pytest.mark.parametrize("case", [{}, {"attn_backend": "explicit"}, {"n_sink_tokens": 1, "attn_bias": "kv"},
@@ -215,3 +218,65 @@ def test_transformers_zero_value_is_the_value_projection_zeroed(kind):
     torch.testing.assert_close(ours[:, :3], plain[:, :3])  # causal: the queries before position 3 never see it
     assert not torch.allclose(ours[:, 3:], plain[:, 3:], atol=1e-4)
     assert hf.config._attn_implementation == "eager"
+
+
+# ----------------------------------------------------------------------------------------------------- the command
+def test_per_layer_and_per_head_end_to_end(small_run, capsys):
+    run, _, _ = small_run
+    rc, out, err = run_cli("sinklab", "eval", "intervene", str(run), "--interventions", "mask_first",
+                           "zero_value_first", "--per-layer", "--per-head", "--json", capsys=capsys)
+    assert rc == 0, err
+    res = json.loads(out)
+    base = res["rows"]["none"]["ppl"]
+    assert res["layers"] == [0, 1] and list(res["per_layer"]) == ["mask_first", "zero_value_first"]
+    for rows in res["per_layer"].values():
+        assert [r["layer"] for r in rows] == [0, 1]
+        assert all(r["ppl"] >= 1 and r["dppl"] == pytest.approx(r["ppl"] - base) for r in rows)
+    heads = res["per_head"]["mask_first"]
+    assert [(h["layer"], h["head"]) for h in heads] == [(layer, head) for layer in (0, 1) for head in range(4)]
+    assert all(h["ppl"] >= 1 and 0 <= h["alpha1"] <= 1 and h["dppl"] == pytest.approx(h["ppl"] - base)
+               for h in heads)
+    assert len({h["ppl"] for h in heads}) > 1  # one head at a time, not every head
+    # the heads' alpha_1 are the unchanged model's: their mean is its alpha_1
+    assert sum(h["alpha1"] for h in heads) / len(heads) == pytest.approx(res["rows"]["none"]["alpha1"], abs=1e-6)
+    rho = res["per_head"]["spearman_alpha1_dppl"]
+    assert rho is not None and -1 <= rho <= 1
+
+    # mask_first in layer 1 alone is --layers 1's mask_first; its alpha_1: 1 / T in layer 1, layer 0's as unchanged
+    rc, out, err = run_cli("sinklab", "eval", "intervene", str(run), "--interventions", "mask_first", "--layers", "1",
+                           "--json", capsys=capsys)
+    assert rc == 0, err
+    one = json.loads(out)
+    assert one["layers"] == [1]
+    assert one["rows"]["mask_first"]["ppl"] == pytest.approx(res["per_layer"]["mask_first"][1]["ppl"], rel=1e-6)
+    layer0 = sum(h["alpha1"] for h in heads if h["layer"] == 0) / 4
+    assert one["rows"]["mask_first"]["alpha1"] == pytest.approx((layer0 + 1 / 16) / 2, abs=1e-6)
+
+    rc, out, err = run_cli("sinklab", "eval", "intervene", str(run), "--interventions", "mask_first", "--layers", "1",
+                           "--per-layer", "--per-head", capsys=capsys)
+    assert rc == 0, err
+    lines = out.splitlines()
+    assert "mask_first in layers 1" in lines
+    start = lines.index("each in one layer alone:")
+    assert lines[start + 2].split()[0] == "1" and len(lines[start + 2].split()) == 3
+    heads_at = next(i for i, line in enumerate(lines) if line.startswith("mask_first in one head alone, the 4 "))
+    rows = [line.split() for line in lines[heads_at + 2:]]  # layer, head, val ppl, d ppl, alpha_1: costliest first
+    assert [r[0] for r in rows] == ["1"] * 4 and sorted(r[1] for r in rows) == ["0", "1", "2", "3"]
+    assert [float(r[3]) for r in rows] == sorted((float(r[3]) for r in rows), reverse=True)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--layers", "99"], "--layers 99: layer 99 is out of range; allowed: 0..1 (the model's 2 layers, 0-based)"),
+    (["--layers", "0,x"], "--layers 0,x: not a comma-separated list of layer numbers >= 0"),
+    (["--per-layer", "--interventions", "zero", "mask_random"],
+     "--per-layer applies mask_first and zero_value_first layer by layer; --interventions names neither")])
+def test_bad_layer_options_are_refused_in_one_line_and_nothing_is_written(small_run, tmp_path, capsys, args, message):
+    run, _, _ = small_run
+    rc, out, err = run_cli("sinklab", "eval", "intervene", str(run), "--json", *args, capsys=capsys)
+    assert rc == 2 and out == ""
+    assert_one_line_error(err, message)
+    sweep = tmp_path / "sweep"
+    shutil.copytree(run, sweep / "0")
+    rc, out, err = run_cli("sinklab", "eval", "intervene", "--sweep", str(sweep), *args, capsys=capsys)
+    assert rc == 2 and message in err
+    assert not (sweep / "0" / "intervene.json").exists() and not (sweep / "intervene.csv").exists()
