@@ -136,8 +136,13 @@ class Attention(nn.Module):
 
     def own(self, layout: Layout) -> Layout:
         """The layout this layer attends through: the windowed one in a local layer of a pattern, restricted by the
-        operation's own (`AttentionOp.restrict`) and by the sparsity's pattern or selection (`model.sparsity`)."""
+        operation's own (`AttentionOp.restrict`), by the sparsity's pattern or selection (`model.sparsity`) and by
+        an intervention's mask that names this layer (`Layout.intervention`, per head where it names heads)."""
         own = self.sparsity.restrict(self.op.restrict(layout.windowed if self.local else layout))
+        iv = layout.intervention
+        if iv is not None and iv.applies(self.layer):
+            own = own.restricted(("intervention", self.layer), iv.head_mask_mod(),
+                                 heads=self.n_head if iv.heads is not None else None)
         visible = layout.cache.visible_keys(self.layer) if layout.cache is not None else None
         if visible is None:
             return own

@@ -7,11 +7,15 @@ Sequence layout inside a layer: keys are [bias slots (0 or 1)] + [sink tokens (S
 the S + T sequence positions; mask functions index sequence positions (the slots are prepended, always visible).
 With a KV cache (`cache.py`) the queries are the new positions start .. start + n_pos - 1 and the keys every position
 0 .. start + n_pos - 1 the cache holds, numbered by their place in the cache.
+An intervention's mask obeyed in some layers or by some heads only is a `LayerMask`: the layout keeps it
+(`Layout.intervention`) and each layer it names restricts its own layout by it (`Attention.own`).
 """
 from __future__ import annotations
 
+import functools
+import operator
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -71,6 +75,53 @@ def compose_mask(n_sink: int, prefix_len: int, window: Optional[int]) -> MaskMod
     return mask
 
 
+@dataclass(frozen=True)
+class LayerMask:
+    """An intervention's mask function `mask_mod`, obeyed only in the layers `layers` (0-based; None: every layer) and
+    only by the query heads `heads` (None: every head); the other layers and heads see the keys the model's own mask
+    lets them see. Taken wherever a plain mask function is (`Transformer.forward`'s extra_mask, `Target.masked`)."""
+
+    mask_mod: MaskMod
+    layers: Optional[frozenset[int]] = None
+    heads: Optional[frozenset[int]] = None
+
+    def __post_init__(self):
+        for name in ("layers", "heads"):
+            value = getattr(self, name)
+            if value is not None:
+                if not value:
+                    raise ValueError(f"LayerMask.{name}: empty; None for every one")
+                object.__setattr__(self, name, frozenset(int(i) for i in value))
+
+    @property
+    def everywhere(self) -> bool:
+        """Every layer and every head obey it: a plain mask function."""
+        return self.layers is None and self.heads is None
+
+    def applies(self, layer: int) -> bool:
+        return self.layers is None or layer in self.layers
+
+    def head_mask_mod(self) -> MaskMod:
+        """`mask_mod` for the chosen heads, every key for the others; h an index tensor (a fused kernel's scalar, or
+        `Layout.mask`'s arange(H)[:, None, None]) that the result broadcasts with."""
+        base, heads = self.mask_mod, sorted(self.heads or ())
+        if not heads:
+            return base
+
+        def mask(b, h, q_idx, kv_idx):
+            other = functools.reduce(operator.and_, (h != head for head in heads))  # h is none of the chosen
+            return base(b, h, q_idx, kv_idx) | other
+        return mask
+
+
+def split_extra(extra: Union[MaskMod, LayerMask, None]) -> tuple[Optional[MaskMod], Optional[LayerMask]]:
+    """An intervention's mask as (the mask function every layer and head obeys, the LayerMask some layers or heads
+    obey): a LayerMask on every layer and head is the plain mask function."""
+    if isinstance(extra, LayerMask):
+        return (extra.mask_mod, None) if extra.everywhere else (None, extra)
+    return extra, None
+
+
 LogitBias = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (q_pos (R,), k_pos (N,)) -> (H, R, N)
 
 
@@ -106,6 +157,9 @@ class Layout:
     # name -> the layers' auxiliary losses of this forward (`AttentionOp.aux_losses`), one dict shared by the
     # layout's variants (windowed, restricted): the model sums them (`Transformer.aux_losses`)
     aux_losses: dict = field(default_factory=dict, repr=False)
+    # an intervention's mask that some layers or heads obey only (a `LayerMask`): each layer it names restricts its
+    # own layout by it (`Attention.own`); None: none, or one every layer obeys (in `mask_mod` already)
+    intervention: Optional[LayerMask] = None
 
     @property
     def n_key_pos(self) -> int:

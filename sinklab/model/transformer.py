@@ -3,7 +3,7 @@ model.tie_embeddings); the residual stream optionally clamped to +-model.residua
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 from torch import nn
@@ -14,7 +14,7 @@ from .kv_cache import KVCache
 from .hooks import HookPoint
 from .layer_pattern import LayerPattern, is_local, layer_config
 from .legacy import upgrade_state_dict
-from .masks import Layout, MaskMod, and_masks, compose_mask
+from .masks import LayerMask, Layout, MaskMod, and_masks, compose_mask, split_extra
 from .registry import FFNS, NORM_POSITIONS, NORMS, POSITIONS
 
 
@@ -123,9 +123,10 @@ class Transformer(nn.Module):
         return KVCache(self.cfg.n_layer, self.cfg.n_sink_tokens, keep_first, recent, policy, evict)
 
     def layout(self, T: int, device: torch.device, cache: Optional[KVCache] = None,
-               extra_mask: Optional[MaskMod] = None) -> Layout:
+               extra_mask: Union[MaskMod, LayerMask, None] = None) -> Layout:
         """The layout of T new tokens (and the sink tokens, unless a cache holds them already); `extra_mask` (an
-        intervention's: a key dropped) is obeyed on top of the model's mask."""
+        intervention's: a key dropped) is obeyed on top of the model's mask, by every layer, or by the layers and
+        heads a `LayerMask` names (kept as `Layout.intervention`: those layers restrict their own layout by it)."""
         if T > self.cfg.block_size and not self.past_context:
             raise ValueError(f"sequence length {T} exceeds the model context model.block_size={self.cfg.block_size}")
         start = cache.length if cache is not None else 0
@@ -134,13 +135,14 @@ class Transformer(nn.Module):
                              f"model.prefix_len={self.cfg.prefix_len}: its tokens see each other")
         n_pos = T + (self.cfg.n_sink_tokens if start == 0 else 0)
         rope = self.pos.rotary(start + n_pos, start)
+        extra_mask, intervention = split_extra(extra_mask)
         mask_mod = self.mask_mod if extra_mask is None else and_masks(self.mask_mod, extra_mask)
         layout = Layout(n_pos=n_pos, n_sink=self.cfg.n_sink_tokens, n_slots=self.cfg.n_slots,
                         mask_mod=mask_mod, plain_causal=self.plain_causal and extra_mask is None,
                         logit_bias=self.pos.logit_bias, rope=rope, device=device, start=start,
                         rope_keys=self.pos.rotary(start + n_pos) if start and not cache.stores_rotated else None,
                         cache=cache, bias_params=tuple(self.pos.parameters()) if self.pos.logit_bias else (),
-                        rotary_at=self.pos.rotary)
+                        rotary_at=self.pos.rotary, intervention=intervention)
         if self.local_mask_mod is not None:  # the local layers' layout: the same sequence under the window
             local = self.local_mask_mod if extra_mask is None else and_masks(self.local_mask_mod, extra_mask)
             layout.windowed = dataclasses.replace(layout, mask_mod=local, plain_causal=False, memo={})
@@ -156,13 +158,14 @@ class Transformer(nn.Module):
         return x + table[start:].to(x.dtype) if table is not None else x
 
     def forward(self, idx: torch.Tensor, return_hidden: bool = False, cache: Optional[KVCache] = None,
-                extra_mask: Optional[MaskMod] = None) -> torch.Tensor:
+                extra_mask: Union[MaskMod, LayerMask, None] = None) -> torch.Tensor:
         """idx (B, T) token ids -> logits (B, T, vocab) for the real tokens (sink tokens are never predicted).
 
         return_hidden: the final hidden states (B, T, d) instead of logits.
         cache: a KVCache (`new_cache`) holding the earlier positions: idx are the next tokens; the cache keeps them
         and evicts by its policy after the forward.
-        extra_mask: a mask function every query obeys on top of the model's (an intervention's).
+        extra_mask: a mask function every query obeys on top of the model's (an intervention's), or a `LayerMask`
+        that the queries of some layers / heads obey.
         Measurements record q, k, v, the attention output and the residual stream through forward hooks
         (`sinklab.metrics.record`); nothing recorded changes what this returns.
         After the forward, `aux_losses` holds the auxiliary losses the layers added in it ({} outside training, and

@@ -5,9 +5,11 @@ evaluations ask of it, written once per source:
 - logits: `logits(idx)` (B, T) -> (B, T, V), `last_logits(idx)` -> (B, V), `nll(batches)` the mean next-token loss;
 - recording for the metrics: `recorder()` hooks the model for `sinklab.metrics.record.measure_all` (each layer's
   tensors and its attention map in row chunks), `measure(tokens, names, eps, k)` runs the registered metrics;
-- interventions: `masked(mask_fn)` (a mask function every query obeys on top of the model's own) and
-  `set_output(layer, position, channels, values)` (a layer's output activations replaced), both context managers
-  that change nothing once closed;
+- interventions: `masked(mask_fn)` (a mask function every query obeys on top of the model's own, or a
+  `sinklab.model.masks.LayerMask`: obeyed in some layers / by some query heads only),
+  `set_output(layer, position, channels, values)` (a layer's output activations replaced) and
+  `zero_value(layers, position)` (one position's value vectors set to 0 in some layers), context managers that
+  change nothing once closed;
 - a KV cache that evicts: `stream(first, recent)` feeds one token at a time through a cache of the first + recent
   tokens with positions re-indexed (RoPE re-rotated), `check_stream()` refuses before any work what cannot be;
   `decoder(policy, evict)` feeds tokens through a cache that evicts by any policy of
@@ -234,12 +236,19 @@ class Target(ABC):
     # --------------------------------------------------------------------------------------------- interventions
     @abstractmethod
     def masked(self, mask: Optional[MaskFn]) -> contextlib.AbstractContextManager:
-        """Inside, every query of every layer also drops the keys `mask` is False for (None: nothing changes)."""
+        """Inside, every query of every layer also drops the keys `mask` is False for (None: nothing changes); a
+        `LayerMask`: the queries of the layers and heads it names only."""
 
     @abstractmethod
     def set_output(self, layer: int, position: int, channels: list[int],
                    values: torch.Tensor) -> contextlib.AbstractContextManager:
         """Inside, layer `layer`'s output has h[:, position, channels] = values (position counts `n_prefix`)."""
+
+    @abstractmethod
+    def zero_value(self, layers: Optional[Iterable[int]], position: int) -> contextlib.AbstractContextManager:
+        """Inside, in each layer of `layers` (None: every layer) the value vector of sequence position `position`
+        (counting `n_prefix`) is 0 in every head: the attention weights stay, what a query takes from that key is
+        nothing (a forward without a KV cache)."""
 
     # --------------------------------------------------------------------------------------------- KV cache
     def check_stream(self) -> None:

@@ -1,7 +1,8 @@
 """sinklab's own models as a `Target`: a checkpoint, a run dir (its checkpoints/last.ckpt) or a Transformer in memory.
 
 Interventions are passed to the model, never set on it: a mask is forward's `extra_mask` (the fused kernels'
-is_causal shortcut is off then), replaced activations a forward hook on a block's `hook_resid`. The KV cache is the
+is_causal shortcut is off then, in the layers it names), replaced activations a forward hook on a block's `hook_resid`,
+a zeroed value one on its attention's `hook_v`. The KV cache is the
 model's own (`sinklab.model.kv_cache`): keys are cached before RoPE and rotated at their place in the cache, so an
 evicting cache re-indexes positions by construction; learned sink tokens and K / KV bias slots stay in it.
 """
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
-from typing import Iterator, Optional, Sequence
+from typing import Iterable, Iterator, Optional, Sequence
 
 import torch
 
@@ -110,6 +111,25 @@ class SinklabTarget(Target):
             yield
         finally:
             handle.remove()
+
+    @contextlib.contextmanager
+    def zero_value(self, layers: Optional[Iterable[int]], position: int) -> Iterator[None]:
+        """v as the operation attends with it (`hook_v`: (B, H, n_slots + positions, hd), the kv heads repeated, the
+        bias slot first) set to 0 at the key of the sequence position."""
+        key = self.model.cfg.n_slots + position
+
+        def hook(_module, _inputs, v):
+            v = v.clone()
+            v[:, :, key] = 0
+            return v
+
+        chosen = range(len(self.model.blocks)) if layers is None else layers
+        handles = [self.model.blocks[layer].attn.hook_v.register_forward_hook(hook) for layer in chosen]
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
 
     # --------------------------------------------------------------------------------------------- KV cache
     def stream(self, first: Optional[int], recent: Optional[int]) -> Step:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
-from typing import Iterator, Optional, Sequence, Union
+from typing import Iterable, Iterator, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -206,6 +206,13 @@ class TransformersTarget(Target):
 
         return set_layer_output(decoder_layers(self.model)[layer], position, channels, values)
 
+    def zero_value(self, layers: Optional[Iterable[int]], position: int):
+        """Through the attention interface (`transformers_masking.zeroed_value`): every family with an eager
+        attention, fused q / k / v projections included."""
+        from .transformers_masking import zeroed_value
+
+        return zeroed_value(self.model, layers, position)
+
     def check_stream(self) -> None:
         from .transformers_cache import rotary_embedding
 
@@ -308,6 +315,9 @@ class SinklabExportTarget(TransformersTarget):
 
     def set_output(self, layer: int, position: int, channels: list[int], values: torch.Tensor):
         return self.native.set_output(layer, position, channels, values)
+
+    def zero_value(self, layers: Optional[Iterable[int]], position: int):
+        return self.native.zero_value(layers, position)
 
     def check_stream(self) -> None:
         self.native.check_stream()

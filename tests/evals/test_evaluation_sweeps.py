@@ -43,7 +43,8 @@ def test_streaming_and_intervene_sweeps_write_each_jobs_json_and_one_csv(capsys,
     out); the JSON is what `--json` prints for the job."""
     for kind, options in (("streaming", ["--n-tokens", "200", "--first", "0,1", "--recent", "8",
                                          "--baselines", "recompute"]),
-                          ("intervene", ["--val-batches", "1", "--interventions", "mask_first", "--jobs", "0"])):
+                          ("intervene", ["--val-batches", "1", "--interventions", "mask_first", "--per-layer",
+                                         "--per-head", "--jobs", "0"])):
         rc, out, err = run_cli("sinklab", "eval", kind, "--sweep", str(sweep), *options)
         assert rc == 0, err
         assert (f"{sweep / '1'}: no checkpoints/last.ckpt" in err) == (kind == "streaming"), err
@@ -65,6 +66,9 @@ def test_streaming_and_intervene_sweeps_write_each_jobs_json_and_one_csv(capsys,
                 for key in ("ppl", "dppl", "sink1", "alpha1"):
                     assert row[f"{name}_{key}"] == pytest.approx(res["rows"][name][key])
             assert not any(c.endswith("_loss") for c in row)
+            for r in res["per_layer"]["mask_first"]:  # --per-layer: each layer's; --per-head: the correlation
+                assert row[f"layer{r['layer']}_mask_first_dppl"] == pytest.approx(r["dppl"])
+            assert row["per_head_spearman"] == pytest.approx(res["per_head"]["spearman_alpha1_dppl"])
         # every column it writes is one its evaluation declares, with the physical range the value lies in
         evaluation = EVALUATIONS.get(kind)
         for column, value in numeric({k: v for k, v in row.items() if k not in ("job", "seed")}).items():

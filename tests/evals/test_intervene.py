@@ -84,7 +84,8 @@ def test_intervene_command_table_and_json(small_run, capsys):
     assert rc == 0, err
     res = json.loads(out)
     rows = res["rows"]
-    assert list(rows) == ["none", "zero", "mean", "mask_first", "mask_random"]
+    assert list(rows) == ["none", "zero", "mean", "mask_first", "mask_random", "zero_value_first"]
+    assert res["layers"] == [0, 1] and "per_layer" not in res and "per_head" not in res
     assert rows["none"]["dppl"] == 0 and all(r["ppl"] > 1 for r in rows.values())
     assert res["val_targets"] == 2 * 32 and res["probe"] == {"num_seqs": 10, "seq_len": 16}
     # under mask_first only query 1 attends to token 1, with weight 1: alpha_1 = 1 / T exactly
@@ -164,7 +165,8 @@ def test_hf_interventions_on_every_architecture(capsys, hf_models, tmp_path, kin
                            str(tmp_path / "v.npy"), "--json", capsys=capsys)
     assert rc == 0, err
     res = json.loads(out)
-    assert list(res["rows"]) == ["none", "zero", "mean", "mask_first", "mask_random"] and res["source"] == "hf"
+    assert list(res["rows"]) == ["none", "zero", "mean", "mask_first", "mask_random", "zero_value_first"]
+    assert res["source"] == "hf" and res["rows"]["zero_value_first"]["dppl"] != 0
     assert res["probe"] == {"num_seqs": 8, "seq_len": 16} and res["val_targets"] == 8 * 16
     if kind != "gpt_oss":  # (gpt-oss's sink logit takes part of query 1's attention)
         assert res["rows"]["mask_first"]["alpha1"] == pytest.approx(1 / 16, abs=1e-6)

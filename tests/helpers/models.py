@@ -42,9 +42,10 @@ def explicit_logits(m: Transformer, idx: torch.Tensor) -> torch.Tensor:
         return m(idx)
 
 
-def layer_records(m: Transformer, idx: torch.Tensor, explicit: bool = False) -> list[dict]:
+def layer_records(m: Transformer, idx: torch.Tensor, explicit: bool = False, extra_mask=None) -> list[dict]:
     """Per layer, q, k, v as the operation sees them (after RoPE, with bias slots and sink tokens) and the block
-    output h (the residual stream, sink tokens first), recorded by forward hooks on the model's hook points."""
+    output h (the residual stream, sink tokens first), recorded by forward hooks on the model's hook points (under an
+    intervention's `extra_mask` if given)."""
     layers: list[dict] = [{} for _ in m.blocks]
     handles = []
     for rec, block in zip(layers, m.blocks):
@@ -53,7 +54,7 @@ def layer_records(m: Transformer, idx: torch.Tensor, explicit: bool = False) -> 
             handles.append(point.register_forward_hook(lambda _m, _i, out, rec=rec, name=name: rec.update({name: out})))
     try:
         with explicit_paths(m, explicit):
-            m(idx)
+            m(idx, extra_mask=extra_mask)
     finally:
         for h in handles:
             h.remove()
