@@ -153,6 +153,22 @@ def test_eval_intervene(gguf_file, text_run):
     assert res["weights_note"] == NOTE
 
 
+def test_eval_intervene_in_one_layer(gguf_file, text_run):
+    """--layers 5 --per-layer through transformers' attention on the real model: the first key masked in layer 5
+    alone (a sink layer: ~78% of its heads) takes that layer's sink away and leaves the others' (Sink_1 drops, by at
+    most what one layer of 30 holds, and stays far above 0); the per-layer row of layer 5 is the --layers 5 row; the
+    first token's value zeroed there leaves layer 5's map as it is."""
+    res = cli_json("eval", "intervene", "--hf-model", str(gguf_file), "--data", str(text_run), "--val-batches", "1",
+                   "--interventions", "mask_first", "zero_value_first", "--layers", "5", "--per-layer")
+    rows, per_layer = res["rows"], res["per_layer"]
+    assert res["layers"] == [5]
+    assert rows["none"]["sink1"] - 100 / 30 - 1e-6 <= rows["mask_first"]["sink1"] < rows["none"]["sink1"]
+    for name in ("mask_first", "zero_value_first"):
+        (row,) = per_layer[name]
+        assert row["layer"] == 5 and row["ppl"] == pytest.approx(rows[name]["ppl"], rel=1e-5), name
+        assert row["dppl"] == pytest.approx(row["ppl"] - rows["none"]["ppl"], rel=1e-5, abs=1e-6)
+
+
 def test_quant(gguf_file, text_run):
     """Simulated W8A8 and W4A16 (per tensor) against fp32 on the run's validation blocks: each loses perplexity."""
     res = cli_json("quant", "--hf-model", str(gguf_file), "--data", str(text_run), "--val-batches", "2",
