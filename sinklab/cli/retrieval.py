@@ -302,12 +302,9 @@ def plot(res: dict, path: str) -> Path:
 def rank_correlation(heads: list[dict]) -> Optional[float]:
     """Spearman's rho between the heads' alpha_1 and their retrieval score (None with fewer than 3 heads or a
     constant column)."""
-    from scipy.stats import spearmanr
+    from sinklab.evals.interventions import spearman
 
-    if len(heads) < 3:
-        return None
-    rho = spearmanr([h["alpha_1"] for h in heads], [h["retrieval"] for h in heads]).statistic
-    return None if rho != rho else float(rho)
+    return spearman([h["alpha_1"] for h in heads], [h["retrieval"] for h in heads])
 
 
 def cell(setting: dict, value) -> dict:

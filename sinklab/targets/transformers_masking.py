@@ -44,7 +44,7 @@ def keep_mask(mask: Any, module: nn.Module, query: torch.Tensor, T_k: int) -> Op
     names heads, causal; None where it does not apply here."""
     mask_fn, per_layer = split_extra(mask)
     if per_layer is not None:
-        if per_layer.layers is not None and layer_index(module) not in per_layer.layers:
+        if per_layer.layers is not None and not per_layer.applies(layer_index(module)):
             return None
         mask_fn = per_layer.head_mask_mod()
     if mask_fn is None:
