@@ -171,6 +171,18 @@ def name_list(what: str) -> Callable[[str], list[str]]:
     return parse
 
 
+def int_list(text: str) -> list[int]:
+    """An argparse type: '0,1,4' -> [0, 1, 4] (deduplicated, in order), a usage error unless every item is an
+    integer >= 0 (--first / --recent / --window / --budgets of eval streaming, --layers of eval intervene)."""
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers >= 0, e.g. 0,1,4")
+    return list(dict.fromkeys(values))
+
+
 def knob_value(flag: str, item: str, value: str) -> float | int | bool | str:
     """A --knob value: an int, a float, true / false, or else the text (a rule's name, e.g. snapkv.pooling=sinklab;
     the policy checks it and `build` refuses text for a number knob); one line naming `flag` `item` for no value."""

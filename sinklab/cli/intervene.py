@@ -67,7 +67,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from sinklab.cli.base import (OneLineParser, add_device_json_args, add_sweep_args, add_target_args, check_data_args,
-                              check_one_target, command_main, data_run_dir, load_checked_target, name_list)
+                              check_one_target, command_main, data_run_dir, int_list, load_checked_target)
 from sinklab.errors import UserError
 from sinklab.evals.interventions import (IN_LAYERS, INTERVENTIONS, PER_LAYER, evaluate, find_massive, model_shape,
                                          per_head, per_layer)
@@ -91,7 +91,7 @@ def build_parser() -> OneLineParser:
     ap.add_argument("--channels", type=int, default=2, help="massive channels to set (default 2)")
     ap.add_argument("--val-batches", type=int, default=None, help="validation batches (default: all)")
     ap.add_argument("--seed", type=int, default=0, help="the random keys of mask_random (default 0)")
-    ap.add_argument("--layers", metavar="L,...", type=name_list("layer numbers"), default=None,
+    ap.add_argument("--layers", metavar="L,...", type=int_list, default=None,
                     help=f"apply {', '.join(IN_LAYERS)} in these layers only, 0-based (default: every layer; zero "
                          "and mean act at the massive activations' layer)")
     ap.add_argument("--per-layer", action="store_true",
@@ -106,24 +106,12 @@ def build_parser() -> OneLineParser:
 
 
 # ----------------------------------------------------------------------------------------------------- main
-def layer_numbers(values: Optional[list[str]]) -> Optional[list[int]]:
-    """--layers as integers (None: every layer), refused in one line where one is not a number >= 0."""
-    if values is None:
-        return None
-    try:
-        layers = sorted({int(v) for v in values})
-    except ValueError:
-        layers = [-1]
-    if layers[0] < 0:
-        raise UserError(f"--layers {','.join(values)}: not a comma-separated list of layer numbers >= 0, e.g. 0,2")
-    return layers
-
-
 def chosen_layers(layers: Optional[list[int]], n_layer: int) -> list[int]:
     """The layers the key / value interventions act in (every layer by default); one line for a layer the model
     does not have."""
     if layers is None:
         return list(range(n_layer))
+    layers = sorted(layers)
     if layers[-1] >= n_layer:
         raise UserError(f"--layers {','.join(map(str, layers))}: layer {layers[-1]} is out of range; allowed: 0.."
                         f"{n_layer - 1} (the model's {n_layer} layers, 0-based)")
@@ -139,10 +127,9 @@ def run(args) -> dict:
     if args.per_layer and not layered:
         raise UserError(f"--per-layer applies {' and '.join(PER_LAYER)} layer by layer; --interventions names "
                         "neither")
-    wanted = layer_numbers(args.layers)
     target, device, t0 = load_checked_target(args)
     n_layer, n_head = model_shape(target)
-    layers = chosen_layers(wanted, n_layer)
+    layers = chosen_layers(args.layers, n_layer)
     meta = target.meta
     if args.tokens is not None:
         tokens = load_tokens(args.tokens, meta.vocab_size)
@@ -162,7 +149,8 @@ def run(args) -> dict:
                             " (was the model trained on this data?)")
     val, probe = [b.to(device) for b in val], probe.to(device)
     massive = find_massive(target, probe, args.channels)
-    rows, count, alpha1 = evaluate(target, val, probe, names, massive, args.seed, wanted)
+    rows, count, alpha1 = evaluate(target, val, probe, names, massive, args.seed,
+                                   None if args.layers is None else layers)
     res = {**meta.head(), "val_batches": len(val), "val_targets": count,
            "probe": {"num_seqs": int(probe.shape[0]), "seq_len": int(probe.shape[1])}, "massive": massive,
            "layers": layers, "rows": rows}

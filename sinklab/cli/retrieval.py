@@ -302,7 +302,7 @@ def plot(res: dict, path: str) -> Path:
 def rank_correlation(heads: list[dict]) -> Optional[float]:
     """Spearman's rho between the heads' alpha_1 and their retrieval score (None with fewer than 3 heads or a
     constant column)."""
-    from sinklab.evals.interventions import spearman
+    from sinklab.stats import spearman
 
     return spearman([h["alpha_1"] for h in heads], [h["retrieval"] for h in heads])
 

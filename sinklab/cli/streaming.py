@@ -37,7 +37,7 @@ from typing import Optional, Sequence
 import torch
 
 from sinklab.cli.base import (OneLineParser, add_device_json_args, add_sweep_args, add_target_args, check_data_args,
-                              check_one_target, command_main, data_run_dir, load_checked_target, name_list,
+                              check_one_target, command_main, data_run_dir, int_list, load_checked_target, name_list,
                               refuse_prefix_lm)
 from sinklab.errors import UserError
 from sinklab.io import check_output_file
@@ -51,17 +51,6 @@ from sinklab.runs.run_data import read_run_data
 PROG = "sinklab eval streaming"
 DEFAULT_N_TOKENS = 10_000
 BASELINES = ("dense", "recompute")
-
-
-def int_list(text: str) -> list[int]:
-    """'0,1,4' -> [0, 1, 4] (argparse type: a bad value is a one-line usage error)."""
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        values = []
-    if not values or min(values) < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers >= 0, e.g. 0,1,4")
-    return list(dict.fromkeys(values))
 
 
 def baseline_list(text: str) -> list[str]:

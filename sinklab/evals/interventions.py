@@ -19,6 +19,7 @@ from sinklab.evals.registry import ANY, EVALUATIONS, NON_NEGATIVE, PERCENT, PERP
 from sinklab.metrics.base import Metric
 from sinklab.model.lm_loss import perplexity
 from sinklab.model.masks import LayerMask, MaskMod
+from sinklab.stats import spearman
 from sinklab.targets.interface import Target
 
 INTERVENTIONS = ("zero", "mean", "mask_first", "mask_random", "zero_value_first")
@@ -198,16 +199,6 @@ def per_head(target: Target, val: list[torch.Tensor], layers: Sequence[int], n_h
                           "alpha1": alpha1[layer][head]})
     return {"mask_first": heads,
             "spearman_alpha1_dppl": spearman([h["alpha1"] for h in heads], [h["dppl"] for h in heads])}
-
-
-def spearman(x: Sequence[float], y: Sequence[float]) -> Optional[float]:
-    """Spearman's rank correlation of x and y in [-1, 1]; None under 3 points or where a column is constant."""
-    from scipy.stats import spearmanr
-
-    if len(x) < 3 or len(set(x)) < 2 or len(set(y)) < 2:
-        return None
-    rho = float(spearmanr(x, y).statistic)
-    return None if rho != rho else min(1.0, max(-1.0, rho))
 
 
 # ----------------------------------------------------------------------------------------------------- in sweeps

@@ -14,7 +14,8 @@ from sinklab.report.baseline import check_baseline, choose_baseline
 from sinklab.report.jobs import STALE_MINUTES, Sweep, load_sweeps, select
 from sinklab.report.paper import load_paper_tables
 from sinklab.report.plots import make_plots
-from sinklab.report.stats import CONFIDENCE, setting_differences
+from sinklab.report.stats import setting_differences
+from sinklab.stats import CONFIDENCE
 from sinklab.report.table import aggregate, job_table, none_for_missing, write_csv, write_markdown
 from sinklab.report.verdicts import MIN_PAIRS, NOT_REPRODUCED_SHARE, REPRODUCED_SHARE, RULE, claims_table
 

@@ -16,7 +16,8 @@ from sinklab.keys import PERCENT
 from sinklab.report.columns import SINK1_METRIC, VAL_LOSS_METRIC, Column, fmt, short_keys
 from sinklab.report.jobs import Job, Sweep, is_seed_key
 from sinklab.report.paper import experiment_info
-from sinklab.report.stats import CONFIDENCE, describe
+from sinklab.report.stats import describe
+from sinklab.stats import CONFIDENCE
 from sinklab.report.table import group_ids
 from sinklab.runs.status import Status
 

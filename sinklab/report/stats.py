@@ -10,10 +10,8 @@ comparison does not change.
 from __future__ import annotations
 
 import math
-import warnings
 from typing import Any, Optional, Sequence
 
-import numpy as np
 import pandas as pd
 
 from sinklab.config.claims import settings_text
@@ -21,26 +19,9 @@ from sinklab.report.columns import Column
 from sinklab.report.jobs import is_seed_key
 from sinklab.report.paper import values_match
 from sinklab.runs.status import Status
+from sinklab.stats import mean_ci
 
-CONFIDENCE = 0.95  # of every interval in the report
 STATS = ("n", "mean", "std", "median", "min", "max", "ci_low", "ci_high")  # per metric, in report_aggregate.csv
-
-
-def mean_ci(values: Sequence[float], confidence: float = CONFIDENCE) -> tuple[float, float]:
-    """The t-interval of the mean of ``values`` (NaN dropped): (mean, mean) when they are all equal, (NaN, NaN)
-    with fewer than 2."""
-    x = np.asarray(values, dtype=float)
-    x = x[~np.isnan(x)]
-    if len(x) < 2:
-        return math.nan, math.nan
-    if np.ptp(x) == 0:
-        return float(x[0]), float(x[0])
-    from scipy import stats  # here: only a sweep with seeds pays for its import
-
-    with warnings.catch_warnings():  # a near-constant sample: scipy warns of precision loss, the interval is fine
-        warnings.simplefilter("ignore", RuntimeWarning)
-        ci = stats.ttest_1samp(x, 0.0).confidence_interval(confidence_level=confidence)
-    return float(ci.low), float(ci.high)
 
 
 def describe(values: Sequence[float], bounds: tuple[float, float] = (-math.inf, math.inf)) -> dict[str, float]:

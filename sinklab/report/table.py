@@ -17,7 +17,8 @@ from sinklab.report.columns import Column, fmt, metric_columns
 from sinklab.report.jobs import Sweep, is_seed_key
 from sinklab.report.paper import PAPER_CITE, PAPER_COLUMNS, PAPER_LABELS, experiment_info, match_paper_row, \
     paper_values
-from sinklab.report.stats import CONFIDENCE, describe
+from sinklab.report.stats import describe
+from sinklab.stats import CONFIDENCE
 from sinklab.report.verdicts import RULE
 from sinklab.runs.status import Status
 

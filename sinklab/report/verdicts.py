@@ -24,7 +24,8 @@ import pandas as pd
 from sinklab.config.claims import Claim, settings_text
 from sinklab.report.columns import bounds
 from sinklab.report.jobs import Sweep, is_seed_key
-from sinklab.report.stats import CONFIDENCE, describe, difference_bounds, matches, pairs
+from sinklab.report.stats import describe, difference_bounds, matches, pairs
+from sinklab.stats import CONFIDENCE
 from sinklab.runs.status import Status
 
 MIN_PAIRS = 3  # fewer paired seeds: not testable

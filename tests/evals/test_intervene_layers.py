@@ -267,7 +267,7 @@ def test_per_layer_and_per_head_end_to_end(small_run, capsys):
 
 @pytest.mark.parametrize("args,message", [
     (["--layers", "99"], "--layers 99: layer 99 is out of range; allowed: 0..1 (the model's 2 layers, 0-based)"),
-    (["--layers", "0,x"], "--layers 0,x: not a comma-separated list of layer numbers >= 0"),
+    (["--layers", "0,x"], "argument --layers: '0,x' is not a comma-separated list of integers >= 0"),
     (["--per-layer", "--interventions", "zero", "mask_random"],
      "--per-layer applies mask_first and zero_value_first layer by layer; --interventions names neither")])
 def test_bad_layer_options_are_refused_in_one_line_and_nothing_is_written(small_run, tmp_path, capsys, args, message):

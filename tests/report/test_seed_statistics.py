@@ -212,7 +212,7 @@ def test_json_and_a_baseline_from_the_command_line(built, tmp_path, capsys):
     ([0, 0, 0], 1, "not reproduced"),  # no difference: not the claimed sign
 ])
 def test_the_rule(diffs, sign, want):
-    from sinklab.report.stats import mean_ci
+    from sinklab.stats import mean_ci
 
     assert verdicts.verdict(diffs, sign, mean_ci(diffs))[0] == want
 
