@@ -14,7 +14,8 @@ A claim's jobs are those of ``{**baseline, **setting}``; each is paired with the
 of the same seed (and the same value of every other swept key). With ``against_metric`` the compared quantity of a
 job is ``metric - against_metric``; a setting that equals the baseline then tests that quantity itself (two metrics
 of the same jobs). ``baseline`` in a claim replaces the preset's for that claim; ``requires`` is a precondition on
-the baseline jobs' mean (``above`` and / or ``below``), e.g. "there must be a sink to remove". A metric may be any
+the baseline jobs' mean (``above`` and / or ``below``), e.g. "there must be a sink to remove", or with ``of: setting``
+/ ``of: both`` on the setting's jobs / on each side's, e.g. "both must retrieve before eviction can cost them". A metric may be any
 logged name (sink/sink1) or a column of a registered evaluation's sweep CSV (quant/w4a4_gap: ``sinklab eval quant
 --sweep``), which must be one that evaluation writes (the columns it declares, `sinklab.evals.registry`): the
 evaluations sit above the config, so the callers that check a preset for a run or a report (sinklab-train,
@@ -34,7 +35,8 @@ from .schema import not_allowed
 DIRECTIONS = ("lower", "higher")
 CLAIM_KEYS = ("id", "text", "setting", "baseline", "metric", "against_metric", "direction", "requires")
 REQUIRED_KEYS = ("id", "setting", "metric", "direction")
-REQUIRES_KEYS = ("metric", "above", "below")
+REQUIRES_KEYS = ("metric", "above", "below", "of")
+REQUIRES_OF = ("baseline", "setting", "both")  # whose jobs' mean a precondition is checked on
 
 
 class ColumnOwners(Protocol):
@@ -46,19 +48,31 @@ class ColumnOwners(Protocol):
 
 @dataclass(frozen=True)
 class Requirement:
-    """The baseline jobs' mean of ``metric`` must be above ``above`` and / or below ``below``."""
+    """The mean of ``metric`` over the jobs ``of`` the claim (its baseline's, its setting's, or each side's) must be
+    above ``above`` and / or below ``below``."""
 
     metric: str
     above: Optional[float] = None
     below: Optional[float] = None
+    of: str = "baseline"  # REQUIRES_OF
 
     def holds(self, mean: float) -> bool:
         return (self.above is None or mean > self.above) and (self.below is None or mean < self.below)
 
-    def __str__(self) -> str:
+    @property
+    def sides(self) -> tuple[str, ...]:
+        """The jobs whose mean is checked: ("baseline",), ("setting",) or both."""
+        return ("baseline", "setting") if self.of == "both" else (self.of,)
+
+    @property
+    def bounds_text(self) -> str:
+        """'above 10', 'below 0.5' or 'above 1 and below 2'."""
         bounds = [f"above {self.above:g}" if self.above is not None else "",
                   f"below {self.below:g}" if self.below is not None else ""]
-        return f"baseline mean of {self.metric} " + " and ".join(b for b in bounds if b)
+        return " and ".join(b for b in bounds if b)
+
+    def __str__(self) -> str:
+        return f"{self.of} mean of {self.metric} {self.bounds_text}"
 
 
 @dataclass(frozen=True)
@@ -138,13 +152,17 @@ def _requirement(value: Any, key: str, metric: str, evaluations: Optional[Column
     if value is None:
         return None
     if not isinstance(value, dict):
-        raise UserError(not_allowed(key, value, "a mapping {metric: NAME, above: X, below: Y} (metric: the claim's "
-                                                "by default; at least one of above, below)"))
+        raise UserError(not_allowed(key, value, "a mapping {metric: NAME, above: X, below: Y, of: WHOSE} (metric: the "
+                                                "claim's by default; at least one of above, below; of: baseline by "
+                                                "default, setting or both)"))
     for k in value:
         if k not in REQUIRES_KEYS:
             raise UserError(unknown_key_message(f"{key}.{k}", REQUIRES_KEYS))
+    of = value.get("of", "baseline")
+    if of not in REQUIRES_OF:
+        raise UserError(not_allowed(f"{key}.of", of, ", ".join(REQUIRES_OF)))
     req = Requirement(_metric(value.get("metric", metric), f"{key}.metric", evaluations),
-                      _number(value.get("above"), f"{key}.above"), _number(value.get("below"), f"{key}.below"))
+                      _number(value.get("above"), f"{key}.above"), _number(value.get("below"), f"{key}.below"), of)
     if req.above is None and req.below is None:
         raise UserError(f"{key} has neither above nor below; allowed: a number for at least one of them")
     return req

@@ -4,7 +4,7 @@ The rule (experiments/README.md, "Claims and the verdict rule"), on the paired d
 their baseline partners, one per seed) with the claimed sign s (+1 higher, -1 lower):
 
 - **not testable**: fewer than MIN_PAIRS pairs, the metric logged by no job, the setting or its baseline not run,
-  or the claim's precondition (``requires``) fails on the baseline jobs;
+  or the claim's precondition (``requires``) fails on the jobs it names (the baseline's by default);
 - **reproduced**: s * d_i > 0 in at least REPRODUCED_SHARE of the pairs (4 of 5) AND the CONFIDENCE t-interval of
   the mean of d_i lies wholly on the claimed side of 0;
 - **not reproduced**: s * d_i > 0 in at most NOT_REPRODUCED_SHARE of the pairs, or the interval lies wholly on the
@@ -115,14 +115,19 @@ def evaluate(sweep: Sweep, claim: Claim) -> dict[str, Any]:
 
 
 def _precondition(sweep: Sweep, claim: Claim, p: pd.DataFrame) -> Optional[str]:
-    """Why the claim's precondition fails on the baseline jobs of its pairs; None when it holds (or there is none)."""
+    """Why the claim's precondition fails on the jobs it names (the pairs' baseline jobs, their setting jobs, or
+    each); None when it holds (or there is none)."""
     req = claim.requires
     if req is None:
         return None
-    mean = _logged(sweep, req.metric).iloc[p["base_job"].to_numpy()].mean()
-    if math.isnan(mean):
-        return f"precondition: {req.metric} logged by no baseline job"
-    return None if req.holds(mean) else f"precondition fails: {req} (it is {mean:.4g})"
+    logged = _logged(sweep, req.metric)
+    for side in req.sides:
+        mean = logged.iloc[p["base_job" if side == "baseline" else "job"].to_numpy()].mean()
+        if math.isnan(mean):
+            return f"precondition: {req.metric} logged by no {side} job"
+        if not req.holds(mean):
+            return f"precondition fails: {side} mean of {req.metric} {req.bounds_text} (it is {mean:.4g})"
+    return None
 
 
 def claims_table(sweep: Sweep, claims: Sequence[Claim]) -> tuple[Optional[pd.DataFrame], list[dict]]:

@@ -16,6 +16,8 @@ CLAIM = {"id": "a", "setting": {"model/gate": "elementwise"}, "metric": "sink/si
      "experiment.claims[0] (a).requires has neither above nor below"),
     ({"baseline": {"model/gate": "none"}, "claims": [{**CLAIM, "requires": {"abov": 3}}]},
      "experiment.claims[0] (a).requires.abov is not an option of experiment.claims[0] (a).requires (did you mean"),
+    ({"baseline": {"model/gate": "none"}, "claims": [{**CLAIM, "requires": {"above": 3, "of": "treated"}}]},
+     "experiment.claims[0] (a).requires.of='treated' is not allowed; allowed: baseline, setting, both"),
     ({"baseline": "none", "claims": [CLAIM]}, "experiment.baseline='none' is not allowed; allowed: a mapping"),
     ({"baseline": {"model/gate": "none"}, "claims": {"a": CLAIM}}, "experiment.claims={'a': "),
 ])

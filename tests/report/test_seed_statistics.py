@@ -34,6 +34,10 @@ CLAIMS = [
      "direction": "lower"},
     {"id": "needs_a_big_sink", "setting": {"model/gate": "elementwise"}, "metric": "sink/sink1",
      "direction": "lower", "requires": {"above": 50}},
+    {"id": "g1_sink_on_both", "setting": {"model/gate": "elementwise"}, "metric": "sink/sink1",
+     "direction": "lower", "requires": {"above": 10, "of": "both"}},  # the baseline passes, G1's jobs (0.6) do not
+    {"id": "g1_small_sink_after", "setting": {"model/gate": "elementwise"}, "metric": "sink/sink1",
+     "direction": "lower", "requires": {"below": 1, "of": "setting"}},
     {"id": "w4a4", "setting": {"model/gate": "elementwise"}, "metric": "quant/w4a4_gap", "direction": "lower"},
     {"id": "g3_not_run", "setting": {"model/gate": "g3_elementwise"}, "metric": "sink/sink1", "direction": "lower"},
     {"id": "x0_penalty", "setting": {"model/gate": "none"}, "metric": "streaming/x0_y60_ppl",
@@ -42,7 +46,8 @@ CLAIMS = [
      "baseline": {"model/gate": "headwise"}, "metric": "val/loss", "direction": "lower"},
 ]
 EXPECTED = {"g1_removes_sink": "reproduced", "headwise_removes_sink": "partly", "g2_removes_sink": "not reproduced",
-            "g5_removes_sink": "not testable", "needs_a_big_sink": "not testable", "w4a4": "not testable",
+            "g5_removes_sink": "not testable", "needs_a_big_sink": "not testable",
+            "g1_sink_on_both": "not testable", "g1_small_sink_after": "reproduced", "w4a4": "not testable",
             "g3_not_run": "not testable", "x0_penalty": "reproduced", "g1_lower_loss_than_headwise": "reproduced"}
 
 
@@ -135,6 +140,8 @@ def test_each_verdict_case(built):
     assert got["g2_removes_sink"]["reason"] == "the interval excludes 0 on the wrong side"
     assert got["g5_removes_sink"]["reason"] == "2 pair(s) of seeds; at least 3 needed"
     assert got["needs_a_big_sink"]["reason"] == "precondition fails: baseline mean of sink/sink1 above 50 (it is 24)"
+    assert got["g1_sink_on_both"]["reason"] == "precondition fails: setting mean of sink/sink1 above 10 (it is 0.6)"
+    assert got["g1_small_sink_after"]["reason"] == ""  # 0.6 below 1 on G1's own jobs: judged
     assert got["w4a4"]["reason"] == "metric quant/w4a4_gap logged by no job"
     assert got["g3_not_run"]["reason"] == "setting not run: model/gate=g3_elementwise"
     x0 = got["x0_penalty"]  # two evaluation columns of the same jobs (streaming.csv), paired
