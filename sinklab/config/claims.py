@@ -15,10 +15,10 @@ of the same seed (and the same value of every other swept key). With ``against_m
 job is ``metric - against_metric``; a setting that equals the baseline then tests that quantity itself (two metrics
 of the same jobs). ``baseline`` in a claim replaces the preset's for that claim; ``requires`` is a precondition on
 the baseline jobs' mean (``above`` and / or ``below``), e.g. "there must be a sink to remove", or with ``of: setting``
-/ ``of: both`` on the setting's jobs / on each side's, e.g. "both must retrieve before eviction can cost them". A metric may be any
-logged name (sink/sink1) or a column of a registered evaluation's sweep CSV (quant/w4a4_gap: ``sinklab eval quant
---sweep``), which must be one that evaluation writes (the columns it declares, `sinklab.evals.registry`): the
-evaluations sit above the config, so the callers that check a preset for a run or a report (sinklab-train,
+/ ``of: both`` on the setting's jobs / on each side's, e.g. "both must retrieve before eviction can cost them". A
+metric may be any logged name (sink/sink1) or a column of a registered evaluation's sweep CSV (quant/w4a4_gap:
+``sinklab eval quant --sweep``), which must be one that evaluation writes (the columns it declares,
+`sinklab.evals.registry`): the evaluations sit above the config, so the callers that check a preset for a run or a report (sinklab-train,
 `sinklab report`) hand their registry, `sinklab.evals.EVALUATIONS`, to `parse_claims`.
 """
 from __future__ import annotations
