@@ -18,8 +18,8 @@ the baseline jobs' mean (``above`` and / or ``below``), e.g. "there must be a si
 / ``of: both`` on the setting's jobs / on each side's, e.g. "both must retrieve before eviction can cost them". A
 metric may be any logged name (sink/sink1) or a column of a registered evaluation's sweep CSV (quant/w4a4_gap:
 ``sinklab eval quant --sweep``), which must be one that evaluation writes (the columns it declares,
-`sinklab.evals.registry`): the evaluations sit above the config, so the callers that check a preset for a run or a report (sinklab-train,
-`sinklab report`) hand their registry, `sinklab.evals.EVALUATIONS`, to `parse_claims`.
+`sinklab.evals.registry`): the evaluations sit above the config, so the callers that check a preset for a run or a
+report (sinklab-train, `sinklab report`) hand their registry, `sinklab.evals.EVALUATIONS`, to `parse_claims`.
 """
 from __future__ import annotations
 
@@ -70,9 +70,6 @@ class Requirement:
         bounds = [f"above {self.above:g}" if self.above is not None else "",
                   f"below {self.below:g}" if self.below is not None else ""]
         return " and ".join(b for b in bounds if b)
-
-    def __str__(self) -> str:
-        return f"{self.of} mean of {self.metric} {self.bounds_text}"
 
 
 @dataclass(frozen=True)

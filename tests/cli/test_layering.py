@@ -263,10 +263,11 @@ def test_quant_and_streaming_run_without_lightning(tmp_path):
 
 # the packages of sinklab/ from the ground up: a module imports from its own floor and below only (the root's facade,
 # sinklab/__init__.py, excepted: `sinklab.load_model` hands on sinklab.runs' own)
-FLOORS = (("sinklab.errors", "sinklab.keys", "sinklab.registries", "sinklab.stats"), ("sinklab.model", "sinklab.plugins", "sinklab.io"),
-          ("sinklab.metrics", "sinklab.quant"), ("sinklab.config",), ("sinklab.contracts", "sinklab.data"),
-          ("sinklab.runs",), ("sinklab.targets",), ("sinklab.evals",), ("sinklab.report",), ("sinklab.analysis",),
-          ("sinklab.export", "sinklab.train"), ("sinklab.cli", "sinklab.__main__"))
+FLOORS = (("sinklab.errors", "sinklab.keys", "sinklab.registries", "sinklab.stats"),
+          ("sinklab.model", "sinklab.plugins", "sinklab.io"), ("sinklab.metrics", "sinklab.quant"), ("sinklab.config",),
+          ("sinklab.contracts", "sinklab.data"), ("sinklab.runs",), ("sinklab.targets",), ("sinklab.evals",),
+          ("sinklab.report",), ("sinklab.analysis",), ("sinklab.export", "sinklab.train"),
+          ("sinklab.cli", "sinklab.__main__"))
 
 
 def floor(module: str) -> int:
