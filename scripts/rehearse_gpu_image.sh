@@ -54,7 +54,16 @@ if [ -z "${TORCH_INDEX_URL+x}" ]; then
     || TORCH_INDEX_URL=
 fi
 echo "== torch: $TORCH from ${TORCH_INDEX_URL:-PyPI (the CUDA build)}"
-"$VPY" -m pip install -q "$TORCH" ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
+# torch alone, then what it requires one package at a time, with no pip cache: PyPI's CUDA build is ~3.5 GB of wheels
+# that become 5.4 GB in the venv, and pip holds every wheel of one command until its end, so one command would need
+# ~9 GB at its peak and the cache 3.5 GB more after it (CI ran out of disk there once); this way the peak is the
+# venv and its largest wheel. A requirement whose marker does not match (an extra's) is ignored by pip, as in one
+# command
+export PIP_NO_CACHE_DIR=1
+"$VPY" -m pip install -q --no-deps "$TORCH" ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
+mapfile -t needs < <("$VPY" -c "import importlib.metadata as m; print(*m.requires('torch') or [], sep='\n')")
+for r in "${needs[@]}"; do "$VPY" -m pip install -q --no-warn-conflicts "$r"; done  # (torch not named: pip would
+# fetch all it needs; --no-warn-conflicts: until the last, torch needs what is not yet installed)
 "$VPY" -m pip install -q "${IMAGE[@]}" "$TORCH"  # torch named again: nothing may replace it
 echo "== venv: $((SECONDS - t0)) s"
 for m in "${ABSENT[@]}"; do  # the rehearsal is only as good as the venv is like the image

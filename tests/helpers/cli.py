@@ -5,6 +5,7 @@ run as a test needs them (`run_cli`: in this process, or in a subprocess as a us
 import contextlib
 import io
 import json
+import logging
 import os
 import re
 import shlex
@@ -107,6 +108,7 @@ def run_cli(command: str, *args: str, capsys=None, process: bool = False, env: O
 def _run_here(command: str, args: list[str], capsys, warnings: Optional[str]) -> Ran:
     stdout, stderr, argv = io.StringIO(), io.StringIO(), sys.argv
     with contextlib.ExitStack() as stack:
+        stack.enter_context(_root_handlers_kept())
         stack.enter_context(_warnings.catch_warnings())
         if warnings is not None:
             _warnings.simplefilter(warnings)
@@ -132,6 +134,24 @@ def _run_here(command: str, args: list[str], capsys, warnings: Optional[str]) ->
         out, err = capsys.readouterr()
         return Ran(code, out, err)
     return Ran(code, stdout.getvalue(), stderr.getvalue())
+
+
+@contextlib.contextmanager
+def _root_handlers_kept():
+    """The root logger's handlers as they were: a Hydra run in this process (sinklab-train's main) puts its console
+    and its run's train.log handler there, which a process of its own drops at its end; here they would outlive the
+    run, and the next test's log lines would go to this one's train.log (an error once pytest removed its folder)."""
+    root = logging.getLogger()
+    before = list(root.handlers)
+    try:
+        yield
+    finally:
+        for handler in [h for h in root.handlers if h not in before]:
+            root.removeHandler(handler)
+            handler.close()
+        for handler in before:  # Hydra's dictConfig removed them (pytest's capture among them)
+            if handler not in root.handlers:
+                root.addHandler(handler)
 
 
 def start_cli(command: str, *args: str, env: Optional[dict] = None, warnings: Optional[str] = None,
