@@ -126,10 +126,18 @@ def first_stage(name: str) -> Optional[str]:
     return OmegaConf.select(composed(f"experiment={name}"), "experiment.first_stage")
 
 
+@functools.lru_cache(maxsize=None)
 def imported(name: str) -> bool:
     """Whether the preset starts from an imported model (experiment.starts_from; its one-step jobs train in the
-    `real` tier, on the model it names: tests/real/)."""
-    return OmegaConf.select(composed(f"experiment={name}"), "experiment.starts_from") is not None
+    `real` tier, on the model it names: tests/real/). Read from the preset's file and the presets its defaults list
+    includes, its own value first, not composed: the parametrisations below ask at collection, in every xdist worker,
+    where composing each preset took ~15 s; test_preset_sweep_composes_... checks it against the composed config."""
+    preset = yaml.safe_load((CONF_DIR / "experiment" / f"{name}.yaml").read_text()) or {}
+    if "starts_from" in (preset.get("experiment") or {}):
+        return preset["experiment"]["starts_from"] is not None
+    included = [d.removeprefix("/experiment/") for d in preset.get("defaults") or []
+                if isinstance(d, str) and d != "_self_" and (not d.startswith("/") or d.startswith("/experiment/"))]
+    return any(imported(d) for d in included)
 
 
 def first_stage_setting(name: str) -> list[str]:
@@ -259,6 +267,7 @@ def test_preset_sweep_composes_validates_and_covers_the_paper_table(name, scale)
     assert base.hydra.runtime.choices.scale == scale and base.scale.name == scale  # scale= beats the preset's own
     setting = OmegaConf.select(base, "experiment.setting")  # a preset whose variants set the context (no_bos)
     context = setting.get("ctx") if OmegaConf.is_dict(setting) else None
+    assert imported(name) == (OmegaConf.select(base, "experiment.starts_from") is not None)  # read off the files
     if imported(name):  # the model is the import's (its RoPE range); the training context is the data's own
         assert base.model.block_size >= base.data.block_size
     else:
