@@ -176,9 +176,17 @@ def format_table(res: dict) -> str:
     lines += ["", f"{'intervention':<{width}}{'val ppl':>10}{'d ppl':>10}{'Sink_1 %':>10}{'alpha_1':>9}"
               + (f"{'Sink*_1 %':>11}" if star else "")]
     for name, r in res["rows"].items():
-        lines.append(f"{name:<{width}}{r['ppl']:>10.3f}{r['dppl']:>+10.3f}{r['sink1']:>10.2f}{r['alpha1']:>9.3f}"
+        lines.append(f"{name:<{width}}{ppl_cell(r['ppl'], 10)}{ppl_cell(r['dppl'], 10, '+')}{r['sink1']:>10.2f}"
+                     f"{r['alpha1']:>9.3f}"
                      + (f"{r['sink1_star']:>11.2f}" if star else ""))
     return "\n".join(lines + layer_tables(res))
+
+
+def ppl_cell(value: float, width: int, sign: str = "") -> str:
+    """A perplexity (or its change) right-aligned in `width` with 3 decimals, in e-notation where those would leave no
+    space before it: masking a sink can send the perplexity past 10^6 (SmolLM2's and the hybrids' first token)."""
+    text = f"{value:{sign}.3f}"
+    return f"{text if len(text) < width else f'{value:{sign}.2e}':>{width}}"
 
 
 def layer_tables(res: dict) -> list[str]:
@@ -191,14 +199,16 @@ def layer_tables(res: dict) -> list[str]:
                   f"{'layer':<7}" + "".join(f"{name + ' ppl':>22}{'d ppl':>10}" for name in names)]
         for i, layer in enumerate(res["per_layer"][names[0]]):
             cells = [res["per_layer"][name][i] for name in names]
-            lines.append(f"{layer['layer']:<7}" + "".join(f"{c['ppl']:>22.3f}{c['dppl']:>+10.3f}" for c in cells))
+            lines.append(f"{layer['layer']:<7}"
+                         + "".join(ppl_cell(c["ppl"], 22) + ppl_cell(c["dppl"], 10, "+") for c in cells))
     if "per_head" in res:
         heads, rho = res["per_head"]["mask_first"], res["per_head"]["spearman_alpha1_dppl"]
         top = sorted(heads, key=lambda h: -h["dppl"])[:10]
         lines += ["", f"mask_first in one head alone, the {len(top)} costliest of {len(heads)} heads; Spearman's rho "
                       f"of alpha_1 and d ppl over the heads: {'n/a' if rho is None else f'{rho:+.3f}'}",
                   f"{'layer':<7}{'head':>5}{'val ppl':>10}{'d ppl':>10}{'alpha_1':>9}"]
-        lines += [f"{h['layer']:<7}{h['head']:>5}{h['ppl']:>10.3f}{h['dppl']:>+10.3f}{h['alpha1']:>9.3f}" for h in top]
+        lines += [f"{h['layer']:<7}{h['head']:>5}{ppl_cell(h['ppl'], 10)}{ppl_cell(h['dppl'], 10, '+')}"
+                  f"{h['alpha1']:>9.3f}" for h in top]
     return lines
 
 

@@ -9,6 +9,7 @@ import shutil
 import pytest
 import torch
 
+from sinklab.cli.intervene import format_table
 from sinklab.errors import UserError
 from sinklab.evals.interventions import drop_first_key
 from sinklab.metrics import attention_maps
@@ -263,6 +264,17 @@ def test_per_layer_and_per_head_end_to_end(small_run, capsys):
     rows = [line.split() for line in lines[heads_at + 2:]]  # layer, head, val ppl, d ppl, alpha_1: costliest first
     assert [r[0] for r in rows] == ["1"] * 4 and sorted(r[1] for r in rows) == ["0", "1", "2", "3"]
     assert [float(r[3]) for r in rows] == sorted((float(r[3]) for r in rows), reverse=True)
+
+    # a perplexity past 10^6 (a masked sink: SmolLM2's, the hybrids') keeps its column apart from the next one
+    for row in [res["rows"]["mask_first"], res["per_layer"]["mask_first"][0], res["per_head"]["mask_first"][0]]:
+        row["ppl"], row["dppl"] = 5020932.657, 5020932.657 - base
+    lines = format_table(res).splitlines()
+    row = lines[next(i for i, line in enumerate(lines) if line.startswith("mask_first "))].split()
+    assert row[1:3] == ["5.02e+06", f"{5020932.657 - base:+.2e}"] and len(row) == 5  # name, ppl, d ppl, Sink_1, alpha_1
+    layer_row = lines[lines.index("each in one layer alone:") + 2].split()
+    assert layer_row[:3] == ["0", "5020932.657", f"{5020932.657 - base:+.2e}"] and len(layer_row) == 5  # 22 wide
+    heads_at = next(i for i, line in enumerate(lines) if line.startswith("mask_first in one head alone"))
+    assert lines[heads_at + 2].split()[2:4] == ["5.02e+06", f"{5020932.657 - base:+.2e}"]
 
 
 @pytest.mark.parametrize("args,message", [
