@@ -55,10 +55,10 @@ if [ -z "${TORCH_INDEX_URL+x}" ]; then
 fi
 echo "== torch: $TORCH from ${TORCH_INDEX_URL:-PyPI (the CUDA build)}"
 # torch alone, then what it requires one package at a time, with no pip cache: PyPI's CUDA build is ~3.5 GB of wheels
-# that become 5.4 GB in the venv, and pip holds every wheel of one command until its end, so one command would need
-# ~9 GB at its peak and the cache 3.5 GB more after it (CI ran out of disk there once); this way the peak is the
-# venv and its largest wheel. A requirement whose marker does not match (an extra's) is ignored by pip, as in one
-# command
+# that become 5.4 GB in the venv, and pip holds every wheel of one command until its end, so one command would need ~9
+# GB at its peak (estimated: the wheels beside the venv) and leave 3.5 GB in the cache (CI ran out of disk there once);
+# this way the peak is the venv and its largest wheel. A requirement whose marker does not match (an extra's) is ignored
+# by pip, as in one command
 export PIP_NO_CACHE_DIR=1
 "$VPY" -m pip install -q --no-deps "$TORCH" ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
 mapfile -t needs < <("$VPY" -c "import importlib.metadata as m; print(*m.requires('torch') or [], sep='\n')")

@@ -213,8 +213,9 @@ def test_retrievals_kept_sets_are_the_softmax_layers():
 
 def test_bfloat16_autocast_runs_the_recurrence_in_float32():
     """Under bf16 autocast the chunked form still runs in float32 (its triangular solve and the decays' products want
-    it): finite logits near the float32 ones, a gradient for every parameter. The softmax layers on the explicit backend: torch's
-    bf16 SDPA is not built for every CPU kernel set (ATEN_CPU_CAPABILITY=default on an AVX-512 CPU raises)."""
+    it): finite logits near the float32 ones, a gradient for every parameter. The softmax layers on the explicit
+    backend: torch's bf16 SDPA is not built for every CPU kernel set (ATEN_CPU_CAPABILITY=default on an AVX-512 CPU
+    raises)."""
     m = hybrid(block_size=80, attn_backend="explicit").train()
     idx = torch.randint(0, 97, (2, 70), generator=torch.Generator().manual_seed(4))
     want = m(idx).detach()
